@@ -1,0 +1,71 @@
+"""Hugging Face transformers as a backend: any causal LM, a DynamicCache that crops to rewind."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from draftwise.config import DTYPES
+from draftwise.errors import DraftwiseError
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class HFBackend:
+    def __init__(self, model: PreTrainedModel):
+        self.model = model.eval()
+        config = model.config.get_text_config()
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self._cache = DynamicCache(config=model.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache.get_seq_length()
+
+    def prefill(self, token_ids: list[int]) -> None:
+        self._cache = DynamicCache(config=self.model.config)
+        if token_ids:
+            # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
+            self._run(token_ids, logits_to_keep=1)
+
+    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
+        logits = self._run(new_token_ids, logits_to_keep=0)  # [1, n, vocab]
+        return logits[0].float()  # [n, vocab]
+
+    def trim(self, to_len: int) -> None:
+        # Layer by layer to an absolute length: a forward interrupted midway leaves layers of unequal length.
+        for layer in self._cache.layers:
+            extra = layer.get_seq_length() - to_len if layer.is_initialized else 0
+            if extra > 0:
+                layer.crop(-extra)
+
+    @torch.inference_mode()
+    def _run(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
+        if self.cache_len + len(token_ids) > self.max_context:
+            raise DraftwiseError(
+                f"sequence of {self.cache_len + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
+            )
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _TORCH_DTYPES:
+        raise DraftwiseError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return _TORCH_DTYPES[name]
+
+
+def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """Load (model, tokenizer) from a local folder, or a .gguf file inside it."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+    except (OSError, ValueError) as err:
+        raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
+    return model.to(device), tokenizer

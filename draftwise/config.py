@@ -1,0 +1,49 @@
+"""Frozen settings for one generation. Checked once, before any work starts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftwise.errors import DraftwiseError
+
+METHODS = ("draft", "lookup", "none")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become probabilities. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        if not self.temperature >= 0.0:
+            raise DraftwiseError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise DraftwiseError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DraftwiseError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4  # k: draft tokens proposed per round
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks emit a fixed number of tokens
+
+    def check(self) -> None:
+        self.sampling.check()
+        if self.max_new_tokens < 1:
+            raise DraftwiseError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_draft_tokens < 1:
+            raise DraftwiseError(f"num_draft_tokens (k) must be >= 1, got {self.num_draft_tokens}")
+        if any(not s for s in self.stop):
+            raise DraftwiseError("stop strings must be non-empty")

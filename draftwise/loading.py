@@ -1,0 +1,49 @@
+"""Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
+from __future__ import annotations
+
+from draftwise.backends.hf import HFBackend, load_hf
+from draftwise.config import METHODS
+from draftwise.errors import DraftwiseError
+from draftwise.proposers import DraftModelProposer, PromptLookupProposer
+from draftwise.tokenizers import check_same_tokenizer, eos_ids
+
+
+def choose_method(method: str | None, has_draft: bool) -> str:
+    """method defaults to "draft" when a draft is given, else "lookup"; "none" runs the target alone."""
+    method = method or ("draft" if has_draft else "lookup")
+    if method not in METHODS:
+        raise DraftwiseError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if method == "draft" and not has_draft:
+        raise DraftwiseError("method 'draft' needs a draft model (--draft NAME, folder or .gguf path)")
+    return method
+
+
+def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
+                 dtype: str = "float32", device: str = "cpu", progress: bool = True, **lookup):
+    """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed)."""
+    from draftwise.models import resolve  # the store pulls weights; only named models need it
+
+    method = choose_method(method, draft is not None)
+    source = resolve(target, progress=progress)
+    target_model, tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device)
+    draft_model = draft_tokenizer = None
+    if method == "draft":
+        source = resolve(draft, progress=progress)
+        draft_model, draft_tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device)
+    return assemble(engine_cls, target_model, tokenizer, method, draft_model, draft_tokenizer, **lookup)
+
+
+def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
+             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int = 1):
+    """Models already in memory -> Engine. The draft must share the target's tokenizer."""
+    method = choose_method(method, draft_model is not None)
+    target = HFBackend(target_model)
+    if method == "draft":
+        check_same_tokenizer(tokenizer, draft_tokenizer or tokenizer)
+        proposer = DraftModelProposer(HFBackend(draft_model), target_vocab_size=target.vocab_size)
+    elif method == "lookup":
+        proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=lookup_min_ngram)
+    else:
+        proposer = None
+    eos = eos_ids(tokenizer, target_model.generation_config) | eos_ids(tokenizer, target_model.config)
+    return engine_cls(target, tokenizer, proposer, method, eos)

@@ -1,0 +1,97 @@
+"""The metrics of DESIGN.md, counted in one place and named once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    method: str
+    num_draft_tokens: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    target_forwards: int = 0  # decode passes of the target (prefill apart)
+    proposed_at: list[int] = field(default_factory=list)  # [k]: rounds that offered a token at position i
+    accepted_at: list[int] = field(default_factory=list)  # [k]: rounds that kept the token at position i
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0  # wall time of all rounds
+
+    def observe_draft(self, num_draft: int, num_accepted: int) -> None:
+        """Count one verification round: num_draft tokens offered, the first num_accepted kept."""
+        self.rounds += 1
+        self.target_forwards += 1
+        self.proposed += num_draft
+        self.accepted += num_accepted
+        grow = num_draft - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(num_draft):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per target pass, the target's own token included (as vLLM and EAGLE count)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else None
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """c: seconds per proposed token over seconds per target pass, both measured in this run."""
+        if not self.proposed or not self.target_forwards or self.verify_s <= 0:
+            return None
+        return (self.draft_s / self.proposed) / (self.verify_s / self.target_forwards)
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """Leviathan et al.: (1 - a^(k+1)) / ((1 - a)(k c + 1)), with k the mean draft length per round."""
+        alpha, c = self.acceptance_rate, self.cost_ratio
+        if alpha is None or c is None:
+            return None
+        k = self.proposed / self.rounds
+        tokens_per_pass = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens_per_pass / (k * c + 1)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "num_draft_tokens": self.num_draft_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "rounds": self.rounds,
+            "target_forwards": self.target_forwards,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "overhead_s": self.overhead_s,
+            "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s,
+            "cost_ratio": self.cost_ratio,
+            "predicted_speedup": self.predicted_speedup,
+        }

@@ -1,0 +1,75 @@
+"""A small draft model proposes k tokens, one forward each, from its own KV cache.
+
+Cache rule: the draft cache always holds a prefix of the text. Each round it is cut back to the
+longest prefix it shares with the context, so after a rejection at i it keeps the accepted tokens,
+and after full acceptance the last draft token (never fed) is fed with the bonus token.
+"""
+from __future__ import annotations
+
+import torch
+
+from draftwise.backends.base import Backend
+from draftwise.config import SamplingConfig
+from draftwise.sampling import logits_to_probs, sample
+from draftwise.types import Draft
+
+
+class DraftModelProposer:
+    def __init__(self, backend: Backend, target_vocab_size: int):
+        self.backend = backend
+        self.target_vocab_size = target_vocab_size
+        self._cached: list[int] = []  # exactly the tokens in the draft's KV cache
+        self._trusted = 0  # leading cached tokens known to equal the context (contexts only grow)
+        self._sampling = SamplingConfig()
+        self._generator: torch.Generator | None = None
+
+    def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self._sampling, self._generator = sampling, generator
+        self._cached = list(prompt_ids[:-1])
+        self._trusted = len(self._cached)
+        self.backend.prefill(self._cached)
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        self._rewind_to(context)
+        feed = context[len(self._cached) :]  # >= 1 token: the last one is never cached yet
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        try:
+            for _ in range(k):
+                logits = self._fit_vocab(self.backend.forward(feed)[-1])  # [target_vocab]
+                self._cached += feed
+                token, q = self._choose(logits)
+                tokens.append(token)
+                if q is not None:
+                    qs.append(q)
+                feed = [token]
+        finally:
+            # Whatever happened, the cache must hold exactly self._cached.
+            self.backend.trim(len(self._cached))
+        return Draft(token_ids=tuple(tokens), q=torch.stack(qs) if qs else None)
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+    def _rewind_to(self, context: list[int]) -> None:
+        """Cut the cache back to the longest prefix it shares with context (only the tail can differ)."""
+        limit = min(len(self._cached), len(context) - 1)  # feed at least the last token for fresh logits
+        keep = min(self._trusted, limit)
+        while keep < limit and self._cached[keep] == context[keep]:
+            keep += 1
+        del self._cached[keep:]
+        self.backend.trim(keep)
+        self._trusted = len(context)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self._sampling.greedy:
+            return int(logits.argmax()), None
+        q = logits_to_probs(logits, self._sampling)  # [vocab]
+        return sample(q, self._generator), q
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Match the target's logit width: rows past the tokenizer are padding, never proposed."""
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra > 0:
+            return torch.cat([logits, logits.new_full((extra,), float("-inf"))])
+        return logits[: self.target_vocab_size]

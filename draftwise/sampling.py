@@ -1,0 +1,35 @@
+"""Logits -> probabilities, applied identically to the target's p and the draft's q."""
+from __future__ import annotations
+
+import torch
+
+from draftwise.config import SamplingConfig
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A seeded generator makes a run repeatable; no seed draws one from the OS."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (the order transformers uses). logits: [..., vocab]."""
+    logits = logits.float() / cfg.temperature
+    if 0 < cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already hold top_p of the mass; the first always stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= cfg.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from probs [vocab]."""
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,59 @@
+"""Prompt encoding and the draft/target tokenizer check."""
+from __future__ import annotations
+
+from draftwise.errors import DraftwiseError
+
+_SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """A draft that tokenizes differently proposes ids that mean other text: refuse it, naming the first difference."""
+    if len(target) != len(draft):
+        raise DraftwiseError(
+            f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}; "
+            "a draft must share the target's tokenizer"
+        )
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        by_id_target = {i: t for t, i in target_vocab.items()}
+        by_id_draft = {i: t for t, i in draft_vocab.items()}
+        first = min(i for i in by_id_target.keys() | by_id_draft.keys() if by_id_target.get(i) != by_id_draft.get(i))
+        raise DraftwiseError(
+            f"the draft's tokenizer differs from the target's: token id {first} is "
+            f"{by_id_target.get(first)!r} in the target but {by_id_draft.get(first)!r} in the draft; "
+            "a draft must share the target's tokenizer"
+        )
+    for name in _SPECIAL:
+        if getattr(target, name) != getattr(draft, name):
+            raise DraftwiseError(
+                f"the draft's tokenizer differs from the target's: {name} is {getattr(target, name)} in the target "
+                f"but {getattr(draft, name)} in the draft"
+            )
+
+
+def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
+    """Text, token ids, or chat messages -> token ids. chat=True wraps a string as one user turn."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    elif chat or isinstance(prompt, list):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not getattr(tokenizer, "chat_template", None):
+            raise DraftwiseError("this model's tokenizer has no chat template; drop --chat and give plain text")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise DraftwiseError("the prompt is empty: give at least one token of text")
+    return ids
+
+
+def eos_ids(tokenizer, model_config) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's, and the generation config's (chat models list several)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)

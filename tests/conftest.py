@@ -1,0 +1,62 @@
+"""Tiny models from configs (random weights, no download) and a small BPE tokenizer trained here."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CORPUS = [
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.",
+    "Speculative decoding proposes several tokens and the target model checks them in one pass.",
+    "Summaries copy spans of the article: the article says that prices rose by ten percent.",
+    "for i in range(10):\n    print(i * i)\nreturn sorted(values, key=lambda v: v.score)\n",
+] * 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ~300 tokens: real merges, real decoding, built in a fraction of a second."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end|>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: int | None = None):
+    """A random causal LM small enough that a forward takes about a millisecond."""
+    config_cls, model_cls = ARCHS[arch]
+    tokenizer = tiny_tokenizer()
+    config = config_cls(
+        vocab_size=vocab_size or len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init is nearly uniform; sharper logits make greedy ties impossible and sampling informative.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
