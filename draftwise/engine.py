@@ -155,28 +155,25 @@ class Engine:
     def _round(
         self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator, stats: Stats
     ) -> tuple[Draft, Verdict]:
-        # Propose.
-        started = time.perf_counter()
-        draft = self.proposer.propose(context, k) if k > 0 else Draft(token_ids=())
-        proposed = time.perf_counter()
-        stats.draft_s += proposed - started
-
-        # Verify: one target pass scores the last token's successor and every draft position.
+        # Propose, then verify: one target pass scores the last token's successor and every draft position.
         base = self.target.cache_len  # == len(context) - 1
-        committed = base
+        draft, verdict = Draft(token_ids=()), None
+        started = time.perf_counter()
         try:
+            if k > 0:
+                draft = self.proposer.propose(context, k)
+            proposed = time.perf_counter()
+            stats.draft_s += proposed - started
             logits = self.target.forward([context[-1], *draft.token_ids])  # [n + 1, vocab]
             verdict = self._verify(draft, logits, sampling, generator)
-            committed = base + 1 + verdict.num_accepted
+            stats.verify_s += time.perf_counter() - proposed
         finally:
-            # Commit: the cache holds exactly the accepted text, even if verification failed.
-            self.target.trim(committed)
-        stats.verify_s += time.perf_counter() - proposed
-
-        # Adapt.
+            # Commit: both caches hold exactly the accepted text, even when the round failed.
+            kept = verdict.num_accepted if verdict else 0
+            self.target.trim(base + 1 + kept if verdict else base)
+            if k > 0:
+                self.proposer.observe(kept)
         stats.observe_draft(len(draft), verdict.num_accepted)
-        if self.proposer is not None and len(draft):
-            self.proposer.observe(verdict.num_accepted)
         return draft, verdict
 
     @staticmethod

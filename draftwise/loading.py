@@ -25,11 +25,11 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
 
     method = choose_method(method, draft is not None)
     source = resolve(target, progress=progress)
-    target_model, tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device)
+    target_model, tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device, progress=progress)
     draft_model = draft_tokenizer = None
     if method == "draft":
         source = resolve(draft, progress=progress)
-        draft_model, draft_tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device)
+        draft_model, draft_tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device, progress=progress)
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, draft_tokenizer, **lookup)
 
 

@@ -7,9 +7,12 @@ from draftwise.config import SamplingConfig
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A seeded generator makes a run repeatable; no seed draws one from the OS."""
+    """A seeded generator makes a run repeatable; no seed draws a fresh one (torch's global RNG untouched)."""
     generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
     return generator
 
 

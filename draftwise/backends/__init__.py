@@ -1,5 +1,8 @@
-"""A model behind one small protocol: prefill, forward new tokens, trim the cache."""
-from draftwise.backends.base import Backend
-from draftwise.backends.hf import HFBackend, load_hf
+"""A model behind one small protocol: prefill, forward new tokens, trim the cache.
 
-__all__ = ["Backend", "HFBackend", "load_hf"]
+Implementations live in their own modules (hf.py: Hugging Face transformers), imported where used,
+so that importing the protocol does not import transformers.
+"""
+from draftwise.backends.base import Backend
+
+__all__ = ["Backend"]

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from draftwise.config import DTYPES
 from draftwise.errors import DraftwiseError
+from draftwise.progress import transformers_progress
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,12 +61,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu"):
+def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu", progress: bool = True):
     """Load (model, tokenizer) from a local folder, or a .gguf file inside it."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+        with transformers_progress(progress):
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
     return model.to(device), tokenizer

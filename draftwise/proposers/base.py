@@ -19,5 +19,8 @@ class Proposer(Protocol):
         ...
 
     def observe(self, num_accepted: int) -> None:
-        """Learn how many of the last draft's tokens the target kept."""
+        """The target kept the first num_accepted tokens of the last draft (0 when the round failed).
+
+        Called after every propose, from the engine's `finally`: a proposer with a cache drops the rest here.
+        """
         ...

@@ -1,8 +1,8 @@
 """A small draft model proposes k tokens, one forward each, from its own KV cache.
 
-Cache rule: the draft cache always holds a prefix of the text. Each round it is cut back to the
-longest prefix it shares with the context, so after a rejection at i it keeps the accepted tokens,
-and after full acceptance the last draft token (never fed) is fed with the bonus token.
+Cache rule: the draft cache holds a prefix of the text. After a round, observe() cuts it to the
+context plus the accepted draft tokens it holds, so after a rejection at i it keeps d1..di, and
+after full acceptance the last draft token (never fed) is fed next round with the bonus token.
 """
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ class DraftModelProposer:
         self.backend = backend
         self.target_vocab_size = target_vocab_size
         self._cached: list[int] = []  # exactly the tokens in the draft's KV cache
-        self._trusted = 0  # leading cached tokens known to equal the context (contexts only grow)
+        self._context_len = 0  # length of the context of the last propose
         self._sampling = SamplingConfig()
         self._generator: torch.Generator | None = None
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self._sampling, self._generator = sampling, generator
         self._cached = list(prompt_ids[:-1])
-        self._trusted = len(self._cached)
         self.backend.prefill(self._cached)
 
     def propose(self, context: list[int], k: int) -> Draft:
-        self._rewind_to(context)
+        # observe() keeps the cache a prefix of the text, so only the newest tokens need feeding.
+        self._context_len = len(context)
         feed = context[len(self._cached) :]  # >= 1 token: the last one is never cached yet
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
@@ -49,17 +49,9 @@ class DraftModelProposer:
         return Draft(token_ids=tuple(tokens), q=torch.stack(qs) if qs else None)
 
     def observe(self, num_accepted: int) -> None:
-        pass
-
-    def _rewind_to(self, context: list[int]) -> None:
-        """Cut the cache back to the longest prefix it shares with context (only the tail can differ)."""
-        limit = min(len(self._cached), len(context) - 1)  # feed at least the last token for fresh logits
-        keep = min(self._trusted, limit)
-        while keep < limit and self._cached[keep] == context[keep]:
-            keep += 1
-        del self._cached[keep:]
-        self.backend.trim(keep)
-        self._trusted = len(context)
+        # The cache holds the context and d1..d(k-1); drop the draft tokens the target did not keep.
+        del self._cached[self._context_len + num_accepted :]
+        self.backend.trim(len(self._cached))
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self._sampling.greedy:
