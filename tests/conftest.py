@@ -37,6 +37,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+# Tiny models run fastest on one thread; a second one only adds contention on a 2-core machine.
+torch.set_num_threads(1)
+
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 

@@ -1,0 +1,28 @@
+"""A chi-square goodness-of-fit check shared by the distribution tests."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from scipy.stats import chisquare
+
+
+def fit_pvalue(samples: list, expected_probs: dict) -> float:
+    """p-value that samples were drawn from expected_probs. Rare outcomes (expected < 5) are pooled."""
+    n = len(samples)
+    counts = Counter(samples)
+    observed, expected = [], []
+    pooled_obs, pooled_exp = 0, 0.0
+    for outcome, prob in expected_probs.items():
+        if prob * n >= 5:
+            observed.append(counts.pop(outcome, 0))
+            expected.append(prob * n)
+        else:
+            pooled_obs += counts.pop(outcome, 0)
+            pooled_exp += prob * n
+    pooled_obs += sum(counts.values())  # outcomes the expected table gives no mass
+    if pooled_exp > 0 or pooled_obs > 0:
+        observed.append(pooled_obs)
+        expected.append(max(pooled_exp, 1e-9))
+    expected = np.array(expected) * (n / sum(expected))  # renormalize rounding
+    return float(chisquare(observed, expected).pvalue)

@@ -1,0 +1,471 @@
+"""The command line: output contracts (text, JSON, stats line, colors), errors and exit codes, the models commands.
+
+No network and no real model: `cli._load_engine` is replaced by tiny random models in memory, and the store
+runs against an empty DRAFTWISE_HOME with subprocess (pip) disabled.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+
+import draftwise
+from draftwise import cli
+from draftwise.engine import Engine
+from draftwise.metrics import Stats
+from draftwise.models import KNOWN_MODELS, ModelStatus
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The dog"
+N = 24  # new tokens per run: enough for several rounds, fast on a tiny model
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy machine OpenMP spinning makes them 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _model(which: str):
+    # "same" is the target itself (every draft token accepted); "other" is unrelated (few accepted).
+    return tiny_model("llama", seed=1) if which == "other" else tiny_model("llama", seed=0)
+
+
+def _engine(draft: str | None = None, method: str | None = None, lookup_max_ngram: int = 3) -> Engine:
+    draft_model = _model(draft) if draft is not None and method in (None, "draft") else None
+    return Engine.from_models(_model("target"), tiny_tokenizer(), draft_model=draft_model, method=method,
+                              lookup_max_ngram=lookup_max_ngram)
+
+
+@functools.cache
+def _direct(draft: str | None = None, method: str | None = None, **options):
+    """What the engine gives when called directly (the reference for the CLI's output), computed once."""
+    return _engine(draft, method).generate(PROMPT, max_new_tokens=N, **options)
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Replace model loading with tiny models; `--draft same|other` picks the draft. Records each load."""
+    calls = []
+
+    def fake(args):
+        calls.append(args)
+        return _engine(args.draft, args.method, args.lookup_ngram)
+
+    monkeypatch.setattr(cli, "_load_engine", fake)
+    return calls
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An empty model store, and no way to reach the network (pulls run pip through subprocess)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("DRAFTWISE_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a test tried to run a subprocess: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    return home
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def gen(*extra: str) -> list[str]:
+    return ["generate", "--target", "tiny", "--prompt", PROMPT, "--max-new-tokens", str(N), *extra]
+
+
+def run_json(capsys, *extra: str) -> dict:
+    code, out, err = run(capsys, *gen(*extra, "--json"))
+    assert code == 0, err
+    assert out.endswith("\n") and out.count("\n") == 1, "--json prints exactly one line"
+    return json.loads(out)
+
+
+# ---- generate: output contracts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, method, draft",
+    [((), "lookup", None), (("--draft", "other"), "draft", "other"), (("--method", "none"), "none", None)],
+)
+def test_generate_json_shape_and_text(capsys, loads, extra, method, draft):
+    got = run_json(capsys, *extra)
+    assert set(got) == {"text", "token_ids", "finish_reason", "stats", "method", "target", "draft"}
+    assert (got["method"], got["target"], got["draft"]) == (method, "tiny", draft)
+    assert set(got["stats"]) == set(Stats(method="x", num_draft_tokens=1).to_dict())
+    assert {"proposed", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+            "target_forwards", "draft_s", "verify_s", "overhead_s", "tokens_per_s", "cost_ratio",
+            "predicted_speedup"} <= set(got["stats"])
+    assert all(type(t) is int for t in got["token_ids"])
+    want = _direct(draft, method)
+    assert got["text"] == want.text
+    assert got["token_ids"] == want.token_ids
+    assert got["finish_reason"] == want.finish_reason
+    assert got["stats"]["method"] == method
+    assert got["stats"]["new_tokens"] == len(got["token_ids"]) == N
+
+
+def test_json_prints_nothing_else(capsys, loads):
+    code, out, err = run(capsys, *gen("--draft", "other", "--json"))
+    assert code == 0
+    assert err == "", "--json: no loading messages and no stats line"
+    json.loads(out)
+
+
+def test_plain_output_is_exactly_the_text_without_ansi(capsys, loads):
+    code, out, err = run(capsys, *gen("--draft", "same"))  # all draft tokens: would be colored on a terminal
+    assert code == 0
+    want = _direct("same")
+    assert out == want.text
+    assert "\x1b" not in out and "\x1b" not in err
+    assert "loading target tiny, draft same" in err
+
+
+def test_stats_line_on_stderr_matches_the_run(capsys, loads):
+    code, out, err = run(capsys, *gen("--draft", "other", "-k", "3"))
+    assert code == 0
+    line = err.strip().splitlines()[-1]
+    m = re.fullmatch(
+        r"\[draft k=3\] (\d+) tokens, ([\d.]+) tok/s, acceptance ([\d.]+)%, "
+        r"mean accepted length ([\d.]+), (\d+) target passes",
+        line,
+    )
+    assert m, line
+    stats = _direct("other", num_draft_tokens=3).stats
+    assert int(m[1]) == stats.new_tokens == N
+    assert float(m[3]) == pytest.approx(100 * stats.acceptance_rate, abs=0.05)
+    assert float(m[4]) == pytest.approx(stats.mean_accepted_length, abs=0.005)
+    assert int(m[5]) == stats.target_forwards
+    assert line not in out
+
+
+def test_stats_line_for_the_baseline(capsys, loads):
+    code, _, err = run(capsys, *gen("--method", "none"))
+    assert code == 0
+    assert re.fullmatch(rf"\[none\] {N} tokens, [\d.]+ tok/s, {N} target passes", err.strip().splitlines()[-1])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("flags, env, colored", [((), None, True), (("--no-color",), None, False),
+                                                 ((), "1", False)])
+def test_draft_tokens_colored_only_on_a_terminal(capsys, loads, monkeypatch, flags, env, colored):
+    if env is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", env)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert cli.main(gen("--draft", "same", *flags)) == 0
+    out = terminal.getvalue()
+    want = _direct("same").text
+    assert ("\x1b[32m" in out) is colored
+    assert ANSI.sub("", out).rstrip("\n") == want.rstrip("\n")
+    assert out.endswith("\n"), "a terminal gets its prompt back on a fresh line"
+
+
+class _Recorder(io.StringIO):
+    """Remembers what had been written at each flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed: list[str] = []
+
+    def flush(self):
+        self.flushed.append(self.getvalue())
+
+
+def test_text_is_flushed_piece_by_piece(capsys, loads, monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    assert cli.main(gen("--method", "none")) == 0
+    text = _direct(method="none").text
+    assert recorder.getvalue() == text
+    pieces = [event.text for event in _engine(method="none").stream(PROMPT, max_new_tokens=N) if event.text]
+    assert len(pieces) > 2
+    assert len({s for s in recorder.flushed if s}) == len(pieces), "one flush per piece, not one at the end"
+    assert all(text.startswith(s) for s in recorder.flushed)
+
+
+def test_quiet_prints_only_the_text(capsys, loads):
+    code, out, err = run(capsys, *gen("--quiet"))
+    assert code == 0
+    assert err == ""
+    assert out == _direct().text
+
+
+@pytest.mark.parametrize("k", ["1", "4"])
+def test_greedy_token_ids_identical_for_every_method(capsys, loads, k):
+    baseline = run_json(capsys, "--method", "none", "-k", k)["token_ids"]
+    assert len(baseline) == N
+    for extra in (("--draft", "other"), ("--draft", "same"), ("--method", "lookup")):
+        got = run_json(capsys, *extra, "-k", k)
+        assert got["token_ids"] == baseline, extra
+    assert got["stats"]["proposed"] > 0 or extra[-1] == "lookup"
+
+
+def test_options_reach_the_engine(capsys, loads):
+    """--stop (repeatable), --chat, sampling with --seed and --ignore-eos are passed to stream()."""
+    plain = _direct().text
+    cut = plain[len(plain) // 2 :][:3]
+    assert cut.strip(), "need a visible stop string from the middle of the text"
+    got = run_json(capsys, "--stop", "never-in-text", "--stop", cut)
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == plain[: plain.index(cut)]
+
+    chat = run_json(capsys, "--chat")
+    assert chat["token_ids"] == _direct(chat=True).token_ids
+
+    sampled = run_json(capsys, "--draft", "other", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9",
+                       "--seed", "7", "--ignore-eos")
+    want = _direct("other", temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    assert sampled["token_ids"] == want.token_ids
+    assert sampled["token_ids"] != run_json(capsys, "--draft", "other", "--temperature", "1.0", "--seed", "8")[
+        "token_ids"], "the seed must matter"
+
+
+def test_prompt_from_stdin_and_from_a_file(capsys, loads, monkeypatch, tmp_path):
+    want = _direct().token_ids
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    args = gen("--json")
+    args[args.index("--prompt") + 1] = "-"
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and json.loads(out)["token_ids"] == want
+
+    path = tmp_path / "prompt.txt"
+    path.write_text(PROMPT, encoding="utf-8")
+    code, out, _ = run(capsys, "generate", "--target", "tiny", "--prompt-file", str(path),
+                       "--max-new-tokens", str(N), "--json")
+    assert code == 0 and json.loads(out)["token_ids"] == want
+
+
+def test_load_engine_passes_the_options_to_from_pretrained(capsys, monkeypatch):
+    seen = {}
+
+    def from_pretrained(**kwargs):
+        seen.update(kwargs)
+        return _engine("other", "draft")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    code, _, _ = run(capsys, *gen("--draft", "tiny-draft", "--method", "draft", "--dtype", "bfloat16",
+                                  "--lookup-ngram", "5", "--quiet"))
+    assert code == 0
+    assert seen == {"target": "tiny", "draft": "tiny-draft", "method": "draft", "dtype": "bfloat16",
+                    "progress": False, "lookup_max_ngram": 5}
+
+
+def test_ignored_draft_is_mentioned(capsys, loads):
+    code, _, err = run(capsys, *gen("--draft", "other", "--method", "none"))
+    assert code == 0
+    assert "--draft is ignored with --method none" in err
+
+
+# ---- generate: errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("-k", "0"), "num_draft_tokens (k) must be >= 1, got 0"),
+        (("--num-draft-tokens", "-2"), "num_draft_tokens (k) must be >= 1, got -2"),
+        (("--temperature", "-0.5"), "temperature must be >= 0"),
+        (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
+        (("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
+        (("--max-new-tokens", "0"), "max_new_tokens must be >= 1"),
+        (("--stop", ""), "stop strings must be non-empty"),
+    ],
+)
+def test_bad_values_exit_1_before_loading(capsys, loads, extra, message):
+    code, out, err = run(capsys, *gen(*extra))
+    assert code == 1
+    assert out == ""
+    assert err.startswith("draftwise: error: ") and message in err
+    assert "Traceback" not in err
+    assert loads == [], "settings are checked before a model loads"
+
+
+def test_limits_checked_by_the_engine_exit_1(capsys, loads):
+    code, out, err = run(capsys, *gen("--max-new-tokens", "600", "--quiet"))  # the tiny model's context is 512
+    assert code == 1 and out == ""
+    assert err.startswith("draftwise: error: ") and "exceeds the model context of 512 tokens" in err
+    code, _, err = run(capsys, *gen("-k", "65"))
+    assert code == 1 and "num_draft_tokens (k) must be between 1 and 64, got 65" in err
+
+
+@pytest.mark.parametrize("argv", [
+    gen("--method", "magic"),  # not one of the choices
+    gen("--prompt-file", "x.txt"),  # two prompts
+    ["generate", "--target", "tiny"],  # no prompt
+    gen("-k", "four"),
+    ["bench"], ["serve"],  # not commands (yet)
+    [],
+])
+def test_usage_errors_exit_2(capsys, loads, argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+    assert loads == []
+
+
+def test_missing_prompt_file_names_the_path(capsys, loads, tmp_path):
+    missing = tmp_path / "nope" / "prompt.txt"
+    code, out, err = run(capsys, "generate", "--target", "tiny", "--prompt-file", str(missing))
+    assert code == 1 and out == ""
+    assert err == f"draftwise: error: prompt file not found: {missing}\n"
+    assert loads == []
+
+
+def test_unknown_model_lists_the_known_names(capsys, store):
+    code, out, err = run(capsys, "generate", "--target", "no-such-model", "--prompt", "hi", "--quiet")
+    assert code == 1 and out == ""
+    assert err.startswith("draftwise: error: ") and "'no-such-model'" in err
+    assert all(name in err for name in KNOWN_MODELS)
+    assert "Traceback" not in err
+    assert not (store / "models").exists()
+
+
+def test_draft_method_without_a_draft_is_an_error(capsys, store):
+    code, _, err = run(capsys, "generate", "--target", "no-such-model", "--method", "draft", "--prompt", "hi")
+    assert code == 1
+    assert "method 'draft' needs a draft model" in err
+
+
+def test_interrupt_exits_130_quietly(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_engine", interrupted)
+    code, out, err = run(capsys, *gen("--quiet"))
+    assert code == 130
+    assert out == "" and err == ""
+
+
+# ---- models ---------------------------------------------------------------------------------------------
+
+
+def test_models_list_json_on_an_empty_store(capsys, store):
+    code, out, err = run(capsys, "models", "list", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [row["name"] for row in rows] == list(KNOWN_MODELS)
+    for row in rows:
+        assert row == {"name": row["name"], "description": KNOWN_MODELS[row["name"]].description,
+                       "pulled": False, "size_on_disk": 0, "path": None}
+
+
+def test_models_list_table(capsys, monkeypatch, tmp_path):
+    statuses = [
+        ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model"),
+        ModelStatus("small-model", "not pulled", False, 0, None),
+    ]
+    monkeypatch.setattr("draftwise.models.list_models", lambda: statuses)
+    code, out, _ = run(capsys, "models", "list")
+    assert code == 0
+    header, big, small = out.splitlines()
+    assert header.split() == ["NAME", "PULLED", "SIZE", "DESCRIPTION", "PATH"]
+    assert big.split()[:4] == ["big-model", "yes", "1.5", "GiB"] and big.endswith(str(tmp_path / "big-model"))
+    assert small.split()[:3] == ["small-model", "no", "-"] and small.endswith("-")
+    assert big.index("yes") == small.index("no"), "columns line up"
+
+
+def test_human_size():
+    assert [cli.human_size(n) for n in (0, 1023, 1024, 5 * 1024**2 + 1, 1117320768, 5 * 1024**4)] == [
+        "0 B", "1023 B", "1.0 KiB", "5.0 MiB", "1.0 GiB", "5120.0 GiB"]
+
+
+def test_models_path(capsys, store):
+    name = next(iter(KNOWN_MODELS))
+    code, out, err = run(capsys, "models", "path", name)
+    assert code == 1 and out == ""
+    assert err.startswith("draftwise: error: ") and "not pulled" in err and f"draftwise models pull {name}" in err
+
+    code, _, err = run(capsys, "models", "path", "no-such-model")
+    assert code == 1 and all(known in err for known in KNOWN_MODELS)
+
+    from draftwise.models.store import MANIFEST  # what marks a folder pulled
+
+    folder = store / "models" / name
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text("{}")
+    code, out, _ = run(capsys, "models", "path", name)
+    assert code == 0 and out == f"{folder}\n"
+    code, out, _ = run(capsys, "models", "path", name, "--json")
+    assert code == 0 and json.loads(out) == {"name": name, "path": str(folder)}
+    code, out, _ = run(capsys, "models", "list", "--json")
+    assert [row["pulled"] for row in json.loads(out)] == [n == name for n in KNOWN_MODELS]
+
+
+def test_models_pull(capsys, monkeypatch, tmp_path):
+    calls = []
+
+    def pull(name, *, progress=True, force=False):
+        calls.append((name, progress, force))
+        return tmp_path / name
+
+    monkeypatch.setattr("draftwise.models.pull", pull)
+    code, out, _ = run(capsys, "models", "pull", "some-model")
+    assert code == 0 and out == f"{tmp_path / 'some-model'}\n"
+    code, out, _ = run(capsys, "models", "pull", "some-model", "--force", "--quiet")
+    assert code == 0
+    assert calls == [("some-model", True, False), ("some-model", False, True)]
+
+
+def test_models_pull_error_exits_1(capsys, store):
+    code, out, err = run(capsys, "models", "pull", "no-such-model")
+    assert code == 1 and out == ""
+    assert err.startswith("draftwise: error: unknown model 'no-such-model'")
+
+
+# ---- help and version ------------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"draftwise {draftwise.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["generate", "models"]),
+    (["generate"], ["--target", "--draft", "--method", "--prompt-file", "--stop", "--json", "--no-color",
+                    "(default: 128)", "(default: 4)", "(default: float32)", "(default: 0.0)", "(default: 1.0)"]),
+    (["models"], ["list", "pull", "path"]),
+    (["models", "list"], ["--json"]),
+    (["models", "pull"], ["--force", "NAME"]),
+    (["models", "path"], ["NAME"]),
+])
+def test_help(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert all(word in out for word in words), [w for w in words if w not in out]
+    assert "bench" not in out and "serve" not in out
+
+
+def test_python_dash_m_runs_the_cli():
+    source = (Path(cli.__file__).parent / "__main__.py").read_text()
+    assert "from draftwise.cli import main" in source and "sys.exit(main())" in source

@@ -1,0 +1,105 @@
+"""Bad input: each limit is checked before work starts, with a message that says what is allowed."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import DraftwiseError, Engine
+from draftwise.tokenizers import check_same_tokenizer
+
+
+@functools.lru_cache(maxsize=None)
+def engine(method="draft"):
+    draft = tiny_model("llama", 1, 1) if method == "draft" else None
+    return Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=draft, method=method)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"num_draft_tokens": 0}, "num_draft_tokens (k) must be >= 1, got 0"),
+        ({"num_draft_tokens": 65}, "num_draft_tokens (k) must be between 1 and 64, got 65"),
+        ({"temperature": -0.5}, "temperature must be >= 0 (0 means greedy), got -0.5"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+    ],
+)
+def test_bad_options_are_refused_before_any_work(options, message):
+    eng = engine()
+    before = eng.target.cache_len
+    with pytest.raises(DraftwiseError) as err:
+        eng.stream("hello", **options)  # raises at the call, not at the first token
+    assert message in str(err.value)
+    assert eng.target.cache_len == before
+
+
+def test_prompt_longer_than_the_context():
+    long_prompt = "the fox " * 400  # > 512 positions of the tiny model
+    with pytest.raises(DraftwiseError, match=r"exceeds the model context of 512 tokens; shorten the prompt"):
+        engine().generate(long_prompt, max_new_tokens=8)
+
+
+def test_prompt_plus_new_tokens_longer_than_the_context_says_how_many_fit():
+    prompt = "the fox " * 100
+    n = len(tiny_tokenizer()(prompt)["input_ids"])
+    with pytest.raises(DraftwiseError, match=f"at most {512 - n} new tokens fit"):
+        engine().generate(prompt, max_new_tokens=512)
+
+
+def test_empty_prompt():
+    with pytest.raises(DraftwiseError, match="the prompt is empty"):
+        engine().generate("")
+
+
+def test_unknown_method_and_missing_draft():
+    with pytest.raises(DraftwiseError, match="unknown method 'medusa'; choose one of: draft, lookup, none"):
+        Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="medusa")
+    with pytest.raises(DraftwiseError, match="method 'draft' needs a draft model"):
+        Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="draft")
+
+
+def other_tokenizer(corpus):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+def test_incompatible_tokenizers_name_the_first_difference():
+    other = other_tokenizer(["completely different text about zebras and xylophones"] * 10)
+    with pytest.raises(DraftwiseError) as err:
+        Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1), draft_tokenizer=other)
+    message = str(err.value)
+    assert "a draft must share the target's tokenizer" in message
+    assert "token id" in message or "tokens but the target's has" in message
+
+
+class RenamedToken:
+    """The target's tokenizer with one learned token spelled differently."""
+
+    def __init__(self, target, token_id, spelling):
+        self._vocab = {(spelling if i == token_id else t): i for t, i in target.get_vocab().items()}
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            setattr(self, name, getattr(target, name))
+
+    def __len__(self):
+        return len(self._vocab)
+
+    def get_vocab(self):
+        return self._vocab
+
+
+def test_first_difference_is_named_exactly():
+    target = tiny_tokenizer()
+    by_id = {i: t for t, i in target.get_vocab().items()}
+    with pytest.raises(DraftwiseError, match=f"token id 270 is {by_id[270]!r} in the target but 'ZZ' in the draft"):
+        check_same_tokenizer(target, RenamedToken(target, 270, "ZZ"))
+    check_same_tokenizer(target, RenamedToken(target, 270, by_id[270]))  # identical: no error

@@ -1,0 +1,97 @@
+"""Greedy speculative output is token for token the target's own greedy output."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import Engine
+
+PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
+NEW_TOKENS = 40
+
+
+@functools.lru_cache(maxsize=None)
+def model(arch, seed, layers=2):
+    return tiny_model(arch, seed, layers)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch):
+    """The target's own greedy tokens, from transformers' generate: an independent implementation."""
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    out = model(arch, 0).generate(
+        torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids):].tolist()
+
+
+def engine(arch, method, draft=None):
+    draft_model = {"same": model(arch, 0), "unrelated": model(arch, 1, 1), None: None}[draft]
+    return Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method=method)
+
+
+CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method,draft", CASES, ids=[f"{m}-{d}" if d else m for m, d in CASES])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_is_the_targets_own(arch, method, draft, k):
+    result = engine(arch, method, draft).generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True)
+    assert result.token_ids == reference(arch)
+    assert result.finish_reason == "length"
+    stats = result.stats
+    assert stats.new_tokens == NEW_TOKENS
+    if draft == "same":
+        assert stats.acceptance_rate == 1.0  # a draft identical to the target is always right
+        assert stats.target_forwards == -(-NEW_TOKENS // (k + 1))  # ceil: k + 1 tokens per pass
+    if draft == "unrelated":
+        assert stats.acceptance_rate < 0.3
+    if method == "none":
+        assert stats.target_forwards == NEW_TOKENS and stats.proposed == 0
+
+
+@pytest.mark.parametrize("method,draft", [("draft", "same"), ("lookup", None), ("none", None)])
+def test_nothing_is_emitted_after_end_of_sequence(method, draft):
+    ref = reference("llama")
+    eos_token = ref[5]
+    cut = ref.index(eos_token) + 1
+    eng = engine("llama", method, draft)
+    eng.eos = frozenset({eos_token})
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=8)
+    assert result.token_ids == ref[:cut]  # the draft proposed past it; none of that is emitted
+    assert result.finish_reason == "eos"
+
+
+def test_stop_string_cuts_the_text_and_the_stream():
+    full = engine("llama", "draft", "same").generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    # Random weights make mostly unprintable bytes: stop at the first two printable ASCII characters.
+    at = next(i for i in range(5, len(full.text)) if full.text[i : i + 2].isascii() and full.text[i : i + 2].isprintable())
+    stop = full.text[at : at + 2]
+    first = full.text.find(stop)
+    events = list(engine("llama", "draft", "same").stream(PROMPT, max_new_tokens=NEW_TOKENS, stop=[stop], num_draft_tokens=8))
+    text = "".join(e.text for e in events)
+    assert text == full.text[:first]
+    assert events[-1].finish_reason == "stop"
+    emitted = [e.token_id for e in events if e.token_id is not None]
+    assert emitted == full.token_ids[: len(emitted)]
+    # The token that completed the stop string is the last one emitted: decoding one fewer misses it.
+    assert stop not in tiny_tokenizer().decode(emitted[:-1])
+    assert stop in tiny_tokenizer().decode(emitted)
+
+
+def test_stream_marks_draft_tokens_and_ends_with_stats():
+    events = list(engine("llama", "draft", "same").stream(PROMPT, max_new_tokens=9, num_draft_tokens=4, ignore_eos=True))
+    flags = [e.from_draft for e in events[:-1]]
+    assert flags == [True] * 4 + [False] + [True] * 3 + [False]  # k drafted, then the target's bonus
+    assert events[-1].token_id is None and events[-1].stats.new_tokens == 9
+
+
+def test_chat_prompt_uses_the_template(tokenizer):
+    eng = engine("llama", "lookup")
+    result = eng.generate("hello", chat=True, max_new_tokens=3, ignore_eos=True)
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert result.stats.prompt_tokens == len(tokenizer(templated, add_special_tokens=False)["input_ids"])

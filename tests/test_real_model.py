@@ -1,0 +1,52 @@
+"""Greedy identity on a real pretrained model: SmolLM2-135M-Instruct from the store (pulled on first use)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from draftwise import Engine
+
+pytestmark = pytest.mark.real_model
+
+NAME = "smollm2-135m-instruct"
+PROMPTS = [
+    "Repeat this sentence exactly, twice: the cat sat on the mat and looked at the hat.",
+    "Write a Python function that returns the squares of a list of numbers.",
+]
+NEW_TOKENS = 40
+
+
+@functools.lru_cache(maxsize=None)
+def loaded():
+    from draftwise.backends.hf import load_hf
+    from draftwise.models import resolve
+
+    source = resolve(NAME, progress=False)
+    return load_hf(str(source.path), source.gguf_file, progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: str) -> list[int]:
+    """transformers' own greedy generation on the same weights."""
+    model, tokenizer = loaded()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["copying", "code"])
+@pytest.mark.parametrize("method,k", [("lookup", 2), ("lookup", 4), ("draft", 3), ("none", 1)])
+def test_real_greedy_output_is_the_targets_own(prompt, method, k):
+    model, tokenizer = loaded()
+    # A self-draft: the same weights behind a second backend, so every token should be accepted.
+    draft = model if method == "draft" else None
+    engine = Engine.from_models(model, tokenizer, draft_model=draft, method=method)
+    result = engine.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True)
+    assert result.token_ids == reference(prompt)
+    if method == "draft":
+        assert result.stats.acceptance_rate == 1.0
+    if method == "lookup" and prompt == PROMPTS[0]:
+        assert result.stats.accepted > 0  # the copied sentence is found in the prompt

@@ -1,0 +1,81 @@
+"""With speculation, the first generated tokens follow the target's own sampling distribution."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import Engine
+from draftwise.config import SamplingConfig
+from draftwise.sampling import logits_to_probs
+from stats_helpers import fit_pvalue
+
+PROMPT = tiny_tokenizer()("The quick brown fox")["input_ids"]
+RUNS = 800
+
+
+@functools.lru_cache(maxsize=None)
+def sharpened(scale: float):
+    """The same random model with logits scaled: mass on a few tokens, so a few hundred runs can test it."""
+    model = tiny_model("qwen2", 0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def target():
+    return sharpened(2.5)
+
+
+def exact_pairs(cfg: SamplingConfig, min_prob=1e-4) -> dict:
+    """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1), computed from the target directly."""
+    with torch.no_grad():
+        first = logits_to_probs(target()(torch.tensor([PROMPT])).logits[0, -1], cfg)
+        table = {}
+        for t1 in torch.nonzero(first > min_prob).flatten().tolist():
+            second = logits_to_probs(target()(torch.tensor([PROMPT + [t1]])).logits[0, -1], cfg)
+            for t2 in torch.nonzero(second * first[t1] > min_prob).flatten().tolist():
+                table[(t1, t2)] = float(first[t1] * second[t2])
+    return table
+
+
+SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)}
+
+
+@functools.lru_cache(maxsize=None)
+def sampled_pairs(method: str, setting: str) -> tuple[list, float]:
+    """The first two tokens of RUNS seeded generations, and the draft acceptance rate over them."""
+    cfg = SETTINGS[setting]
+    eng = engine(method)
+    pairs, proposed, accepted = [], 0, 0
+    for seed in range(RUNS):
+        result = eng.generate(
+            PROMPT, max_new_tokens=3, num_draft_tokens=3, temperature=cfg.temperature,
+            top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, ignore_eos=True,
+        )
+        pairs.append(tuple(result.token_ids[:2]))
+        proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
+    return pairs, accepted / max(proposed, 1)
+
+
+def engine(method):
+    # A draft that is the target at another temperature: it agrees often but not always, so rounds
+    # take every path (accept, reject and recover, bonus).
+    draft = {"draft": sharpened(1.5), "lookup": None}[method]
+    return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
+
+
+@pytest.mark.parametrize("method,setting", [("draft", "t0.7-topk-topp"), ("lookup", "t1")])
+def test_first_two_tokens_follow_the_target(method, setting):
+    pairs, acceptance = sampled_pairs(method, setting)
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting])) > 1e-3
+    if method == "draft":
+        assert 0.2 < acceptance < 0.95  # both accepting and rejecting rounds were exercised
+
+
+def test_the_same_check_rejects_the_wrong_distribution():
+    """Power: the same samples are far from a neighbouring setting's distribution."""
+    pairs, _ = sampled_pairs("draft", "t0.7-topk-topp")
+    assert fit_pvalue(pairs, exact_pairs(SamplingConfig(temperature=1.0))) < 1e-6
