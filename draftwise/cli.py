@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from draftwise import __version__
-from draftwise.config import DTYPES, METHODS, GenerationConfig, SamplingConfig
+from draftwise.config import DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 
 PROG = "draftwise"
@@ -219,9 +219,7 @@ def _check_early(options: dict) -> None:
 
     Not a second set of rules: the same GenerationConfig.check() that Engine.stream() runs again.
     """
-    sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"], options["seed"])
-    GenerationConfig(options["max_new_tokens"], options["num_draft_tokens"], sampling, options["stop"],
-                     options["ignore_eos"]).check()
+    GenerationConfig.from_options(**{name: value for name, value in options.items() if name != "chat"})
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
@@ -268,11 +266,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if chatty:
         _err(f"loaded in {time.perf_counter() - started:.1f} s")
 
-    out = sys.stdout
-    color = not args.json and _use_color(args, out)
+    if args.json:
+        result = engine.generate(prompt, **options)
+    else:
+        result = stream_to_terminal(engine, prompt, color=_use_color(args, sys.stdout), **options)
+    if args.json:
+        payload = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+            "method": engine.method,
+            "target": args.target,
+            "draft": args.draft if engine.method == "draft" else None,
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+        sys.stdout.flush()
+        return 0
+    if not args.quiet:
+        _err(stats_line(result.stats))
+    return 0
+
+
+def stream_to_terminal(engine, prompt, *, color: bool, out=None, **options):
+    """Write the text as it comes (draft tokens in green when color is on) and return the Result."""
+    from draftwise.engine import Result
+
+    out = out or sys.stdout
     pieces: list[str] = []
     token_ids: list[int] = []
-    final = None
     try:
         for event in engine.stream(prompt, **options):
             if event.token_id is not None:
@@ -280,34 +302,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if event.finish_reason is not None:
                 final = event
             pieces.append(event.text)
-            if args.json or not event.text:
-                continue
-            out.write(f"{GREEN}{event.text}{RESET}" if color and event.from_draft else event.text)
-            out.flush()
+            if event.text:
+                out.write(f"{GREEN}{event.text}{RESET}" if color and event.from_draft else event.text)
+                out.flush()
     finally:
         shown = "".join(pieces)
-        if not args.json and shown and not shown.endswith("\n") and out.isatty():
+        if shown and not shown.endswith("\n") and out.isatty():
             # A terminal gets its prompt (or an error, or ^C) back on a fresh line; piped text stays exact.
             out.write((RESET if color else "") + "\n")
             out.flush()
-    text = "".join(pieces)
-
-    if args.json:
-        result = {
-            "text": text,
-            "token_ids": token_ids,
-            "finish_reason": final.finish_reason,
-            "stats": final.stats.to_dict(),
-            "method": engine.method,
-            "target": args.target,
-            "draft": args.draft if engine.method == "draft" else None,
-        }
-        out.write(json.dumps(result) + "\n")
-        out.flush()
-        return 0
-    if not args.quiet:
-        _err(stats_line(final.stats))
-    return 0
+    return Result("".join(pieces), token_ids, final.stats, final.finish_reason)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -90,9 +90,10 @@ class Engine:
         ignore_eos: bool = False,
     ) -> Iterator[Event]:
         """Yield one Event per emitted token, then a final Event with the finish reason and stats."""
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        cfg = GenerationConfig(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos)
-        cfg.check()
+        cfg = GenerationConfig.from_options(
+            max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+        )
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
         self._check_limits(len(prompt_ids), cfg)
         return self._run(prompt_ids, cfg)
