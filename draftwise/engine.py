@@ -124,24 +124,30 @@ class Engine:
         stats.prefill_s = time.perf_counter() - started
 
         finish = None
-        decode_started = time.perf_counter()
+        resumed = time.perf_counter()
         while finish is None:
             remaining = cfg.max_new_tokens - stats.new_tokens
             # Drafting past the last token we may emit is wasted work.
             k = min(cfg.num_draft_tokens, remaining - 1) if self.proposer is not None else 0
             draft, verdict = self._round(context, k, cfg.sampling, generator, stats)
-            new_tokens = list(draft.token_ids[: verdict.num_accepted]) + [verdict.next_token]
+            new_tokens = [*draft.token_ids[: verdict.num_accepted], verdict.next_token]
+            events = []
             for i, token in enumerate(new_tokens):
                 context.append(token)
                 stats.new_tokens += 1
                 piece = text.add(token)
                 finish = self._finish_reason(token, text, stats, cfg)
                 if finish is not None:
-                    stats.decode_s = time.perf_counter() - decode_started
                     piece += text.finish()
-                yield Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted)
+                events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted))
                 if finish is not None:
                     break
+            # Draft tokens cut off by an end (EOS, stop, length) were never kept.
+            stats.observe_draft(len(draft), min(verdict.num_accepted, len(events)))
+            # Time spent by the caller between events is not decoding time.
+            stats.decode_s += time.perf_counter() - resumed
+            yield from events
+            resumed = time.perf_counter()
         yield Event(token_id=None, text="", finish_reason=finish, stats=stats)
 
     def _finish_reason(self, token: int, text: TextStream, stats: Stats, cfg: GenerationConfig) -> str | None:
@@ -174,7 +180,6 @@ class Engine:
             self.target.trim(base + 1 + kept if verdict else base)
             if k > 0:
                 self.proposer.observe(kept)
-        stats.observe_draft(len(draft), verdict.num_accepted)
         return draft, verdict
 
     @staticmethod

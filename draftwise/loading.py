@@ -1,7 +1,7 @@
 """Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
 from __future__ import annotations
 
-from draftwise.backends.hf import HFBackend, load_hf
+from draftwise.backends.hf import HFBackend, load_hf, load_tokenizer
 from draftwise.config import METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
@@ -24,12 +24,17 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     from draftwise.models import resolve  # the store pulls weights; only named models need it
 
     method = choose_method(method, draft is not None)
-    source = resolve(target, progress=progress)
-    target_model, tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device, progress=progress)
+    target_source = resolve(target, progress=progress)
     draft_model = draft_tokenizer = None
     if method == "draft":
-        source = resolve(draft, progress=progress)
-        draft_model, draft_tokenizer = load_hf(str(source.path), source.gguf_file, dtype=dtype, device=device, progress=progress)
+        draft_source = resolve(draft, progress=progress)
+        # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
+        check_same_tokenizer(load_tokenizer(str(target_source.path), target_source.gguf_file),
+                             load_tokenizer(str(draft_source.path), draft_source.gguf_file))
+        draft_model, draft_tokenizer = load_hf(str(draft_source.path), draft_source.gguf_file, dtype=dtype,
+                                               device=device, progress=progress)
+    target_model, tokenizer = load_hf(str(target_source.path), target_source.gguf_file, dtype=dtype,
+                                      device=device, progress=progress)
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, draft_tokenizer, **lookup)
 
 

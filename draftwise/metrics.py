@@ -16,10 +16,11 @@ class Stats:
     target_forwards: int = 0  # decode passes of the target (prefill apart)
     proposed_at: list[int] = field(default_factory=list)  # [k]: rounds that offered a token at position i
     accepted_at: list[int] = field(default_factory=list)  # [k]: rounds that kept the token at position i
+    # per_position_acceptance[i] = accepted_at[i] / proposed_at[i]: among rounds that offered an i-th token.
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    decode_s: float = 0.0  # wall time of all rounds
+    decode_s: float = 0.0  # time spent decoding (rounds and emission), the caller's time between events excluded
 
     def observe_draft(self, num_draft: int, num_accepted: int) -> None:
         """Count one verification round: num_draft tokens offered, the first num_accepted kept."""

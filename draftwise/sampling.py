@@ -34,5 +34,5 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id from probs [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from probs [vocab]. Drawn on the CPU, where the generator lives, whatever the model's device."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

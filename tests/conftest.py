@@ -6,7 +6,10 @@ import functools
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 CORPUS = [
     "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n",
@@ -40,17 +43,22 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 # Tiny models run fastest on one thread; a second one only adds contention on a 2-core machine.
 torch.set_num_threads(1)
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    # A window shorter than the tests' texts: the cache must still rewind once the window has filled.
+    "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 16}),
+}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: int | None = None):
     """A random causal LM small enough that a forward takes about a millisecond."""
-    config_cls, model_cls = ARCHS[arch]
+    config_cls, model_cls, extra = ARCHS[arch]
     tokenizer = tiny_tokenizer()
     config = config_cls(
         vocab_size=vocab_size or len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **extra,
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()

@@ -75,6 +75,8 @@ def test_an_exception_mid_round_leaves_no_cache_ahead_of_the_text(who):
     text_len = len(tiny_tokenizer()(PROMPT)["input_ids"]) + len(emitted)
     assert eng.target.cache_len == text_len - 1  # all but the last token, as between rounds
     assert eng.proposer.backend.cache_len == len(eng.proposer._cached) <= text_len
+    text = tiny_tokenizer()(PROMPT)["input_ids"] + emitted
+    assert eng.proposer._cached == text[: len(eng.proposer._cached)]  # a prefix of the text, nothing else
     # And the engine goes on from there: a new generation is unaffected.
     backend.model.forward = type(backend.model).forward.__get__(backend.model)
     assert eng.generate(PROMPT, max_new_tokens=10).token_ids == fresh_tokens(PROMPT, 10)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import tiny_model, tiny_tokenizer
 
 import draftwise
@@ -26,15 +25,6 @@ from draftwise.models import KNOWN_MODELS, ModelStatus
 PROMPT = "The quick brown fox jumps over the lazy dog. The dog"
 N = 24  # new tokens per run: enough for several rounds, fast on a tiny model
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy machine OpenMP spinning makes them 10-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ def engine(arch, method, draft=None):
 CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
 @pytest.mark.parametrize("method,draft", CASES, ids=[f"{m}-{d}" if d else m for m, d in CASES])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_output_is_the_targets_own(arch, method, draft, k):

@@ -17,7 +17,7 @@ class HFBackend:
         config = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
-        self._cache = DynamicCache(config=model.config)
+        self._cache = _new_cache()
 
     @property
     def device(self) -> torch.device:
@@ -28,7 +28,7 @@ class HFBackend:
         return self._cache.get_seq_length()
 
     def prefill(self, token_ids: list[int]) -> None:
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = _new_cache()
         if token_ids:
             # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
             self._run(token_ids, logits_to_keep=1)
@@ -55,18 +55,33 @@ class HFBackend:
         return out.logits
 
 
+def _new_cache() -> DynamicCache:
+    # No config on purpose: with one, sliding-window models get layers that refuse to crop once the
+    # window fills, and every rejection would fail. The model's attention mask applies the window anyway.
+    return DynamicCache()
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in _TORCH_DTYPES:
         raise DraftwiseError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return _TORCH_DTYPES[name]
 
 
+def load_tokenizer(path: str, gguf_file: str | None = None):
+    """The tokenizer alone: seconds, so a draft/target mismatch is caught before a model loads."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise DraftwiseError(f"could not load a tokenizer from {path}: {err}") from err
+
+
 def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu", progress: bool = True):
     """Load (model, tokenizer) from a local folder, or a .gguf file inside it."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = load_tokenizer(path, gguf_file)
     try:
         with transformers_progress(progress):
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
