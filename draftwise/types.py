@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.metrics import Stats
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -35,7 +37,9 @@ class Verdict:
 class Event:
     """One step of `Engine.stream`: a token, the text it completed, and where it came from.
 
-    The last event has token_id None, carries any held-back text, the finish reason
+    A token's event carries the text that became safe to show with it (text held back for a
+    possible stop string or an unfinished character comes later; the last token's event flushes
+    it). After the last token, one more event with token_id None carries the finish reason
     ("eos", "stop", "length") and the run's stats.
     """
 
@@ -43,4 +47,4 @@ class Event:
     text: str
     from_draft: bool = False
     finish_reason: str | None = None
-    stats: "object | None" = None  # draftwise.metrics.Stats on the last event
+    stats: Stats | None = None  # on the last event
