@@ -38,12 +38,14 @@ class Result:
 
 
 class Engine:
-    def __init__(self, target: Backend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int]):
+    def __init__(self, target: Backend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int],
+                 max_context: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.method = method
         self.eos = eos
+        self.max_context = max_context or target.max_context  # the smallest context of the models involved
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -101,8 +103,7 @@ class Engine:
     def _check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
         if cfg.num_draft_tokens > MAX_DRAFT_TOKENS:
             raise DraftwiseError(f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {cfg.num_draft_tokens}")
-        backends = [self.target] + ([self.proposer.backend] if hasattr(self.proposer, "backend") else [])
-        context = min(b.max_context for b in backends)
+        context = self.max_context
         if prompt_len + cfg.max_new_tokens > context:
             room = context - prompt_len
             allowed = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt"

@@ -1,7 +1,7 @@
 """Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
 from __future__ import annotations
 
-from draftwise.backends.hf import HFBackend, load_hf, load_tokenizer
+from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.config import METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
@@ -25,30 +25,33 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
 
     method = choose_method(method, draft is not None)
     target_source = resolve(target, progress=progress)
-    draft_model = draft_tokenizer = None
+    tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
+    draft_model = None
     if method == "draft":
         draft_source = resolve(draft, progress=progress)
         # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
-        check_same_tokenizer(load_tokenizer(str(target_source.path), target_source.gguf_file),
-                             load_tokenizer(str(draft_source.path), draft_source.gguf_file))
-        draft_model, draft_tokenizer = load_hf(str(draft_source.path), draft_source.gguf_file, dtype=dtype,
-                                               device=device, progress=progress)
-    target_model, tokenizer = load_hf(str(target_source.path), target_source.gguf_file, dtype=dtype,
-                                      device=device, progress=progress)
-    return assemble(engine_cls, target_model, tokenizer, method, draft_model, draft_tokenizer, **lookup)
+        check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
+        draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
+    target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
+    return assemble(engine_cls, target_model, tokenizer, method, draft_model, **lookup)
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
              draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int = 1):
-    """Models already in memory -> Engine. The draft must share the target's tokenizer."""
+    """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
+    own tokenizer as draft_tokenizer to have that checked."""
     method = choose_method(method, draft_model is not None)
     target = HFBackend(target_model)
+    max_context = target.max_context
     if method == "draft":
-        check_same_tokenizer(tokenizer, draft_tokenizer or tokenizer)
-        proposer = DraftModelProposer(HFBackend(draft_model), target_vocab_size=target.vocab_size)
+        if draft_tokenizer is not None:
+            check_same_tokenizer(tokenizer, draft_tokenizer)
+        draft = HFBackend(draft_model)
+        max_context = min(max_context, draft.max_context)
+        proposer = DraftModelProposer(draft, target_vocab_size=target.vocab_size)
     elif method == "lookup":
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=lookup_min_ngram)
     else:
         proposer = None
     eos = eos_ids(tokenizer, target_model.generation_config) | eos_ids(tokenizer, target_model.config)
-    return engine_cls(target, tokenizer, proposer, method, eos)
+    return engine_cls(target, tokenizer, proposer, method, eos, max_context)

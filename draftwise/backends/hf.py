@@ -76,13 +76,18 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
         raise DraftwiseError(f"could not load a tokenizer from {path}: {err}") from err
 
 
-def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu", progress: bool = True):
-    """Load (model, tokenizer) from a local folder, or a .gguf file inside it."""
+def load_model(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
+               progress: bool = True) -> PreTrainedModel:
+    """A causal LM from a local folder, or a .gguf file inside it, cast to dtype."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = load_tokenizer(path, gguf_file)
     try:
         with transformers_progress(progress):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
-    return model.to(device), tokenizer
+    return model.to(device)
+
+
+def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu", progress: bool = True):
+    """(model, tokenizer) from a local folder, or a .gguf file inside it."""
+    return load_model(path, gguf_file, dtype, device, progress), load_tokenizer(path, gguf_file)

@@ -1,0 +1,54 @@
+"""Engine.from_pretrained on local Hugging Face folders: the path every named model takes after the store."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import DraftwiseError, Engine
+from test_errors import RenamedToken
+
+PROMPT = "def quicksort(arr):"
+
+
+def save(folder, model, tokenizer):
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save(root / "target", tiny_model("qwen2", 0), tiny_tokenizer()),
+        "draft": save(root / "draft", tiny_model("qwen2", 0, layers=1), tiny_tokenizer()),
+    }
+
+
+def test_a_local_pair_loads_and_keeps_the_targets_greedy_output(folders):
+    speculative = Engine.from_pretrained(target=folders["target"], draft=folders["draft"], progress=False)
+    alone = Engine.from_pretrained(target=folders["target"], method="none", progress=False)
+    assert speculative.method == "draft" and alone.method == "none"
+    result = speculative.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert result.token_ids == alone.generate(PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    assert result.stats.proposed > 0
+
+
+def test_a_mismatched_pair_is_refused_before_any_model_loads(folders, tmp_path, monkeypatch):
+    other = save(tmp_path / "other", tiny_model("qwen2", 1), tiny_tokenizer())
+    by_id = {i: t for t, i in tiny_tokenizer().get_vocab().items()}
+    renamed = RenamedToken(tiny_tokenizer(), 270, "ZZ")
+    import draftwise.loading as loading
+
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path, gguf=None: renamed if path == other else tiny_tokenizer())
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded before the tokenizer check"))
+    with pytest.raises(DraftwiseError, match=f"token id 270 is {by_id[270]!r} in the target but 'ZZ' in the draft"):
+        Engine.from_pretrained(target=folders["target"], draft=other, progress=False)
+
+
+def test_the_smaller_context_of_the_pair_limits_the_prompt():
+    draft = tiny_model("llama", 1, 1)
+    draft.config.max_position_embeddings = 64
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=draft)
+    with pytest.raises(DraftwiseError, match="exceeds the model context of 64 tokens"):
+        engine.generate("the fox " * 20, max_new_tokens=40)
