@@ -233,18 +233,18 @@ def _use_color(args: argparse.Namespace, stream) -> bool:
     return bool(isatty and isatty())
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+def fmt_optional(value: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
 def stats_line(stats) -> str:
     """One line for humans, e.g. `[draft k=4] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
     head = f"[{stats.method}]" if stats.method == "none" else f"[{stats.method} k={stats.num_draft_tokens}]"
-    parts = [f"{stats.new_tokens} tokens", f"{_fmt(stats.tokens_per_s, '.1f')} tok/s"]
+    parts = [f"{stats.new_tokens} tokens", f"{fmt_optional(stats.tokens_per_s, '.1f')} tok/s"]
     if stats.method != "none":
         rate = stats.acceptance_rate
-        parts.append(f"acceptance {_fmt(None if rate is None else 100 * rate, '.1f', '%')}")
-        parts.append(f"mean accepted length {_fmt(stats.mean_accepted_length, '.2f')}")
+        parts.append(f"acceptance {fmt_optional(None if rate is None else 100 * rate, '.1f', '%')}")
+        parts.append(f"mean accepted length {fmt_optional(stats.mean_accepted_length, '.2f')}")
     parts.append(f"{stats.target_forwards} target passes")
     return f"{head} {', '.join(parts)}"
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from draftwise.errors import DraftwiseError
 
 METHODS = ("draft", "lookup", "none")
+MAX_DRAFT_TOKENS = 64
 DTYPES = ("float32", "bfloat16")
 
 
@@ -56,5 +57,9 @@ class GenerationConfig:
             raise DraftwiseError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_draft_tokens < 1:
             raise DraftwiseError(f"num_draft_tokens (k) must be >= 1, got {self.num_draft_tokens}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise DraftwiseError(
+                f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
+            )
         if any(not s for s in self.stop):
             raise DraftwiseError("stop strings must be non-empty")

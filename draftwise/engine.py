@@ -22,12 +22,9 @@ from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.sampling import logits_to_probs, make_generator
 from draftwise.text import TextStream
-from draftwise.tokenizers import encode_prompt, eos_ids
+from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify import verify_greedy, verify_rejection
-
-MAX_DRAFT_TOKENS = 64
-
 
 @dataclass(frozen=True)
 class Result:
@@ -101,8 +98,6 @@ class Engine:
         return self._run(prompt_ids, cfg)
 
     def _check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
-        if cfg.num_draft_tokens > MAX_DRAFT_TOKENS:
-            raise DraftwiseError(f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {cfg.num_draft_tokens}")
         context = self.max_context
         if prompt_len + cfg.max_new_tokens > context:
             room = context - prompt_len

@@ -53,5 +53,5 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=lookup_min_ngram)
     else:
         proposer = None
-    eos = eos_ids(tokenizer, target_model.generation_config) | eos_ids(tokenizer, target_model.config)
+    eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     return engine_cls(target, tokenizer, proposer, method, eos, max_context)

@@ -48,10 +48,10 @@ def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool) -
     return ids
 
 
-def eos_ids(tokenizer, model_config) -> frozenset[int]:
-    """Every id that ends a sequence: the tokenizer's, and the generation config's (chat models list several)."""
+def eos_ids(tokenizer, *model_configs) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's and the configs' (chat models list several)."""
     ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+    for source in (tokenizer.eos_token_id, *(getattr(c, "eos_token_id", None) for c in model_configs)):
         if isinstance(source, int):
             ids.add(source)
         elif source:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from draftwise import Engine
-from draftwise.cli import stats_line, stream_to_terminal
+from draftwise.cli import fmt_optional, stats_line, stream_to_terminal
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPT, NEW_TOKENS, K = "def quicksort(arr):", 128, 4
@@ -34,17 +34,13 @@ def main() -> int:
         s = r.stats
         print(
             f"{method:7} {s.tokens_per_s:8.2f}  {s.tokens_per_s / baseline.stats.tokens_per_s:6.2f}x  "
-            f"{_fmt(s.acceptance_rate, '.1%'):>10}  {s.mean_accepted_length:13.2f}  {s.target_forwards:13d}  "
-            f"{1000 * s.verify_s / s.target_forwards:7.0f}  {_fmt(s.cost_ratio, '.3f'):5}  {_fmt(s.predicted_speedup, '.2f', 'x'):>9}  {r.token_ids == baseline.token_ids}",
+            f"{fmt_optional(s.acceptance_rate, '.1%'):>10}  {s.mean_accepted_length:13.2f}  {s.target_forwards:13d}  "
+            f"{1000 * s.verify_s / s.target_forwards:7.0f}  {fmt_optional(s.cost_ratio, '.3f'):5}  {fmt_optional(s.predicted_speedup, '.2f', 'x'):>9}  {r.token_ids == baseline.token_ids}",
             file=sys.stderr,
         )
     same = all(r.token_ids == baseline.token_ids for _, r in rows)
     print("greedy identity:", "yes" if same else "NO", file=sys.stderr)
     return 0 if same else 1
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 if __name__ == "__main__":
