@@ -1,0 +1,1 @@
+"""The benchmark: prompts, runners, report."""

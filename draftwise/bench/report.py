@@ -1,0 +1,242 @@
+"""results.json -> report.md: the setup, four tables, a reading of the roofline, and the plots."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftwise.bench.summary import ALL, REFERENCE_PEER, summarize
+
+ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
+PLOT_TITLES = {
+    "speedup_by_category": "Speedup by category",
+    "acceptance_by_position": "Acceptance by draft position",
+}
+
+
+# -- formatting: None is "-" everywhere --------------------------------------------------------------------------
+
+def fmt_num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def fmt_pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def fmt_identical(identical: int | None, prompts: int) -> str:
+    return "-" if identical is None else f"{identical}/{prompts}"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align_left: int = 1) -> str:
+    """A GitHub markdown table; the first `align_left` columns are left-aligned, the rest right-aligned."""
+    rule = [":---" if i < align_left else "---:" for i in range(len(header))]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def _rows_by_key(summary: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(row["method"], row["category"]): row for row in summary}
+
+
+def _order(meta: dict, summary: list[dict]) -> tuple[list[str], list[str]]:
+    """Methods and categories (with "all" last) in the meta's order, then any the summary adds."""
+    methods = list(dict.fromkeys([*meta.get("methods", []), *(row["method"] for row in summary)]))
+    categories = list(dict.fromkeys([*meta.get("categories", []), *(row["category"] for row in summary)]))
+    categories = [c for c in categories if c != ALL] + [ALL]
+    present = {row["method"] for row in summary}
+    return [m for m in methods if m in present], categories
+
+
+def _roofline_ms(table: dict | None, n: int) -> float | None:
+    if not table:
+        return None
+    return table.get(str(n), table.get(n))
+
+
+def _interpolated_ms(table: dict | None, n: float) -> float | None:
+    """The forward time of n new tokens, linearly interpolated between the measured sizes."""
+    points = [(size, _roofline_ms(table, size)) for size in ROOFLINE_TOKENS]
+    points = [(size, ms) for size, ms in points if ms is not None]
+    if not points:
+        return None
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= n <= x1:
+            return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+    return points[0][1] if n < points[0][0] else points[-1][1]
+
+
+# -- sections ----------------------------------------------------------------------------------------------------
+
+def _header(meta: dict) -> str:
+    models = f"target `{meta.get('target', '?')}`"
+    if meta.get("draft"):
+        models += f", draft `{meta['draft']}`"
+    setup = (
+        f"{meta.get('machine', 'unknown machine')} · {meta.get('dtype', '?')} · {models} · "
+        f"max_new_tokens {meta.get('max_new_tokens', '?')} · k {meta.get('num_draft_tokens', '?')} · "
+        f"repeats {meta.get('repeats', '?')}"
+    )
+    lines = ["# draftwise bench", "", setup]
+    if meta.get("started"):
+        lines += ["", f"Started {meta['started']}."]
+    if meta.get("command"):
+        lines += ["", f"Command: `{meta['command']}`"]
+    return "\n".join(lines)
+
+
+def _table_by_category(summary: list[dict], methods: list[str], categories: list[str]) -> str:
+    rows = _rows_by_key(summary)
+    has_peer = any(row["method"] == REFERENCE_PEER for row in summary)
+    body = []
+    for method in methods:
+        cells = [method]
+        for category in categories:
+            row = rows.get((method, category))
+            if row is None:
+                cells.append("-")
+                continue
+            cell = fmt_num(row["tokens_per_s"])
+            if has_peer:
+                cell += f" ({fmt_ratio(row['speedup_vs_hf_plain'])})"
+            cells.append(cell)
+        body.append(cells)
+    note = " (speedup vs hf-plain in parentheses)" if has_peer else ""
+    return f"## Tokens/s by category{note}\n\n" + md_table(["method", *categories], body)
+
+
+def _table_detail(summary: list[dict], methods: list[str], categories: list[str]) -> str:
+    header = [
+        "method", "category", "prompts", "tok/s", "vs hf-plain", "vs none", "acceptance", "mean accepted length",
+        "k", "c", "predicted", "measured/predicted", "identical",
+    ]
+    rows = _rows_by_key(summary)
+    body = []
+    for method in methods:
+        for category in categories:
+            row = rows.get((method, category))
+            if row is None:
+                continue
+            body.append([
+                method, category, str(row["prompts"]), fmt_num(row["tokens_per_s"]),
+                fmt_ratio(row["speedup_vs_hf_plain"]), fmt_ratio(row["speedup_vs_none"]),
+                fmt_pct(row["acceptance_rate"]), fmt_num(row["mean_accepted_length"], 2),
+                fmt_num(row["mean_draft_length"], 2), fmt_num(row["cost_ratio"], 3),
+                fmt_ratio(row["predicted_speedup"]), fmt_ratio(row["measured_over_predicted"]),
+                fmt_identical(row["identical"], row["prompts"]),
+            ])
+    legend = (
+        "k: draft tokens offered per round; c: seconds per draft token over seconds per plain target step; "
+        "predicted: Leviathan et al. (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured acceptance a, k and c; "
+        "identical: prompts whose every repeat matched the reference greedy output."
+    )
+    return "## Per method and category\n\n" + md_table(header, body, align_left=2) + "\n\n" + legend
+
+
+def _table_positions(summary: list[dict], methods: list[str]) -> str | None:
+    rows = _rows_by_key(summary)
+    lists = [(m, rows[(m, ALL)]["per_position_acceptance"]) for m in methods if (m, ALL) in rows]
+    lists = [(m, values) for m, values in lists if values]
+    if not lists:
+        return None
+    width = max(len(values) for _, values in lists)
+    body = [[m, *(fmt_pct(v) for v in values), *["-"] * (width - len(values))] for m, values in lists]
+    header = ["method", *(f"pos {i}" for i in range(1, width + 1))]
+    text = "Among rounds that offered an i-th draft token, the share that kept it (all categories)."
+    return "## Acceptance by draft position\n\n" + text + "\n\n" + md_table(header, body)
+
+
+def _table_roofline(roofline: dict | None, meta: dict) -> str | None:
+    if not roofline or not roofline.get("target"):
+        return None
+    target, draft = roofline.get("target"), roofline.get("draft")
+    header = ["new tokens", "target ms", "target x of 1 token"]
+    if draft:
+        header += ["draft ms", "draft x of 1 token"]
+    body = []
+    for n in ROOFLINE_TOKENS:
+        t = _roofline_ms(target, n)
+        cells = [str(n), fmt_num(t, 2), fmt_ratio(_ratio(t, _roofline_ms(target, 1)))]
+        if draft:
+            d = _roofline_ms(draft, n)
+            cells += [fmt_num(d, 2), fmt_ratio(_ratio(d, _roofline_ms(draft, 1)))]
+        body.append(cells)
+    intro = "Median time of one forward of n new tokens after a 200-token prefill."
+    return "## Roofline\n\n" + intro + "\n\n" + md_table(header, body) + "\n\n" + _roofline_reading(target, draft, meta)
+
+
+def _roofline_reading(target: dict, draft: dict | None, meta: dict) -> str:
+    """One paragraph: what verification and drafting cost in plain target steps, and the break-even this implies."""
+    step = _roofline_ms(target, 1)
+    k = meta.get("num_draft_tokens")
+    if step is None or not k:
+        return "Too few measurements for a reading."
+    verify = _interpolated_ms(target, k + 1)
+    measured = k + 1 in ROOFLINE_TOKENS
+    verify_x = verify / step
+    if verify_x < 1.5:
+        shape = "nearly as cheap as one step: the forward is memory-bound here, which is where speculation pays"
+    elif verify_x > 0.6 * (k + 1):
+        shape = "nearly k + 1 steps: the forward is compute-bound here, which leaves speculation little room"
+    else:
+        shape = "more than one step but well under k + 1 steps"
+    parts = [
+        f"One plain target step takes {step:.2f} ms; verifying k + 1 = {k + 1} tokens costs "
+        f"{verify_x:.2f}x one plain step ({'' if measured else 'interpolated, '}{verify:.2f} ms), {shape}."
+    ]
+    round_ms = verify
+    draft_step = _roofline_ms(draft, 1)
+    if draft_step is not None:
+        parts.append(
+            f"One draft forward takes {draft_step:.2f} ms, {draft_step / step:.3f} of a target step "
+            f"(the roofline's c; the model forward only, without the engine's bookkeeping)."
+        )
+        round_ms += k * draft_step
+    parts.append(
+        f"A round of {k} draft tokens and one verification therefore costs about {round_ms / step:.2f} plain steps, "
+        f"so it pays off only when it emits more tokens than that on average (mean accepted length above "
+        f"{round_ms / step:.2f})."
+    )
+    return " ".join(parts)
+
+
+def _plots_section(plots: dict[str, str] | None, out_dir: Path) -> str | None:
+    if not plots:
+        return None
+    lines = ["## Plots"]
+    for name, filename in plots.items():
+        link = Path(os.path.relpath(filename, out_dir)).as_posix() if os.path.isabs(filename) else filename
+        lines += ["", f"![{PLOT_TITLES.get(name, name)}]({link})"]
+    return "\n".join(lines)
+
+
+def write_report(results: dict, out_dir: Path, plots: dict[str, str] | None) -> Path:
+    """Write out_dir/report.md from results.json's dict (the summary is computed when absent); returns its path."""
+    out_dir = Path(out_dir)
+    meta = results.get("meta", {})
+    roofline = results.get("roofline")
+    summary = results.get("summary") or summarize(results.get("runs", []), roofline)
+    methods, categories = _order(meta, summary)
+
+    sections = [
+        _header(meta),
+        _table_by_category(summary, methods, categories),
+        _table_detail(summary, methods, categories),
+        _table_positions(summary, methods),
+        _table_roofline(roofline, meta),
+        _plots_section(plots, out_dir),
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.md"
+    path.write_text("\n\n".join(s for s in sections if s) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,166 @@
+"""Raw bench runs -> one flat, JSON-serializable summary row per (method, category), plus one "all" row per method.
+
+Pure and model-free. Every quantity is a small named function so that the report and the tests name the same thing.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+ALL = "all"
+REFERENCE_PEER = "hf-plain"
+REFERENCE_OWN = "none"
+
+
+def _ordered_unique(values: Iterable) -> list:
+    return list(dict.fromkeys(values))
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None when either is missing or den is zero."""
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def _fields_sum(runs: Sequence[dict], key: str) -> float | None:
+    """Sum of a field over runs, or None when any run lacks it (a partial sum would mislead)."""
+    values = [run.get(key) for run in runs]
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values)
+
+
+def prompt_key(run: dict) -> tuple:
+    """A prompt is identified by its category and question id (ids may repeat across categories)."""
+    return (run["category"], run["question_id"])
+
+
+def group_by_prompt(runs: Iterable[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(prompt_key(run), []).append(run)
+    return groups
+
+
+def throughput(runs: Sequence[dict]) -> float | None:
+    """Tokens/s over the prompts: sum of new tokens / sum of each prompt's MEDIAN decode time over its repeats."""
+    tokens = seconds = 0.0
+    for repeats in group_by_prompt(runs).values():
+        tokens += statistics.median(r["new_tokens"] for r in repeats)
+        seconds += statistics.median(r["decode_s"] for r in repeats)
+    return _ratio(tokens, seconds)
+
+
+def acceptance_rate(runs: Sequence[dict]) -> float | None:
+    """Accepted / proposed draft tokens over all runs; None without proposals."""
+    return _ratio(_fields_sum(runs, "accepted"), _fields_sum(runs, "proposed"))
+
+
+def mean_accepted_length(runs: Sequence[dict]) -> float | None:
+    """Tokens emitted per target pass (the target's own token included): 1.0 for plain decoding."""
+    return _ratio(_fields_sum(runs, "new_tokens"), _fields_sum(runs, "target_forwards"))
+
+
+def mean_draft_length(runs: Sequence[dict]) -> float | None:
+    """k: draft tokens offered per verification round."""
+    return _ratio(_fields_sum(runs, "proposed"), _fields_sum(runs, "rounds"))
+
+
+def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
+    """[i]: kept / offered i-th draft tokens over runs (runs' lists may differ in length); None without lists."""
+    pairs = [(r.get("proposed_at"), r.get("accepted_at")) for r in runs]
+    pairs = [(p, a) for p, a in pairs if p is not None and a is not None]
+    if not pairs:
+        return None
+    length = max(len(p) for p, _ in pairs)
+    if length == 0:
+        return None
+    offered = [0] * length
+    kept = [0] * length
+    for proposed_at, accepted_at in pairs:
+        for i, n in enumerate(proposed_at):
+            offered[i] += n
+        for i, n in enumerate(accepted_at):
+            kept[i] += n
+    return [_ratio(kept[i], offered[i]) for i in range(length)]
+
+
+def seconds_per_draft_token(runs: Sequence[dict]) -> float | None:
+    return _ratio(_fields_sum(runs, "draft_s"), _fields_sum(runs, "proposed"))
+
+
+def seconds_per_target_step(none_runs: Sequence[dict], roofline: dict | None) -> float | None:
+    """One plain target step: the "none" runs' decode seconds per token, else the roofline's 1-token forward."""
+    measured = _ratio(_fields_sum(none_runs, "decode_s"), _fields_sum(none_runs, "new_tokens")) if none_runs else None
+    if measured is not None:
+        return measured
+    target = (roofline or {}).get("target") or {}
+    one_ms = target.get("1", target.get(1))
+    return None if one_ms is None else one_ms / 1000
+
+
+def cost_ratio(runs: Sequence[dict], none_runs: Sequence[dict], roofline: dict | None) -> float | None:
+    """Leviathan's c: seconds per draft token over seconds per plain target step."""
+    return _ratio(seconds_per_draft_token(runs), seconds_per_target_step(none_runs, roofline))
+
+
+def predicted_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
+    """Leviathan et al.: expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1."""
+    if a is None or k is None or c is None:
+        return None
+    tokens_per_round = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens_per_round / (k * c + 1)
+
+
+def identical_prompts(runs: Sequence[dict]) -> int | None:
+    """Prompts whose every repeat reproduced the reference output; None when no run was compared."""
+    if all(r.get("identical") is None for r in runs):
+        return None
+    return sum(all(r.get("identical") is True for r in repeats) for repeats in group_by_prompt(runs).values())
+
+
+def _row(method: str, category: str, runs: list[dict], none_runs: list[dict], roofline: dict | None) -> dict:
+    a = acceptance_rate(runs)
+    k = mean_draft_length(runs)
+    c = cost_ratio(runs, none_runs, roofline)
+    return {
+        "method": method,
+        "category": category,
+        "prompts": len(group_by_prompt(runs)),
+        "tokens_per_s": throughput(runs),
+        "speedup_vs_hf_plain": None,  # filled in once every row's throughput is known
+        "speedup_vs_none": None,
+        "acceptance_rate": a,
+        "mean_accepted_length": mean_accepted_length(runs),
+        "per_position_acceptance": per_position_acceptance(runs),
+        "mean_draft_length": k,
+        "cost_ratio": c,
+        "predicted_speedup": predicted_speedup(a, k, c),
+        "measured_over_predicted": None,
+        "identical": identical_prompts(runs),
+    }
+
+
+def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
+    """One row per (method, category) in order methods x categories (first appearance), then "all" per method."""
+    methods = _ordered_unique(r["method"] for r in runs)
+    categories = _ordered_unique(r["category"] for r in runs)
+    none_by_prompt = group_by_prompt(r for r in runs if r["method"] == REFERENCE_OWN)
+
+    rows = []
+    for method in methods:
+        own = [r for r in runs if r["method"] == method]
+        groups = [(c, [r for r in own if r["category"] == c]) for c in categories] + [(ALL, own)]
+        for category, selected in groups:
+            if not selected:
+                continue
+            none_runs = [n for key in group_by_prompt(selected) for n in none_by_prompt.get(key, [])]
+            rows.append(_row(method, category, selected, none_runs, roofline))
+
+    tps = {(row["method"], row["category"]): row["tokens_per_s"] for row in rows}
+    for row in rows:
+        row["speedup_vs_hf_plain"] = _ratio(row["tokens_per_s"], tps.get((REFERENCE_PEER, row["category"])))
+        row["speedup_vs_none"] = _ratio(row["tokens_per_s"], tps.get((REFERENCE_OWN, row["category"])))
+        row["measured_over_predicted"] = _ratio(row["speedup_vs_none"], row["predicted_speedup"])
+    return rows
