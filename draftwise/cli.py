@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from draftwise import __version__
+from draftwise.bench.command import add_bench
 from draftwise.config import DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(commands)
+    add_bench(commands, _Formatter)
     _add_models(commands)
     return parser
 

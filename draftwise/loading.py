@@ -21,19 +21,27 @@ def choose_method(method: str | None, has_draft: bool) -> str:
 def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
                  dtype: str = "float32", device: str = "cpu", progress: bool = True, **lookup):
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed)."""
+    method = choose_method(method, draft is not None)
+    target_model, tokenizer, draft_model = load_models(target, draft if method == "draft" else None, dtype, device,
+                                                       progress)
+    return assemble(engine_cls, target_model, tokenizer, method, draft_model, **lookup)
+
+
+def load_models(target: str, draft: str | None = None, dtype: str = "float32", device: str = "cpu",
+                progress: bool = True):
+    """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first."""
     from draftwise.models import resolve  # the store pulls weights; only named models need it
 
-    method = choose_method(method, draft is not None)
     target_source = resolve(target, progress=progress)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
     draft_model = None
-    if method == "draft":
+    if draft is not None:
         draft_source = resolve(draft, progress=progress)
         # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
         check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
         draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
-    return assemble(engine_cls, target_model, tokenizer, method, draft_model, **lookup)
+    return target_model, tokenizer, draft_model
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,

@@ -1,0 +1,165 @@
+"""`draftwise bench`: every method on the same loaded models and prompts, interleaved, then the three outputs.
+
+Order of work: choose prompts, load the models once, warm every method up (untimed), run prompt by prompt
+with the methods interleaved and their order rotated each repeat (no method always runs first, after a
+particular other, or on a cooler machine), mark which outputs equal the reference greedy output, measure
+the roofline, summarize, write results.json, the plots and report.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftwise.bench.plots import write_plots
+from draftwise.bench.prompts import BenchPrompt, default_prompts, load_prompts, select_prompts
+from draftwise.bench.report import write_report
+from draftwise.bench.runners import NEEDS_DRAFT, Runners, check_methods, measure_roofline
+from draftwise.bench.summary import summarize
+from draftwise.errors import DraftwiseError
+from draftwise.tokenizers import encode_prompt
+
+DEFAULT_METHODS = ("none", "draft", "lookup", "hf-plain", "hf-assisted", "hf-lookup")
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str | None = None
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    categories: str = "all"
+    per_category: int | None = 3
+    limit: int | None = None
+    prompts_file: str | None = None
+    max_new_tokens: int = 128
+    repeats: int = 3
+    num_draft_tokens: int = 4
+    dtype: str = "float32"
+    device: str = "cpu"
+    out: str = "bench-results"
+    roofline: bool = True
+    progress: bool = True
+
+    def check(self) -> None:
+        check_methods(list(self.methods), self.draft is not None)
+        for name in ("max_new_tokens", "repeats", "num_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise DraftwiseError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+
+def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
+    prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else default_prompts()
+    return select_prompts(prompts, cfg.categories, cfg.per_category, cfg.limit)
+
+
+def run_bench(cfg: BenchConfig, command: str = "", models=None) -> dict:
+    """Run the benchmark and write its outputs under cfg.out. models: (target, tokenizer, draft) already loaded."""
+    cfg.check()
+    prompts = choose_prompts(cfg)
+    out = prepare_out(cfg.out)
+    models = models or load_models(cfg)
+    target_model, tokenizer, draft_model = models
+    runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens)
+    encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
+
+    _warm_up(runners, cfg.methods, encoded[0])
+    runs = _interleaved_runs(runners, cfg, prompts, encoded)
+    _mark_identical(runs, cfg.methods)
+    roofline = _roofline(target_model, draft_model) if cfg.roofline else None
+    results = {
+        "meta": _meta(cfg, command, prompts),
+        "roofline": roofline,
+        "runs": runs,
+        "summary": summarize(runs, roofline),
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plots = write_plots(results, out)
+    write_report(results, out, plots)
+    return results
+
+
+def load_models(cfg: BenchConfig):
+    """(target, tokenizer, draft or None): the draft only when a method needs it."""
+    from draftwise.loading import load_models as load
+
+    return load(cfg.target, cfg.draft if uses_draft(cfg) else None, cfg.dtype, cfg.device, cfg.progress)
+
+
+def uses_draft(cfg: BenchConfig) -> bool:
+    return any(m in NEEDS_DRAFT for m in cfg.methods)
+
+
+def prepare_out(path: str) -> Path:
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise DraftwiseError(f"--out {path} is a file; give a folder for results.json, report.md and the plots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _warm_up(runners: Runners, methods, prompt_ids: list[int]) -> None:
+    # First calls allocate buffers and pick kernels; none of that belongs in a measurement.
+    for method in methods:
+        runners.run(method, prompt_ids, WARMUP_TOKENS)
+
+
+def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded) -> list[dict]:
+    methods = list(cfg.methods)
+    runs = []
+    total = len(prompts) * cfg.repeats * len(methods)
+    with tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress, dynamic_ncols=True) as bar:
+        for prompt, prompt_ids in zip(prompts, encoded):
+            for repeat in range(cfg.repeats):
+                shift = repeat % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
+                    record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
+                    runs.append({"method": method, "category": prompt.category, "question_id": prompt.question_id,
+                                 "repeat": repeat, "prompt_tokens": len(prompt_ids), **record,
+                                 "token_ids": token_ids})
+                    bar.update()
+    return runs
+
+
+def _mark_identical(runs: list[dict], methods) -> None:
+    """identical: the output equals the target-only greedy output of the same prompt (none's, else hf-plain's);
+    the reference run itself is that output."""
+    reference = next((m for m in ("none", "hf-plain") if m in methods), None)
+    expected = {(r["category"], r["question_id"]): r["token_ids"] for r in runs
+                if r["method"] == reference and r["repeat"] == 0}
+    for run in runs:
+        key = (run["category"], run["question_id"])
+        run["identical"] = None if reference is None else run["token_ids"] == expected[key]
+
+
+def _roofline(target_model, draft_model) -> dict:
+    return {"context": 200, "target": measure_roofline(target_model),
+            "draft": measure_roofline(draft_model) if draft_model is not None else None}
+
+
+def _meta(cfg: BenchConfig, command: str, prompts) -> dict:
+    meta = asdict(cfg)
+    meta.update(
+        methods=list(cfg.methods),
+        categories=list(dict.fromkeys(p.category for p in prompts)),
+        prompts=len(prompts),
+        machine=machine_description(),
+        command=command,
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    return meta
+
+
+def machine_description() -> str:
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()} cores, {gpu}, {platform.system()} {platform.machine()}, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, transformers {transformers.__version__}")

@@ -1,0 +1,163 @@
+"""One greedy generation of one prompt by one method, timed the same way for ours and transformers'.
+
+Every runner returns a raw run record (the fields summary.py reads) plus the emitted token ids.
+Prefill is excluded on both sides: ours times it apart; for the peers, forward hooks time each model
+call, and the first call of each model (the prompt's prefill) is taken out of the decode time.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+
+import torch
+
+from draftwise.engine import Engine
+from draftwise.errors import DraftwiseError
+
+OURS = ("none", "draft", "lookup")
+PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
+METHODS = OURS + PEERS
+NEEDS_DRAFT = ("draft", "hf-assisted")
+
+
+def check_methods(methods: list[str], has_draft: bool) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise DraftwiseError(f"unknown bench method {unknown[0]!r}; choose from: {', '.join(METHODS)}")
+    needs = [m for m in methods if m in NEEDS_DRAFT]
+    if needs and not has_draft:
+        raise DraftwiseError(f"method {needs[0]!r} needs a draft model (--draft NAME, folder or .gguf path)")
+    if not methods:
+        raise DraftwiseError(f"give at least one method; choose from: {', '.join(METHODS)}")
+
+
+class Runners:
+    """The loaded models, shared by every method so that all of them run on the very same weights."""
+
+    def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4):
+        self.target_model = target_model
+        self.draft_model = draft_model
+        self.num_draft_tokens = num_draft_tokens
+        self._engines = {
+            m: Engine.from_models(target_model, tokenizer, draft_model if m == "draft" else None, method=m)
+            for m in OURS if m != "draft" or draft_model is not None
+        }
+        self._peer_config = _no_eos_config(target_model.generation_config)
+
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+        if method in OURS:
+            return self._run_ours(method, prompt_ids, max_new_tokens)
+        return self._run_peer(method, prompt_ids, max_new_tokens)
+
+    def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+        result = self._engines[method].generate(
+            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True
+        )
+        s = result.stats
+        speculative = method != "none"
+        record = {
+            "new_tokens": s.new_tokens, "decode_s": s.decode_s, "tokens_per_s": s.tokens_per_s,
+            "target_forwards": s.target_forwards,
+            "proposed": s.proposed if speculative else None, "accepted": s.accepted if speculative else None,
+            "rounds": s.rounds if speculative else None,
+            "proposed_at": s.proposed_at if speculative else None, "accepted_at": s.accepted_at if speculative else None,
+            "draft_s": s.draft_s if speculative else None, "verify_s": s.verify_s,
+        }
+        return record, result.token_ids
+
+    def _run_peer(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+        extra = {}
+        if method == "hf-assisted":
+            extra["assistant_model"] = self.draft_model  # transformers' own defaults for draft length
+        elif method == "hf-lookup":
+            extra["prompt_lookup_num_tokens"] = self.num_draft_tokens
+        config = copy.copy(self._peer_config)
+        config.max_new_tokens = max_new_tokens
+        input_ids = torch.tensor([prompt_ids], device=self.target_model.device)  # [1, prompt]
+        # An explicit mask: without one, generate masks every pad id, and chat templates contain it.
+        attention_mask = torch.ones_like(input_ids)
+        with _timed_calls(self.target_model) as target, _timed_calls(extra.get("assistant_model")) as draft:
+            with torch.inference_mode(), _quiet_transformers():
+                output = self.target_model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
+                                                    **extra)
+        token_ids = output[0, len(prompt_ids):].tolist()
+        return _peer_record(method, len(token_ids), target, draft), token_ids
+
+
+def _peer_record(method: str, new_tokens: int, target: list[float], draft: list[float]) -> dict:
+    # The first call of each model is its prefill (for hf-assisted the target's first call also verifies
+    # the first draft, so the peer is spared the cost of one round: a small bias in its favour).
+    decode_s = sum(target[1:]) + sum(draft[1:])
+    record = {
+        "new_tokens": new_tokens, "decode_s": decode_s, "tokens_per_s": new_tokens / decode_s if decode_s else None,
+        "target_forwards": len(target), "proposed": None, "accepted": None, "rounds": None,
+        "proposed_at": None, "accepted_at": None, "draft_s": None, "verify_s": sum(target[1:]),
+    }
+    if method == "hf-assisted":
+        # Each assistant call proposes one token, and each target pass keeps the accepted ones plus its own.
+        record.update(proposed=len(draft), accepted=new_tokens - len(target), rounds=len(target),
+                      draft_s=sum(draft[1:]))
+    return record
+
+
+def _no_eos_config(generation_config):
+    """Greedy, and an end-of-sequence id that no token has, so every method emits exactly max_new_tokens
+    (transformers falls back to the model's EOS when the field is None; -1 matches no token)."""
+    config = copy.deepcopy(generation_config)
+    config.do_sample = False
+    config.eos_token_id = -1
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    for name in ("temperature", "top_p", "top_k"):  # sampling fields would only raise warnings
+        setattr(config, name, None)
+    return config
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers warns on every call that EOS -1 never stops generation: that is the point here."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+@contextmanager
+def _timed_calls(model):
+    """Yield a list that receives the wall time of each forward call of model (or stays empty for None)."""
+    durations: list[float] = []
+    if model is None:
+        yield durations
+        return
+    started: list[float] = []
+    pre = model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+    post = model.register_forward_hook(lambda *_: durations.append(time.perf_counter() - started.pop()))
+    try:
+        yield durations
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def measure_roofline(model, sizes=(1, 2, 4, 8, 16), context: int = 200, repeats: int = 3) -> dict[str, float]:
+    """Median ms of one forward of n new tokens after a context-token prefill: what a verification pass costs."""
+    from draftwise.backends.hf import HFBackend
+
+    backend = HFBackend(model)
+    vocab = min(backend.vocab_size, 1000)
+    prompt = [(7 * i + 3) % vocab for i in range(context)]
+    backend.prefill(prompt)
+    table = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats + 1):  # the first one warms up this shape
+            started = time.perf_counter()
+            backend.forward(prompt[:n])
+            times.append(time.perf_counter() - started)
+            backend.trim(context)
+        table[str(n)] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
+    return table

@@ -1,0 +1,192 @@
+"""draftwise bench end to end on tiny models: every method, the raw runs, identity, the outputs, the CLI.
+
+Speed is never asserted here: only what the bench counts and writes.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from conftest import tiny_model, tiny_tokenizer
+
+from draftwise import cli
+from draftwise.bench import command
+from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
+
+N = 12
+PROMPTS = [
+    {"question_id": 1, "category": "prose", "turns": ["The quick brown fox jumps over the lazy dog.", "more"]},
+    {"question_id": 2, "category": "code", "turns": ["def quicksort(arr):\n    if len(arr) <= 1:"]},
+    {"question_id": 3, "category": "prose", "turns": ["Summaries copy spans of the article."]},
+    {"question_id": 4, "category": "code", "turns": ["for i in range(10):\n    print(i"]},
+]
+
+
+@functools.cache
+def _models(draft_seed: int = 0):
+    """Target and draft, tiny; seed 0 makes the draft the target's twin (every draft token accepted)."""
+    return tiny_model("llama", seed=0), tiny_tokenizer(), tiny_model("llama", seed=draft_seed)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    return path
+
+
+def _config(tmp_path, prompts_file, **overrides) -> BenchConfig:
+    options = dict(target="tiny", draft="tiny", prompts_file=str(prompts_file), per_category=None,
+                   max_new_tokens=N, repeats=2, out=str(tmp_path / "out"), progress=False)
+    return BenchConfig(**{**options, **overrides})
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    path = tmp / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS))
+    return run_bench(_config(tmp, path), command="test", models=_models(draft_seed=1)), tmp / "out"
+
+
+def test_every_method_runs_every_prompt_and_repeat(results):
+    res, _ = results
+    runs = res["runs"]
+    assert len(runs) == len(PROMPTS) * 2 * len(DEFAULT_METHODS)
+    assert {(r["method"], r["question_id"], r["repeat"]) for r in runs} == {
+        (m, p["question_id"], rep) for m in DEFAULT_METHODS for p in PROMPTS for rep in range(2)
+    }
+    assert all(r["new_tokens"] == N and len(r["token_ids"]) == N for r in runs)
+    assert all(r["decode_s"] > 0 for r in runs)
+
+
+def test_methods_are_interleaved_and_rotated(results):
+    runs = results[0]["runs"]
+    first = [runs[i]["method"] for i in range(0, len(runs), len(DEFAULT_METHODS))]
+    # Prompt 1 repeat 0 starts with the first method, repeat 1 with the second, and so on.
+    assert first[:2] == [DEFAULT_METHODS[0], DEFAULT_METHODS[1]]
+    block = [r["method"] for r in runs[len(DEFAULT_METHODS): 2 * len(DEFAULT_METHODS)]]
+    assert block == list(DEFAULT_METHODS[1:]) + [DEFAULT_METHODS[0]]
+
+
+def test_every_method_reproduces_the_target_greedy_output(results):
+    # float32, greedy: speculative or not, ours or transformers', the tokens are the target's own.
+    rows = {(r["method"], r["category"]): r for r in results[0]["summary"]}
+    for method in DEFAULT_METHODS:
+        assert rows[(method, "all")]["identical"] == len(PROMPTS), method
+    assert all(r["identical"] for r in results[0]["runs"])
+
+
+def test_counts_of_speculative_methods(results):
+    runs = results[0]["runs"]
+    for run in runs:
+        if run["method"] in ("draft", "lookup", "hf-assisted"):
+            # Each target pass emits the kept draft tokens plus one of its own.
+            assert run["new_tokens"] == run["accepted"] + run["rounds"], run["method"]
+            assert 0 <= run["accepted"] <= run["proposed"]
+        if run["method"] in ("none", "hf-plain"):
+            assert run["target_forwards"] == N and run["proposed"] is None
+
+
+def test_summary_rows_cover_methods_by_category_and_all(results):
+    summary = results[0]["summary"]
+    assert [(r["method"], r["category"]) for r in summary] == [
+        (m, c) for m in DEFAULT_METHODS for c in ("prose", "code", "all")
+    ]
+    for row in summary:
+        assert row["prompts"] == (4 if row["category"] == "all" else 2)
+        assert row["tokens_per_s"] > 0
+    none_all = next(r for r in summary if r["method"] == "none" and r["category"] == "all")
+    assert none_all["speedup_vs_none"] == pytest.approx(1.0) and none_all["mean_accepted_length"] == 1.0
+
+
+def test_outputs_are_written(results):
+    res, out = results
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["summary"] == json.loads(json.dumps(res["summary"]))
+    assert set(on_disk["roofline"]["target"]) == {"1", "2", "4", "8", "16"}
+    assert on_disk["meta"]["machine"] and on_disk["meta"]["dtype"] == "float32"
+    report = (out / "report.md").read_text()
+    assert "hf-assisted" in report and "speedup_by_category.png" in report
+    for png in ("speedup_by_category.png", "acceptance_by_position.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_model_draft_is_fully_accepted(tmp_path, prompts_file):
+    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "draft"), repeats=1, roofline=False),
+                    models=_models(draft_seed=0))
+    rows = {(r["method"], r["category"]): r for r in res["summary"]}
+    assert rows[("draft", "all")]["acceptance_rate"] == 1.0
+    assert rows[("draft", "all")]["per_position_acceptance"] == [1.0] * 4
+
+
+def test_eos_is_ignored_by_every_method(tmp_path, prompts_file):
+    # Make a token the target emits its EOS: every method must still emit exactly N tokens, the same ones.
+    target, tokenizer, draft = tiny_model("llama", seed=0), tiny_tokenizer(), tiny_model("llama", seed=0)
+    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "hf-plain"), repeats=1, roofline=False),
+                    models=(target, tokenizer, draft))
+    emitted = res["runs"][0]["token_ids"][3]
+    target.generation_config.eos_token_id = emitted
+    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "lookup", "hf-plain", "hf-lookup"),
+                            repeats=1, roofline=False), models=(target, tokenizer, draft))
+    assert all(r["new_tokens"] == N and r["identical"] for r in res["runs"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+
+
+@pytest.fixture
+def fake_load(monkeypatch):
+    calls = []
+
+    def load(cfg):
+        calls.append(cfg)
+        return _models(draft_seed=1)
+
+    monkeypatch.setattr(command, "load_bench_models", load)
+    return calls
+
+
+def test_cli_bench_writes_outputs_and_prints_the_report_path(tmp_path, prompts_file, fake_load, capsys):
+    out = tmp_path / "res"
+    code = cli.main(["bench", "--prompts", str(prompts_file), "--methods", "none,lookup,hf-plain", "--repeats", "1",
+                     "--max-new-tokens", "6", "--out", str(out), "--no-roofline", "-q"])
+    assert code == 0
+    assert capsys.readouterr().out.strip() == f"{out}/report.md"
+    assert (out / "results.json").exists() and (out / "report.md").exists()
+    assert fake_load[0].methods == ("none", "lookup", "hf-plain") and fake_load[0].dtype == "float32"
+
+
+def test_cli_bench_json_prints_the_summary(tmp_path, prompts_file, fake_load, capsys):
+    code = cli.main(["bench", "--prompts", str(prompts_file), "--methods", "none,draft", "--repeats", "1",
+                     "--max-new-tokens", "6", "--out", str(tmp_path / "o"), "--no-roofline", "--json",
+                     "--categories", "code"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["method"], r["category"]) for r in rows] == [("none", "code"), ("none", "all"), ("draft", "code"),
+                                                            ("draft", "all")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "none,turbo"], "unknown bench method 'turbo'; choose from: none, draft, lookup"),
+    (["--repeats", "0"], "repeats must be at least 1, got 0"),
+    (["--categories", "poetry"], "unknown category poetry; available: all, prose, code"),
+    (["--per-category", "0"], "per_category must be an integer >= 1"),
+])
+def test_cli_bench_rejects_bad_options_before_loading(tmp_path, prompts_file, fake_load, capsys, args, message):
+    code = cli.main(["bench", "--prompts", str(prompts_file), "--out", str(tmp_path / "o"), *args])
+    assert code == 1
+    assert message in capsys.readouterr().err
+    assert fake_load == []
+
+
+def test_cli_bench_missing_prompt_file_and_out_that_is_a_file(tmp_path, prompts_file, fake_load, capsys):
+    assert cli.main(["bench", "--prompts", str(tmp_path / "nope.jsonl")]) == 1
+    assert "nope.jsonl" in capsys.readouterr().err
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--out", str(a_file)]) == 1
+    assert "is a file" in capsys.readouterr().err
+    assert fake_load == []
