@@ -106,7 +106,10 @@ def _add_generate(commands) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                      help="most tokens to generate (default: %(default)s)")
     gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, metavar="K",
-                     help="tokens proposed per round (default: %(default)s)")
+                     help="most tokens proposed per round (default: %(default)s)")
+    gen.add_argument("--fixed-k", action="store_true",
+                     help="draft exactly K tokens every round (default: up to K, as many as the measured "
+                          "acceptance and costs say pay, none when speculation does not pay)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="sampling temperature; 0 is greedy (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, metavar="N",
@@ -213,6 +216,7 @@ def _generation_options(args: argparse.Namespace) -> dict:
         seed=args.seed,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
+        adaptive=not args.fixed_k,
     )
 
 

@@ -39,15 +39,16 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks emit a fixed number of tokens
+    adaptive: bool = True  # num_draft_tokens is the most per round; the engine picks k from measured cost and acceptance
 
     @classmethod
     def from_options(
         cls, *, max_new_tokens: int = 128, num_draft_tokens: int = 4, temperature: float = 0.0, top_k: int = 0,
-        top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False,
+        top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False, adaptive: bool = True,
     ) -> "GenerationConfig":
         """The keyword options of Engine.stream as a checked config."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos)
+        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive)
         cfg.check()
         return cfg
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.adaptive import DraftLengthController
 from draftwise.backends.base import Backend
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.errors import DraftwiseError
@@ -87,11 +88,16 @@ class Engine:
         seed: int | None = None,
         stop: tuple[str, ...] | list[str] = (),
         ignore_eos: bool = False,
+        adaptive: bool = True,
     ) -> Iterator[Event]:
-        """Yield one Event per emitted token, then a final Event with the finish reason and stats."""
+        """Yield one Event per emitted token, then a final Event with the finish reason and stats.
+
+        adaptive: num_draft_tokens is the most per round, and each round drafts the number that the measured
+        acceptance and costs say pays best (none when speculation does not pay); False drafts it every round.
+        """
         cfg = GenerationConfig.from_options(
             max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, adaptive=adaptive,
         )
         prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
         self._check_limits(len(prompt_ids), cfg)
@@ -119,13 +125,20 @@ class Engine:
             self.proposer.begin(prompt_ids, cfg.sampling, generator)
         stats.prefill_s = time.perf_counter() - started
 
+        controller = DraftLengthController(cfg.num_draft_tokens) if self.proposer and cfg.adaptive else None
         finish = None
         resumed = time.perf_counter()
         while finish is None:
             remaining = cfg.max_new_tokens - stats.new_tokens
+            k = controller.choose() if controller else cfg.num_draft_tokens
             # Drafting past the last token we may emit is wasted work.
-            k = min(cfg.num_draft_tokens, remaining - 1) if self.proposer is not None else 0
-            draft, verdict = self._round(context, k, cfg.sampling, generator, stats)
+            k = min(k, remaining - 1) if self.proposer is not None else 0
+            spent = (stats.draft_s, stats.verify_s)
+            stop_confidence = controller.stop_confidence() if controller else 0.0
+            draft, verdict = self._round(context, k, cfg.sampling, generator, stats, stop_confidence)
+            if controller:
+                controller.observe(len(draft), verdict.num_accepted, stats.draft_s - spent[0],
+                                   stats.verify_s - spent[1])
             new_tokens = [*draft.token_ids[: verdict.num_accepted], verdict.next_token]
             events = []
             for i, token in enumerate(new_tokens):
@@ -156,7 +169,8 @@ class Engine:
         return None
 
     def _round(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator, stats: Stats
+        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator, stats: Stats,
+        stop_confidence: float = 0.0,
     ) -> tuple[Draft, Verdict]:
         # Propose, then verify: one target pass scores the last token's successor and every draft position.
         base = self.target.cache_len  # == len(context) - 1
@@ -164,7 +178,7 @@ class Engine:
         started = time.perf_counter()
         try:
             if k > 0:
-                draft = self.proposer.propose(context, k)
+                draft = self.proposer.propose(context, k, stop_confidence)
             proposed = time.perf_counter()
             stats.draft_s += proposed - started
             logits = self.target.forward([context[-1], *draft.token_ids])  # [n + 1, vocab]

@@ -5,6 +5,8 @@ from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.config import METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
+from draftwise.proposers.compact import KEEP_VOCAB
+from draftwise.proposers.compact import compact_draft as compact
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
 
@@ -45,21 +47,28 @@ def load_models(target: str, draft: str | None = None, dtype: str = "float32", d
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
-             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int = 1):
+             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int = 1, compact_draft: bool = True,
+             draft_vocab: int = KEEP_VOCAB):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
-    own tokenizer as draft_tokenizer to have that checked."""
+    own tokenizer as draft_tokenizer to have that checked.
+
+    compact_draft: propose with a cheaper copy of the draft (int8 weights, an output layer over the
+    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it."""
     method = choose_method(method, draft_model is not None)
     target = HFBackend(target_model)
+    eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
     if method == "draft":
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
+        token_ids = None
+        if compact_draft:
+            draft_model, token_ids = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
-        proposer = DraftModelProposer(draft, target_vocab_size=target.vocab_size)
+        proposer = DraftModelProposer(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
     elif method == "lookup":
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=lookup_min_ngram)
     else:
         proposer = None
-    eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     return engine_cls(target, tokenizer, proposer, method, eos, max_context)

@@ -29,8 +29,10 @@ def reference(arch):
 
 
 def engine(arch, method, draft=None):
+    """compact_draft=False keeps a "same" draft an exact twin (int8 would make it only nearly so)."""
     draft_model = {"same": model(arch, 0), "unrelated": model(arch, 1, 1), None: None}[draft]
-    return Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method=method)
+    return Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method=method,
+                              compact_draft=False)
 
 
 CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None)]
@@ -40,7 +42,9 @@ CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", N
 @pytest.mark.parametrize("method,draft", CASES, ids=[f"{m}-{d}" if d else m for m, d in CASES])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_output_is_the_targets_own(arch, method, draft, k):
-    result = engine(arch, method, draft).generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True)
+    # Fixed k and an exact-twin draft, so the counts below are known exactly.
+    result = engine(arch, method, draft).generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True,
+                                                  adaptive=False)
     assert result.token_ids == reference(arch)
     assert result.finish_reason == "length"
     stats = result.stats
@@ -52,6 +56,18 @@ def test_greedy_output_is_the_targets_own(arch, method, draft, k):
         assert stats.acceptance_rate < 0.3
     if method == "none":
         assert stats.target_forwards == NEW_TOKENS and stats.proposed == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("method,draft", CASES, ids=[f"{m}-{d}" if d else m for m, d in CASES])
+@pytest.mark.parametrize("k", [2, 8])
+def test_adaptive_k_and_compact_draft_keep_the_targets_output(arch, method, draft, k):
+    # What users run by default: k chosen each round from measured costs, an int8 draft over 200 tokens.
+    draft_model = {"same": model(arch, 0), "unrelated": model(arch, 1, 1), None: None}[draft]
+    eng = Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method=method, draft_vocab=200)
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True)
+    assert result.token_ids == reference(arch)
+    assert result.stats.new_tokens == NEW_TOKENS
 
 
 @pytest.mark.parametrize("method,draft", [("draft", "same"), ("lookup", None), ("none", None)])
@@ -84,7 +100,8 @@ def test_stop_string_cuts_the_text_and_the_stream():
 
 
 def test_stream_marks_draft_tokens_and_ends_with_stats():
-    events = list(engine("llama", "draft", "same").stream(PROMPT, max_new_tokens=9, num_draft_tokens=4, ignore_eos=True))
+    events = list(engine("llama", "draft", "same").stream(PROMPT, max_new_tokens=9, num_draft_tokens=4, ignore_eos=True,
+                                                          adaptive=False))
     flags = [e.from_draft for e in events[:-1]]
     assert flags == [True] * 4 + [False] + [True] * 3 + [False]  # k drafted, then the target's bonus
     assert events[-1].token_id is None and events[-1].stats.new_tokens == 9

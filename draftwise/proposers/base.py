@@ -14,8 +14,10 @@ class Proposer(Protocol):
         """Start a new sequence (drop any state of the previous one)."""
         ...
 
-    def propose(self, context: list[int], k: int) -> Draft:
-        """Guess up to k tokens that follow context (prompt + everything emitted so far)."""
+    def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+        """Guess up to k tokens that follow context (prompt + everything emitted so far).
+
+        A proposer that knows its confidence stops early once it falls below stop_confidence."""
         ...
 
     def observe(self, num_accepted: int) -> None:

@@ -15,9 +15,12 @@ from draftwise.types import Draft
 
 
 class DraftModelProposer:
-    def __init__(self, backend: Backend, target_vocab_size: int):
+    def __init__(self, backend: Backend, target_vocab_size: int, token_ids: torch.Tensor | None = None):
+        """token_ids: the target id of each draft logit, for a draft whose output layer keeps only some tokens
+        (see compact.py); None when the draft's logits are indexed by the target's ids."""
         self.backend = backend
         self.target_vocab_size = target_vocab_size
+        self.token_ids = token_ids
         self._cached: list[int] = []  # exactly the tokens in the draft's KV cache
         self._context_len = 0  # length of the context of the last propose
         self._sampling = SamplingConfig()
@@ -28,7 +31,7 @@ class DraftModelProposer:
         self._cached = list(prompt_ids[:-1])
         self.backend.prefill(self._cached)
 
-    def propose(self, context: list[int], k: int) -> Draft:
+    def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         # observe() keeps the cache a prefix of the text, so only the newest tokens need feeding.
         self._context_len = len(context)
         feed = context[len(self._cached) :]  # >= 1 token: the last one is never cached yet
@@ -38,11 +41,13 @@ class DraftModelProposer:
             for _ in range(k):
                 logits = self._fit_vocab(self.backend.forward(feed)[-1])  # [target_vocab]
                 self._cached += feed
-                token, q = self._choose(logits)
+                token, q, confidence = self._choose(logits)
                 tokens.append(token)
                 if q is not None:
                     qs.append(q)
                 feed = [token]
+                if confidence < stop_confidence:  # the next guesses would build on a doubtful one
+                    break
         finally:
             # Whatever happened, the cache must hold exactly self._cached.
             self.backend.trim(len(self._cached))
@@ -53,14 +58,20 @@ class DraftModelProposer:
         del self._cached[self._context_len + num_accepted :]
         self.backend.trim(len(self._cached))
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """(token, q or None when greedy, the draft's probability of that token)."""
         if self._sampling.greedy:
-            return int(logits.argmax()), None
+            token = int(logits.argmax())
+            return token, None, float(torch.softmax(logits, -1)[token])
         q = logits_to_probs(logits, self._sampling)  # [vocab]
-        return sample(q, self._generator), q
+        token = sample(q, self._generator)
+        return token, q, float(q[token])
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Match the target's logit width: rows past the tokenizer are padding, never proposed."""
+        if self.token_ids is not None:  # a compact output layer: scatter back; the tokens it dropped get -inf
+            full = logits.new_full((self.target_vocab_size,), float("-inf"))  # [target_vocab]
+            return full.index_copy_(0, self.token_ids, logits)
         extra = self.target_vocab_size - logits.shape[-1]
         if extra > 0:
             return torch.cat([logits, logits.new_full((extra,), float("-inf"))])

@@ -25,7 +25,7 @@ class PromptLookupProposer:
         self._follower.clear()
         self._indexed = 0
 
-    def propose(self, context: list[int], k: int) -> Draft:
+    def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         self._index(context)
         # Longer matches first: a longer shared tail predicts the continuation better.
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
