@@ -34,7 +34,7 @@ class HFBackend:
             self._run(token_ids, logits_to_keep=1)
 
     def forward(self, new_token_ids: list[int]) -> torch.Tensor:
-        logits = self._run(new_token_ids, logits_to_keep=0)  # [1, n, vocab]
+        logits = self._run(new_token_ids, logits_to_keep=len(new_token_ids))  # [1, n, vocab]
         return logits[0].float()  # [n, vocab]
 
     def trim(self, to_len: int) -> None:
@@ -51,7 +51,12 @@ class HFBackend:
                 f"sequence of {self.cache_len + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
             )
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+        start = self.cache_len
+        # Positions and a full mask given outright, as generate() does: the model then builds no defaults per step.
+        positions = torch.arange(start, start + len(token_ids), device=self.device)  # [n]
+        mask = torch.ones(1, start + len(token_ids), dtype=torch.long, device=self.device)  # [1, cache + n]
+        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, attention_mask=mask,
+                         cache_position=positions, logits_to_keep=logits_to_keep)
         return out.logits
 
 
