@@ -19,6 +19,7 @@ from draftwise import __version__
 from draftwise.bench.command import add_bench
 from draftwise.config import DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.files import read_prompt_file
 
 PROG = "draftwise"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -191,17 +192,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if args.prompt == "-" or args.prompt_file == "-":
         return sys.stdin.read()
-    path = Path(args.prompt_file)
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DraftwiseError(f"prompt file not found: {path}") from None
-    except IsADirectoryError:
-        raise DraftwiseError(f"prompt file is a directory: {path}") from None
-    except UnicodeDecodeError as err:
-        raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+    return read_prompt_file(Path(args.prompt_file))
 
 
 def _generation_options(args: argparse.Namespace) -> dict:

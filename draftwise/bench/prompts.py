@@ -8,6 +8,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from draftwise.errors import DraftwiseError
+from draftwise.files import read_prompt_file
 
 # Spec-Bench reports these eight MT-bench categories (10 prompts each) as one "mt_bench" row.
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
@@ -35,7 +36,7 @@ def default_prompts() -> list[BenchPrompt]:
 
 def load_prompts(path: str | Path) -> list[BenchPrompt]:
     """Read a user JSONL prompt file; categories are kept exactly as written."""
-    return _parse_jsonl(_read_text(Path(path)), str(path))
+    return _parse_jsonl(read_prompt_file(Path(path)), str(path))
 
 
 def categories_of(prompts: list[BenchPrompt]) -> list[str]:
@@ -63,20 +64,6 @@ def select_prompts(
 def _spec_bench_category(category: str) -> str:
     """Spec-Bench's reporting category: the eight MT-bench ones become mt_bench."""
     return "mt_bench" if category in MT_BENCH else category
-
-
-def _read_text(path: Path) -> str:
-    """The file's text, or a DraftwiseError that says why it cannot be read."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DraftwiseError(f"prompt file not found: {path}") from None
-    except IsADirectoryError:
-        raise DraftwiseError(f"prompt file is a directory: {path}") from None
-    except UnicodeDecodeError as err:
-        raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
 
 
 def _parse_jsonl(text: str, name: str) -> list[BenchPrompt]:

@@ -1,0 +1,20 @@
+"""Reading the user's files, with errors that say why not."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftwise.errors import DraftwiseError
+
+
+def read_prompt_file(path: Path) -> str:
+    """The file's text, or a DraftwiseError that says why it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DraftwiseError(f"prompt file not found: {path}") from None
+    except IsADirectoryError:
+        raise DraftwiseError(f"prompt file is a directory: {path}") from None
+    except UnicodeDecodeError as err:
+        raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
