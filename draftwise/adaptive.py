@@ -27,6 +27,18 @@ MAX_STOP_CONFIDENCE = 0.5
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
 
 
+def interpolate(table: dict[int, float], n: float) -> float:
+    """table[n] if measured, else linear between the nearest measured widths, else the nearest one's value."""
+    if n in table:
+        return table[n]
+    below = max((w for w in table if w < n), default=None)
+    above = min((w for w in table if w > n), default=None)
+    if below is None or above is None:
+        return table[below if above is None else above]
+    share = (n - below) / (above - below)
+    return (1 - share) * table[below] + share * table[above]
+
+
 def expected_tokens(a: float, k: int) -> float:
     """Tokens a round of k draft tokens emits on average, the target's own included."""
     return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -62,15 +74,7 @@ class DraftLengthController:
         return expected_tokens(self.acceptance, k) / (draft_s + self.verify_cost(k + 1))
 
     def verify_cost(self, n: int) -> float:
-        """Measured, else interpolated between the nearest measured widths, else the nearest one."""
-        if n in self._verify_s:
-            return self._verify_s[n]
-        below = max((w for w in self._verify_s if w < n), default=None)
-        above = min((w for w in self._verify_s if w > n), default=None)
-        if below is None or above is None:
-            return self._verify_s[below if above is None else above]
-        share = (n - below) / (above - below)
-        return (1 - share) * self._verify_s[below] + share * self._verify_s[above]
+        return interpolate(self._verify_s, n)
 
     def stop_confidence(self) -> float:
         """Below this draft confidence a draft token is not worth its step: its chance of being kept (which the

@@ -46,12 +46,12 @@ class HFBackend:
 
     @torch.inference_mode()
     def _run(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        if self.cache_len + len(token_ids) > self.max_context:
+        start = self.cache_len
+        if start + len(token_ids) > self.max_context:
             raise DraftwiseError(
-                f"sequence of {self.cache_len + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
+                f"sequence of {start + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
             )
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
-        start = self.cache_len
         # Positions and a full mask given outright, as generate() does: the model then builds no defaults per step.
         positions = torch.arange(start, start + len(token_ids), device=self.device)  # [n]
         mask = torch.ones(1, start + len(token_ids), dtype=torch.long, device=self.device)  # [1, cache + n]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftwise.bench.report import display_order
 from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, summarize
 
 DPI = 120
@@ -21,11 +22,7 @@ def _subtitle(meta: dict) -> str:
 def _summary_and_order(results: dict) -> tuple[list[dict], list[str], list[str]]:
     meta = results.get("meta", {})
     summary = results.get("summary") or summarize(results.get("runs", []), results.get("roofline"))
-    present = {row["method"] for row in summary}
-    methods = [m for m in dict.fromkeys([*meta.get("methods", []), *(r["method"] for r in summary)]) if m in present]
-    categories = dict.fromkeys([*meta.get("categories", []), *(r["category"] for r in summary)])
-    categories = [c for c in categories if c != ALL]
-    return summary, methods, [*categories, ALL]
+    return summary, *display_order(meta, summary)
 
 
 def _figure(width: float, height: float):

@@ -5,7 +5,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftwise.bench.summary import ALL, REFERENCE_PEER, summarize
+from draftwise.adaptive import interpolate
+from draftwise.bench.summary import ALL, REFERENCE_PEER, ratio, summarize
 
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
 PLOT_TITLES = {
@@ -41,15 +42,11 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align_left: i
 
 # -- helpers -----------------------------------------------------------------------------------------------------
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return None if num is None or den is None or den == 0 else num / den
-
-
 def _rows_by_key(summary: list[dict]) -> dict[tuple[str, str], dict]:
     return {(row["method"], row["category"]): row for row in summary}
 
 
-def _order(meta: dict, summary: list[dict]) -> tuple[list[str], list[str]]:
+def display_order(meta: dict, summary: list[dict]) -> tuple[list[str], list[str]]:
     """Methods and categories (with "all" last) in the meta's order, then any the summary adds."""
     methods = list(dict.fromkeys([*meta.get("methods", []), *(row["method"] for row in summary)]))
     categories = list(dict.fromkeys([*meta.get("categories", []), *(row["category"] for row in summary)]))
@@ -66,14 +63,9 @@ def _roofline_ms(table: dict | None, n: int) -> float | None:
 
 def _interpolated_ms(table: dict | None, n: float) -> float | None:
     """The forward time of n new tokens, linearly interpolated between the measured sizes."""
-    points = [(size, _roofline_ms(table, size)) for size in ROOFLINE_TOKENS]
-    points = [(size, ms) for size, ms in points if ms is not None]
-    if not points:
-        return None
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= n <= x1:
-            return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-    return points[0][1] if n < points[0][0] else points[-1][1]
+    points = {size: _roofline_ms(table, size) for size in ROOFLINE_TOKENS}
+    points = {size: ms for size, ms in points.items() if ms is not None}
+    return interpolate(points, n) if points else None
 
 
 # -- sections ----------------------------------------------------------------------------------------------------
@@ -166,10 +158,10 @@ def _table_roofline(roofline: dict | None, meta: dict) -> str | None:
     body = []
     for n in ROOFLINE_TOKENS:
         t = _roofline_ms(target, n)
-        cells = [str(n), fmt_num(t, 2), fmt_ratio(_ratio(t, _roofline_ms(target, 1)))]
+        cells = [str(n), fmt_num(t, 2), fmt_ratio(ratio(t, _roofline_ms(target, 1)))]
         if draft:
             d = _roofline_ms(draft, n)
-            cells += [fmt_num(d, 2), fmt_ratio(_ratio(d, _roofline_ms(draft, 1)))]
+            cells += [fmt_num(d, 2), fmt_ratio(ratio(d, _roofline_ms(draft, 1)))]
         body.append(cells)
     intro = "Median time of one forward of n new tokens after a 200-token prefill."
     return "## Roofline\n\n" + intro + "\n\n" + md_table(header, body) + "\n\n" + _roofline_reading(target, draft, meta)
@@ -226,7 +218,7 @@ def write_report(results: dict, out_dir: Path, plots: dict[str, str] | None) -> 
     meta = results.get("meta", {})
     roofline = results.get("roofline")
     summary = results.get("summary") or summarize(results.get("runs", []), roofline)
-    methods, categories = _order(meta, summary)
+    methods, categories = display_order(meta, summary)
 
     sections = [
         _header(meta),

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from draftwise.bench.plots import write_plots
-from draftwise.bench.prompts import BenchPrompt, default_prompts, load_prompts, select_prompts
+from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
 from draftwise.bench.runners import NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
@@ -148,7 +148,7 @@ def _meta(cfg: BenchConfig, command: str, prompts) -> dict:
     meta = asdict(cfg)
     meta.update(
         methods=list(cfg.methods),
-        categories=list(dict.fromkeys(p.category for p in prompts)),
+        categories=categories_of(prompts),
         prompts=len(prompts),
         machine=machine_description(),
         command=command,

@@ -15,10 +15,12 @@ import torch
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "lookup")
+OURS = ("none", "draft", "lookup")  # config.METHODS, in the order the bench reports them
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
 NEEDS_DRAFT = ("draft", "hf-assisted")
+# What only speculation has: None for plain decoding (and for the peers, which do not expose it).
+SPECULATION_FIELDS = ("proposed", "accepted", "rounds", "proposed_at", "accepted_at", "draft_s")
 
 
 def check_methods(methods: list[str], has_draft: bool) -> None:
@@ -54,16 +56,10 @@ class Runners:
         result = self._engines[method].generate(
             prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True
         )
-        s = result.stats
-        speculative = method != "none"
-        record = {
-            "new_tokens": s.new_tokens, "decode_s": s.decode_s, "tokens_per_s": s.tokens_per_s,
-            "target_forwards": s.target_forwards,
-            "proposed": s.proposed if speculative else None, "accepted": s.accepted if speculative else None,
-            "rounds": s.rounds if speculative else None,
-            "proposed_at": s.proposed_at if speculative else None, "accepted_at": s.accepted_at if speculative else None,
-            "draft_s": s.draft_s if speculative else None, "verify_s": s.verify_s,
-        }
+        fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
+        record = {name: getattr(result.stats, name) for name in fields}
+        if method == "none":
+            record.update(dict.fromkeys(SPECULATION_FIELDS))
         return record, result.token_ids
 
     def _run_peer(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
@@ -91,8 +87,7 @@ def _peer_record(method: str, new_tokens: int, target: list[float], draft: list[
     decode_s = sum(target[1:]) + sum(draft[1:])
     record = {
         "new_tokens": new_tokens, "decode_s": decode_s, "tokens_per_s": new_tokens / decode_s if decode_s else None,
-        "target_forwards": len(target), "proposed": None, "accepted": None, "rounds": None,
-        "proposed_at": None, "accepted_at": None, "draft_s": None, "verify_s": sum(target[1:]),
+        "target_forwards": len(target), "verify_s": sum(target[1:]), **dict.fromkeys(SPECULATION_FIELDS),
     }
     if method == "hf-assisted":
         # Each assistant call proposes one token, and each target pass keeps the accepted ones plus its own.

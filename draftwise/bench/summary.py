@@ -16,7 +16,7 @@ def _ordered_unique(values: Iterable) -> list:
     return list(dict.fromkeys(values))
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
+def ratio(num: float | None, den: float | None) -> float | None:
     """num / den, or None when either is missing or den is zero."""
     if num is None or den is None or den == 0:
         return None
@@ -49,22 +49,22 @@ def throughput(runs: Sequence[dict]) -> float | None:
     for repeats in group_by_prompt(runs).values():
         tokens += statistics.median(r["new_tokens"] for r in repeats)
         seconds += statistics.median(r["decode_s"] for r in repeats)
-    return _ratio(tokens, seconds)
+    return ratio(tokens, seconds)
 
 
 def acceptance_rate(runs: Sequence[dict]) -> float | None:
     """Accepted / proposed draft tokens over all runs; None without proposals."""
-    return _ratio(_fields_sum(runs, "accepted"), _fields_sum(runs, "proposed"))
+    return ratio(_fields_sum(runs, "accepted"), _fields_sum(runs, "proposed"))
 
 
 def mean_accepted_length(runs: Sequence[dict]) -> float | None:
     """Tokens emitted per target pass (the target's own token included): 1.0 for plain decoding."""
-    return _ratio(_fields_sum(runs, "new_tokens"), _fields_sum(runs, "target_forwards"))
+    return ratio(_fields_sum(runs, "new_tokens"), _fields_sum(runs, "target_forwards"))
 
 
 def mean_draft_length(runs: Sequence[dict]) -> float | None:
     """k: draft tokens offered per verification round."""
-    return _ratio(_fields_sum(runs, "proposed"), _fields_sum(runs, "rounds"))
+    return ratio(_fields_sum(runs, "proposed"), _fields_sum(runs, "rounds"))
 
 
 def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
@@ -83,16 +83,16 @@ def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
             offered[i] += n
         for i, n in enumerate(accepted_at):
             kept[i] += n
-    return [_ratio(kept[i], offered[i]) for i in range(length)]
+    return [ratio(kept[i], offered[i]) for i in range(length)]
 
 
 def seconds_per_draft_token(runs: Sequence[dict]) -> float | None:
-    return _ratio(_fields_sum(runs, "draft_s"), _fields_sum(runs, "proposed"))
+    return ratio(_fields_sum(runs, "draft_s"), _fields_sum(runs, "proposed"))
 
 
 def seconds_per_target_step(none_runs: Sequence[dict], roofline: dict | None) -> float | None:
     """One plain target step: the "none" runs' decode seconds per token, else the roofline's 1-token forward."""
-    measured = _ratio(_fields_sum(none_runs, "decode_s"), _fields_sum(none_runs, "new_tokens")) if none_runs else None
+    measured = ratio(_fields_sum(none_runs, "decode_s"), _fields_sum(none_runs, "new_tokens")) if none_runs else None
     if measured is not None:
         return measured
     target = (roofline or {}).get("target") or {}
@@ -102,7 +102,7 @@ def seconds_per_target_step(none_runs: Sequence[dict], roofline: dict | None) ->
 
 def cost_ratio(runs: Sequence[dict], none_runs: Sequence[dict], roofline: dict | None) -> float | None:
     """Leviathan's c: seconds per draft token over seconds per plain target step."""
-    return _ratio(seconds_per_draft_token(runs), seconds_per_target_step(none_runs, roofline))
+    return ratio(seconds_per_draft_token(runs), seconds_per_target_step(none_runs, roofline))
 
 
 def predicted_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
@@ -160,7 +160,7 @@ def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
 
     tps = {(row["method"], row["category"]): row["tokens_per_s"] for row in rows}
     for row in rows:
-        row["speedup_vs_hf_plain"] = _ratio(row["tokens_per_s"], tps.get((REFERENCE_PEER, row["category"])))
-        row["speedup_vs_none"] = _ratio(row["tokens_per_s"], tps.get((REFERENCE_OWN, row["category"])))
-        row["measured_over_predicted"] = _ratio(row["speedup_vs_none"], row["predicted_speedup"])
+        row["speedup_vs_hf_plain"] = ratio(row["tokens_per_s"], tps.get((REFERENCE_PEER, row["category"])))
+        row["speedup_vs_none"] = ratio(row["tokens_per_s"], tps.get((REFERENCE_OWN, row["category"])))
+        row["measured_over_predicted"] = ratio(row["speedup_vs_none"], row["predicted_speedup"])
     return rows

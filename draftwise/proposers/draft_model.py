@@ -39,9 +39,9 @@ class DraftModelProposer:
         qs: list[torch.Tensor] = []
         try:
             for _ in range(k):
-                logits = self._fit_vocab(self.backend.forward(feed)[-1])  # [target_vocab]
+                logits = self.backend.forward(feed)[-1]  # [draft_vocab]
                 self._cached += feed
-                token, q, confidence = self._choose(logits)
+                token, q, confidence = self._choose(logits, want_confidence=stop_confidence > 0)
                 tokens.append(token)
                 if q is not None:
                     qs.append(q)
@@ -58,12 +58,17 @@ class DraftModelProposer:
         del self._cached[self._context_len + num_accepted :]
         self.backend.trim(len(self._cached))
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """(token, q or None when greedy, the draft's probability of that token)."""
+    def _choose(self, logits: torch.Tensor, want_confidence: bool) -> tuple[int, torch.Tensor | None, float]:
+        """(target token id, q or None when greedy, the draft's probability of that token; 1.0 when not wanted).
+
+        Greedy needs no target-width logits: the argmax of the draft's own row, mapped to a target id."""
         if self._sampling.greedy:
-            token = int(logits.argmax())
-            return token, None, float(torch.softmax(logits, -1)[token])
-        q = logits_to_probs(logits, self._sampling)  # [vocab]
+            if self.token_ids is None:
+                logits = logits[: self.target_vocab_size]  # rows past the target's vocabulary are padding
+            best = int(logits.argmax())
+            confidence = float(torch.softmax(logits, -1)[best]) if want_confidence else 1.0
+            return (best if self.token_ids is None else int(self.token_ids[best])), None, confidence
+        q = logits_to_probs(self._fit_vocab(logits), self._sampling)  # [target_vocab]
         token = sample(q, self._generator)
         return token, q, float(q[token])
 
