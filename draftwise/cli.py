@@ -89,10 +89,14 @@ def _add_generate(commands) -> None:
                         help="a small model sharing the target's tokenizer, for --method draft")
     models.add_argument("--method", choices=METHODS,
                         help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
-                             "prompt and text so far) or 'none' (the target alone: the baseline) "
+                             "prompt and text so far), 'hybrid' (lookup where the text's tail matches earlier "
+                             "text, the --draft model elsewhere) or 'none' (the target alone: the baseline) "
                              "(default: draft when --draft is given, else lookup)")
-    models.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="weights dtype at load time (default: %(default)s)")
+    models.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype at load time: 'auto' is bfloat16 where the hardware computes it "
+                             "(AVX-512 BF16, AMX, CUDA) and float32 elsewhere; float32 gives token-for-token "
+                             "identity with the target alone, bfloat16 may differ at rounding near-ties "
+                             "(default: %(default)s)")
     models.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
                         help="longest n-gram that --method lookup matches (default: %(default)s)")
 
@@ -220,7 +224,13 @@ def _check_early(options: dict) -> None:
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
-    return args.draft is not None and args.method in (None, "draft")
+    return args.draft is not None and args.method in (None, "draft", "hybrid")
+
+
+def _dtype_label(name: str) -> str:
+    from draftwise.hardware import resolve_dtype
+
+    return f"auto: {resolve_dtype(name)}" if name == "auto" else name
 
 
 def _use_color(args: argparse.Namespace, stream) -> bool:
@@ -235,8 +245,11 @@ def fmt_optional(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def stats_line(stats) -> str:
-    """One line for humans, e.g. `[draft k=4] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
-    head = f"[{stats.method}]" if stats.method == "none" else f"[{stats.method} k={stats.num_draft_tokens}]"
+    """One line for humans, e.g. `[draft k=4 float32] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
+    dtype = stats.speed_paths.get("dtype")
+    label = " ".join(part for part in (stats.method, None if stats.method == "none" else f"k={stats.num_draft_tokens}",
+                                       dtype) if part)
+    head = f"[{label}]"
     parts = [f"{stats.new_tokens} tokens", f"{fmt_optional(stats.tokens_per_s, '.1f')} tok/s"]
     if stats.method != "none":
         rate = stats.acceptance_rate
@@ -257,7 +270,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if chatty:
         draft = f", draft {args.draft}" if _uses_draft(args) else ""
-        _err(f"loading target {args.target}{draft} ({args.dtype})...")
+        _err(f"loading target {args.target}{draft} ({_dtype_label(args.dtype)})...")
     started = time.perf_counter()
     engine = _load_engine(args)
     if chatty:

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "lookup", "none")
+METHODS = ("draft", "lookup", "none", "hybrid")
 MAX_DRAFT_TOKENS = 64
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where the hardware computes it, else float32
 
 
 @dataclass(frozen=True)

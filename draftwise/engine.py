@@ -37,20 +37,23 @@ class Result:
 
 class Engine:
     def __init__(self, target: Backend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int],
-                 max_context: int | None = None):
+                 max_context: int | None = None, speed_paths: dict | None = None):
+        """speed_paths: which speed paths were chosen at load (dtype, kernels, draft vocabulary), for the stats."""
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.method = method
         self.eos = eos
         self.max_context = max_context or target.max_context  # the smallest context of the models involved
+        self.speed_paths = dict(speed_paths or {})
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
         """Load by model name, local Hugging Face folder or .gguf path.
 
         method: "draft" (default when a draft is given), "lookup" (default otherwise) or "none".
-        options: dtype ("float32" | "bfloat16"), device, progress, lookup_max_ngram, lookup_min_ngram.
+        options: dtype ("auto": bfloat16 where the hardware computes it, else float32; "float32"; "bfloat16"),
+        device, progress, lookup_max_ngram, lookup_min_ngram.
         """
         from draftwise.loading import build_engine
 
@@ -114,7 +117,8 @@ class Engine:
             )
 
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
-        stats = Stats(method=self.method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids))
+        stats = Stats(method=self.method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
+                      speed_paths=self.speed_paths)
         generator = make_generator(cfg.sampling.seed)
         text = TextStream(self.tokenizer, cfg.stop)
         context = list(prompt_ids)

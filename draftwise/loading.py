@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
+from draftwise.backends.kernels import EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
 from draftwise.config import METHODS
 from draftwise.errors import DraftwiseError
-from draftwise.proposers import DraftModelProposer, PromptLookupProposer
+from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
+from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
+
+
+NEEDS_DRAFT = ("draft", "hybrid")
 
 
 def choose_method(method: str | None, has_draft: bool) -> str:
@@ -15,21 +20,21 @@ def choose_method(method: str | None, has_draft: bool) -> str:
     method = method or ("draft" if has_draft else "lookup")
     if method not in METHODS:
         raise DraftwiseError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    if method == "draft" and not has_draft:
-        raise DraftwiseError("method 'draft' needs a draft model (--draft NAME, folder or .gguf path)")
+    if method in NEEDS_DRAFT and not has_draft:
+        raise DraftwiseError(f"method {method!r} needs a draft model (--draft NAME, folder or .gguf path)")
     return method
 
 
 def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", progress: bool = True, **lookup):
+                 dtype: str = "auto", device: str = "cpu", progress: bool = True, **lookup):
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed)."""
     method = choose_method(method, draft is not None)
-    target_model, tokenizer, draft_model = load_models(target, draft if method == "draft" else None, dtype, device,
+    target_model, tokenizer, draft_model = load_models(target, draft if method in NEEDS_DRAFT else None, dtype, device,
                                                        progress)
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, **lookup)
 
 
-def load_models(target: str, draft: str | None = None, dtype: str = "float32", device: str = "cpu",
+def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
                 progress: bool = True):
     """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first."""
     from draftwise.models import resolve  # the store pulls weights; only named models need it
@@ -47,28 +52,50 @@ def load_models(target: str, draft: str | None = None, dtype: str = "float32", d
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
-             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int = 1, compact_draft: bool = True,
-             draft_vocab: int = KEEP_VOCAB):
+             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
+             compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
+             target_kernels: tuple[str, ...] = EXACT_KERNELS):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
+    lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for "hybrid",
+    proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model.
+
     compact_draft: propose with a cheaper copy of the draft (int8 weights, an output layer over the
-    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it."""
+    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it.
+
+    target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
+    same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
+    in is left as it is."""
     method = choose_method(method, draft_model is not None)
+    inexact = set(target_kernels) - set(EXACT_KERNELS)
+    if inexact or not target_kernels:
+        raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
+                             f"got {', '.join(target_kernels) or 'none'}")
+    target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
-    if method == "draft":
+    if method in NEEDS_DRAFT:
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
         token_ids = None
         if compact_draft:
-            draft_model, token_ids = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
+            draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
         proposer = DraftModelProposer(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
+        if method == "hybrid":
+            if lookup_min_ngram is None:
+                lookup_min_ngram = min(HYBRID_MIN_NGRAM, lookup_max_ngram)
+            proposer = HybridProposer(proposer, PromptLookupProposer(lookup_max_ngram, lookup_min_ngram))
     elif method == "lookup":
-        proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=lookup_min_ngram)
+        min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
+        proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram)
     else:
         proposer = None
-    return engine_cls(target, tokenizer, proposer, method, eos, max_context)
+    paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
+    if method in NEEDS_DRAFT:
+        paths["draft_kernels"] = kernel_counts(draft_model)
+        paths["draft_vocab"] = draft.vocab_size
+    return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)

@@ -21,6 +21,7 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0  # time spent decoding (rounds and emission), the caller's time between events excluded
+    speed_paths: dict = field(default_factory=dict)  # what load chose: dtype, kernels per model, draft vocabulary
 
     def observe_draft(self, num_draft: int, num_accepted: int) -> None:
         """Count one verification round: num_draft tokens offered, the first num_accepted kept."""
@@ -95,4 +96,5 @@ class Stats:
             "tokens_per_s": self.tokens_per_s,
             "cost_ratio": self.cost_ratio,
             "predicted_speedup": self.predicted_speedup,
+            "speed_paths": self.speed_paths,
         }

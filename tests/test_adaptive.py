@@ -12,7 +12,8 @@ from conftest import tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import PROBE_EVERY, DraftLengthController, expected_tokens
 from draftwise.engine import Engine
-from draftwise.proposers.compact import Int8Linear, compact_draft
+from draftwise.backends.kernels import Int8Linear
+from draftwise.proposers.compact import compact_draft
 
 
 def _feed(controller, rounds, k, accepted, draft_s, verify_s):
@@ -75,10 +76,10 @@ def test_int8_linear_is_close_to_the_float_layer():
 def test_compact_draft_keeps_the_common_tokens_and_leaves_the_original_alone():
     model = tiny_model("llama", seed=0)
     before = model.lm_head.weight.clone()
-    small, token_ids = compact_draft(model, special_ids=[290, 5000], keep_vocab=100)
+    small, token_ids, plan = compact_draft(model, special_ids=[290, 5000], keep_vocab=100, kernels=("int8",))
     assert token_ids.tolist() == list(range(100)) + [290]  # 5000 is past the vocabulary
-    assert small.get_output_embeddings().weight.shape[0] == 101
-    assert isinstance(small.lm_head, Int8Linear)
+    assert small.get_output_embeddings().out_features == 101
+    assert isinstance(small.lm_head, Int8Linear) and set(plan.choices.values()) == {"int8"}
     assert torch.equal(model.lm_head.weight, before) and type(model.lm_head) is torch.nn.Linear
 
 

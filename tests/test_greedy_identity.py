@@ -35,7 +35,8 @@ def engine(arch, method, draft=None):
                               compact_draft=False)
 
 
-CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None)]
+CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None), ("hybrid", "same"),
+         ("hybrid", "unrelated")]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
@@ -49,10 +50,10 @@ def test_greedy_output_is_the_targets_own(arch, method, draft, k):
     assert result.finish_reason == "length"
     stats = result.stats
     assert stats.new_tokens == NEW_TOKENS
-    if draft == "same":
+    if method == "draft" and draft == "same":  # (the hybrid's lookup rounds may miss; see test_hybrid.py)
         assert stats.acceptance_rate == 1.0  # a draft identical to the target is always right
         assert stats.target_forwards == -(-NEW_TOKENS // (k + 1))  # ceil: k + 1 tokens per pass
-    if draft == "unrelated":
+    if method == "draft" and draft == "unrelated":
         assert stats.acceptance_rate < 0.3
     if method == "none":
         assert stats.target_forwards == NEW_TOKENS and stats.proposed == 0
@@ -70,7 +71,7 @@ def test_adaptive_k_and_compact_draft_keep_the_targets_output(arch, method, draf
     assert result.stats.new_tokens == NEW_TOKENS
 
 
-@pytest.mark.parametrize("method,draft", [("draft", "same"), ("lookup", None), ("none", None)])
+@pytest.mark.parametrize("method,draft", [("draft", "same"), ("lookup", None), ("hybrid", "same"), ("none", None)])
 def test_nothing_is_emitted_after_end_of_sequence(method, draft):
     ref = reference("llama")
     eos_token = ref[5]

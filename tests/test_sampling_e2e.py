@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -29,21 +30,27 @@ def target():
 
 
 @functools.lru_cache(maxsize=None)
-def prompt() -> list[int]:
+def prompt(name: str = "loop") -> list[int]:
     """The target's own greedy continuation, which falls into a loop: prompt lookup then finds matches
-    the target often agrees with, and takes both its one-hot accept and recover paths."""
+    the target often agrees with, and takes both its one-hot accept and recover paths.
+
+    "mid-loop" ends one token earlier, so its last 3 tokens occurred before: the hybrid's first round
+    is a lookup round, and the next goes to lookup or to the draft model depending on what was sampled."""
     base = tiny_tokenizer()("The quick brown fox")["input_ids"]
     out = target().generate(torch.tensor([base]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0].tolist()
+    ids = out[0].tolist()
+    return {"loop": ids, "mid-loop": ids[:-1]}[name]
 
 
-def exact_pairs(cfg: SamplingConfig, min_prob=1e-4) -> dict:
+@functools.lru_cache(maxsize=None)
+def exact_pairs(cfg: SamplingConfig, prompt_name: str = "loop", min_prob=1e-4) -> dict:
     """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1), computed from the target directly."""
+    ids = prompt(prompt_name)
     with torch.no_grad():
-        first = logits_to_probs(target()(torch.tensor([prompt()])).logits[0, -1], cfg)
+        first = logits_to_probs(target()(torch.tensor([ids])).logits[0, -1], cfg)
         table = {}
         for t1 in torch.nonzero(first > min_prob).flatten().tolist():
-            second = logits_to_probs(target()(torch.tensor([prompt() + [t1]])).logits[0, -1], cfg)
+            second = logits_to_probs(target()(torch.tensor([ids + [t1]])).logits[0, -1], cfg)
             for t2 in torch.nonzero(second * first[t1] > min_prob).flatten().tolist():
                 table[(t1, t2)] = float(first[t1] * second[t2])
     return table
@@ -53,41 +60,49 @@ SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingCon
 
 
 @functools.lru_cache(maxsize=None)
-def sampled_pairs(method: str, setting: str, k: int) -> tuple[list, float]:
-    """The first two tokens of RUNS seeded generations, and the draft acceptance rate over them."""
+def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") -> tuple[list, float, Counter]:
+    """The first two tokens of RUNS seeded generations, the draft acceptance rate over them, and (for the
+    hybrid) how many rounds each of its proposers drafted."""
     cfg = SETTINGS[setting]
     eng = engine(method)
-    pairs, proposed, accepted = [], 0, 0
+    pairs, proposed, accepted, rounds = [], 0, 0, Counter()
     for seed in range(RUNS):
         result = eng.generate(
-            prompt(), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
+            prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
             top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, ignore_eos=True,
         )
         pairs.append(tuple(result.token_ids[:2]))
         proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
-    return pairs, accepted / max(proposed, 1)
+        rounds.update(getattr(eng.proposer, "rounds", {}))
+    return pairs, accepted / max(proposed, 1), rounds
 
 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = {"draft": sharpened(1.5), "lookup": None}[method]
+    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5), "lookup": None}[method]
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
 
 
 # k=2: the first two tokens are drafted (accepted or recovered). k=1: the second is the bonus token
 # after an accepted first one, or the next round's.
-CASES = [("draft", "t0.7-topk-topp", 2), ("draft", "t1", 1), ("lookup", "t1", 2)]
+# The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation.
+CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
+         ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop")]
 
 
-@pytest.mark.parametrize("method,setting,k", CASES)
-def test_first_two_tokens_follow_the_target(method, setting, k):
-    pairs, acceptance = sampled_pairs(method, setting, k)
-    assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting])) > 1e-3
+@pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
+def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
+    pairs, acceptance, rounds = sampled_pairs(method, setting, k, prompt_name)
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) > 1e-3
     assert 0.1 < acceptance < 0.95  # both accepting and rejecting rounds were exercised
+    if method == "hybrid":
+        assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
 
 
 def test_the_same_check_rejects_the_wrong_distribution():
     """Power: the same samples are far from a neighbouring setting's distribution."""
-    pairs, _ = sampled_pairs("draft", "t0.7-topk-topp", 2)
+    pairs, _, _ = sampled_pairs("draft", "t0.7-topk-topp", 2)
     assert fit_pvalue(pairs, exact_pairs(SamplingConfig(temperature=1.0))) < 1e-6
+    pairs, _, _ = sampled_pairs("hybrid", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from draftwise.config import DTYPES
 from draftwise.errors import DraftwiseError
+from draftwise.hardware import resolve_dtype
 from draftwise.progress import transformers_progress
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -15,13 +15,17 @@ class HFBackend:
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
         config = model.config.get_text_config()
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size: int = model.get_output_embeddings().out_features  # a packed head has no plain .weight
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self._cache = _new_cache()
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @property
     def cache_len(self) -> int:
@@ -66,10 +70,9 @@ def _new_cache() -> DynamicCache:
     return DynamicCache()
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in _TORCH_DTYPES:
-        raise DraftwiseError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return _TORCH_DTYPES[name]
+def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The torch dtype of a dtype name; 'auto' resolves for device (see hardware.py)."""
+    return _TORCH_DTYPES[resolve_dtype(name, device)]
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None):
@@ -81,18 +84,18 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
         raise DraftwiseError(f"could not load a tokenizer from {path}: {err}") from err
 
 
-def load_model(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu",
+def load_model(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "cpu",
                progress: bool = True) -> PreTrainedModel:
     """A causal LM from a local folder, or a .gguf file inside it, cast to dtype."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         with transformers_progress(progress):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device), **kwargs)
     except (OSError, ValueError) as err:
         raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
     return model.to(device)
 
 
-def load_hf(path: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "cpu", progress: bool = True):
+def load_hf(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "cpu", progress: bool = True):
     """(model, tokenizer) from a local folder, or a .gguf file inside it."""
     return load_model(path, gguf_file, dtype, device, progress), load_tokenizer(path, gguf_file)

@@ -15,10 +15,10 @@ import torch
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "lookup")  # config.METHODS, in the order the bench reports them
+OURS = ("none", "draft", "lookup", "hybrid")  # config.METHODS, in the order the bench reports them
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
-NEEDS_DRAFT = ("draft", "hf-assisted")
+NEEDS_DRAFT = ("draft", "hybrid", "hf-assisted")
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
 SPECULATION_FIELDS = ("proposed", "accepted", "rounds", "proposed_at", "accepted_at", "draft_s")
 
@@ -42,8 +42,8 @@ class Runners:
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         self._engines = {
-            m: Engine.from_models(target_model, tokenizer, draft_model if m == "draft" else None, method=m)
-            for m in OURS if m != "draft" or draft_model is not None
+            m: Engine.from_models(target_model, tokenizer, draft_model if m in NEEDS_DRAFT else None, method=m)
+            for m in OURS if m not in NEEDS_DRAFT or draft_model is not None
         }
         self._peer_config = _no_eos_config(target_model.generation_config)
 

@@ -1,15 +1,17 @@
-"""A cheaper copy of a draft model: int8 weights and an output layer over the common tokens only.
+"""A cheaper copy of a draft model: an output layer over the common tokens only, and each linear on the kernel
+that measures fastest here (int8 included: a draft's values may change, only acceptance moves).
 
 On a CPU, one decode step of a small model is bound by memory bandwidth: its time is the bytes of its
-weights. Two cuts, measured on Qwen2.5-0.5B in bfloat16 on 2 cores:
-- int8 weights with one scale per output row (weight-only: activations stay in the model's dtype) read
-  half the bytes; 48 MLP matrices took 15.6 ms instead of 25.5 ms;
-- the output layer is 136M of the draft's 494M parameters (151,936 tokens x 896). Byte-level BPE numbers
+weights. Two cuts:
+- the output layer is 136M of Qwen2.5-0.5B's 494M parameters (151,936 tokens x 896). Byte-level BPE numbers
   its tokens in merge order, so the low ids are the frequent ones (FR-Spec, Zhao et al. 2025, keeps the
-  most frequent tokens the same way); keeping 32,768 of them plus the special tokens took the layer from
-  21.5 ms to about 2 ms.
+  most frequent tokens the same way); keeping 32,768 of them plus the special tokens reads a fifth of the
+  bytes, so it is never slower; what it can cost is acceptance, which the bench measures;
+- int8 weights read half the bytes of bfloat16 and a quarter of float32, but whether its kernel is faster
+  depends on the dtype, the shape and the CPU (4.8x slower than float32 on one Xeon, faster in bfloat16 on
+  an EPYC), so backends/kernels.py times it against the alternatives at load and keeps the fastest.
 A draft token outside the kept set is simply never proposed. Nothing here touches exactness: the target
-still verifies every token, so only acceptance can change, and the bench measures it.
+still verifies every token.
 """
 from __future__ import annotations
 
@@ -18,39 +20,21 @@ import copy
 import torch
 from torch import nn
 
+from draftwise.backends.kernels import DRAFT_KERNELS, DRAFT_WIDTHS, KernelPlan, plan_kernels, with_kernels
+
 KEEP_VOCAB = 32768
 
 
-class Int8Linear(nn.Module):
-    """nn.Linear with int8 weights, one scale per output row."""
+def compact_draft(model, special_ids=(), keep_vocab: int = KEEP_VOCAB, kernels=DRAFT_KERNELS,
+                  cache: bool = True) -> tuple[nn.Module, torch.Tensor | None, KernelPlan]:
+    """(a compact copy of model, the target id of each of its logits or None, the kernel plan it runs on).
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-        self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)  # [tokens, out]
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
-
-
-def int8_available(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
-
-
-def compact_draft(model, special_ids=(), keep_vocab: int = KEEP_VOCAB, quantize: bool = True):
-    """(a compact copy of model, the target id of each of its logits or None). The original is untouched:
-    the bench runs transformers' own assisted generation on it."""
+    The original is untouched: the bench runs transformers' own assisted generation on it.
+    kernels: the candidates timed for each linear (EXACT_KERNELS keeps the draft's values; one name forces it)."""
     model = copy.deepcopy(model)
     token_ids = _shrink_output_layer(model, special_ids, keep_vocab)
-    if quantize and int8_available(model.device):
-        _quantize_linears(model)
-    return model.eval(), token_ids
+    plan = plan_kernels(model, tuple(kernels), DRAFT_WIDTHS, cache=cache)
+    return with_kernels(model, plan).eval(), token_ids, plan
 
 
 def _shrink_output_layer(model, special_ids, keep_vocab: int) -> torch.Tensor | None:
@@ -69,10 +53,3 @@ def _shrink_output_layer(model, special_ids, keep_vocab: int) -> torch.Tensor | 
     model.config.tie_word_embeddings = False  # the input embeddings keep every token
     model.set_output_embeddings(small)
     return token_ids
-
-
-def _quantize_linears(model) -> None:
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, Int8Linear(child))

@@ -1,0 +1,223 @@
+"""Linear kernels chosen by measurement on the machine at hand, never assumed.
+
+Decoding on a CPU is bound by memory bandwidth: a pass over 1 to 8 new tokens should cost about what
+reading the weights once costs. torch's default linear does not always get there: on the 2-core CPUs
+measured here, a float32 `F.linear` over 2 to 8 rows took 2 to 5 times its 1-row time, while oneDNN with
+prepacked weights stayed nearly flat; on another CPU, or in bfloat16, or for another shape, the answer
+differs (oneDNN's bfloat16 packing even refuses CPUs without AVX-512). So each candidate kernel is timed on
+each distinct weight shape, at the widths the model will run, and the one with the smallest worst-case
+slowdown against the best kernel at each width replaces `nn.Linear` (never one slower than dense for a
+single token: plain steps must not pay for verification). The choices are cached per machine,
+dtype and shape under $DRAFTWISE_HOME/calibration, so the second load pays nothing.
+
+Kernels:
+- `dense`: `nn.Linear` as loaded (torch's default, MKL on x86);
+- `onednn`: oneDNN with the weight reordered once into its blocked layout (same values, same math);
+- `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
+  the target still verifies every token, so only acceptance can move.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+EXACT_KERNELS = ("dense", "onednn")  # what the target may use: the model's own values
+DRAFT_KERNELS = ("dense", "onednn", "int8")
+TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
+DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
+ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
+MIN_GAIN = 0.05  # another kernel must beat dense by this much: timings jitter, and dense is the known path
+REPEATS = 7
+RULE_VERSION = 2  # part of every cache key: a changed rule or timing method measures again
+
+
+class OneDNNLinear(nn.Module):
+    """nn.Linear with its weight reordered once into oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()  # [out, in]
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # [tokens, in]
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [tokens, out]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear with int8 weights, one scale per output row (activations stay in the model's dtype)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()  # [out, in]
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()  # [tokens, in]
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)  # [tokens, out]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+_BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "int8": Int8Linear}
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernel chosen for each weight shape, and the timings that chose it."""
+
+    choices: dict[str, str]  # shape key -> kernel name
+    timings: dict[str, dict[str, list[float]]]  # shape key -> kernel -> ms at each width (only what was timed)
+    widths: tuple[int, ...]
+
+
+def kernel_counts(model: nn.Module) -> dict[str, int]:
+    """How many linears of model run on each kernel, e.g. {"onednn": 169, "dense": 28}."""
+    return dict(Counter(name for name in map(_kernel_name, model.modules()) if name))
+
+
+def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, cache: bool = True) -> KernelPlan:
+    """Time every candidate kernel on each distinct linear shape of model and choose per shape.
+
+    Only CPU models have candidates; elsewhere every linear stays dense."""
+    linears = _linears_by_shape(model)
+    device = next(model.parameters()).device
+    if device.type != "cpu" or kernels == ("dense",):
+        return KernelPlan({key: "dense" for key in linears}, {}, tuple(widths))
+    store = _CalibrationCache(cache)
+    choices, timings = {}, {}
+    for key, linear in linears.items():
+        entry_key = f"v{RULE_VERSION}|{key}|{','.join(kernels)}|{','.join(map(str, widths))}"
+        entry = store.get(entry_key) or _measure(linear, kernels, widths)
+        store.put(entry_key, entry)
+        choices[key], timings[key] = entry["kernel"], entry["ms"]
+    store.save()
+    return KernelPlan(choices, timings, tuple(widths))
+
+
+def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
+    """model with each linear on its planned kernel. The model passed in is left untouched (the bench runs
+    transformers' own generate on it); the copy shares every tensor that keeps its kernel."""
+    if all(kernel == "dense" for kernel in plan.choices.values()):
+        return model
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    fast = copy.deepcopy(model, memo=shared)
+    for parent in list(fast.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                kernel = plan.choices.get(_shape_key(child), "dense")
+                if kernel != "dense":
+                    setattr(parent, name, _BUILDERS[kernel](child))
+    return fast.eval()
+
+
+def _measure(linear: nn.Linear, kernels, widths) -> dict:
+    """{"kernel": the choice, "ms": {kernel: [fastest ms at each width]}}; a kernel that fails is left out.
+
+    The fastest of several runs, not the median: another process on the machine only ever adds time."""
+    candidates = {}
+    for name in kernels:
+        try:
+            module = _BUILDERS[name](linear)
+            module(torch.zeros(1, linear.in_features, dtype=linear.weight.dtype))
+            candidates[name] = module
+        except (RuntimeError, NotImplementedError):  # e.g. oneDNN bfloat16 on a CPU without AVX-512
+            continue
+    ms = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for n in widths:
+            x = torch.randn(n, linear.in_features, dtype=linear.weight.dtype)  # [n, in]
+            for name, module in candidates.items():
+                module(x)  # warm the caches and the kernel's own dispatch
+            samples = {name: [] for name in candidates}
+            for _ in range(REPEATS):  # interleaved, so a slow moment of the machine hits every kernel
+                for name, module in candidates.items():
+                    started = time.perf_counter()
+                    module(x)
+                    samples[name].append(1000 * (time.perf_counter() - started))
+            for name in candidates:
+                ms[name].append(min(samples[name]))
+    return {"kernel": _choose(ms), "ms": ms}
+
+
+def _choose(ms: dict[str, list[float]]) -> str:
+    """The kernel whose worst slowdown against the fastest at any width is smallest, among those no slower than
+    dense at the first width (a plain step must never pay for faster verification); dense unless clearly beaten."""
+    widths = range(len(next(iter(ms.values()))))
+    best = [min(row[i] for row in ms.values()) for i in widths]
+    worst = {name: max(row[i] / best[i] for i in widths) for name, row in ms.items()}
+    if "dense" not in ms:
+        return min(worst, key=worst.get)
+    eligible = {name: w for name, w in worst.items() if ms[name][0] <= ms["dense"][0] * (1 + MIN_GAIN)}
+    choice = min(eligible, key=eligible.get)
+    return choice if eligible[choice] < worst["dense"] * (1 - MIN_GAIN) else "dense"
+
+
+def _linears_by_shape(model: nn.Module) -> dict[str, nn.Linear]:
+    shapes = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            shapes.setdefault(_shape_key(module), module)
+    return shapes
+
+
+def _shape_key(linear: nn.Linear) -> str:
+    dtype = str(linear.weight.dtype).removeprefix("torch.")
+    return f"{dtype}:{linear.out_features}x{linear.in_features}{'+bias' if linear.bias is not None else ''}"
+
+
+def _kernel_name(module: nn.Module) -> str | None:
+    return {nn.Linear: "dense", OneDNNLinear: "onednn", Int8Linear: "int8"}.get(type(module))
+
+
+class _CalibrationCache:
+    """One JSON file per machine (CPU model, instruction set, threads, torch version), written atomically."""
+
+    def __init__(self, enabled: bool):
+        from draftwise.hardware import machine_key
+        from draftwise.models.store import store_home
+
+        self.path = store_home() / "calibration" / f"{machine_key()}.json" if enabled else None
+        self.entries = self._load()
+        self.dirty = False
+
+    def _load(self) -> dict:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # a damaged cache is measured again, never trusted
+            return {}
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict) -> None:
+        if self.entries.get(key) != entry:
+            self.entries[key], self.dirty = entry, True
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
+            os.replace(partial, self.path)
+        except OSError:  # a read-only home costs a re-measurement next load, nothing else
+            pass
+

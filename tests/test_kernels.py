@@ -1,0 +1,167 @@
+"""Speed paths chosen at load: the linear kernels (timed, cached per machine) and the dtype (auto).
+
+What must hold: a choice is made from measurements, recorded in the stats, cached so the next load
+measures nothing, and never changes the greedy output at float32.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+
+from draftwise.backends import kernels
+from draftwise.backends.kernels import OneDNNLinear, kernel_counts, plan_kernels, with_kernels
+from draftwise.engine import Engine
+from draftwise.errors import DraftwiseError
+from draftwise.hardware import machine_key, resolve_dtype
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The dog"
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A calibration cache of this test's own."""
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _onednn_works() -> bool:
+    try:
+        OneDNNLinear(torch.nn.Linear(8, 8))(torch.zeros(1, 8))
+        return True
+    except RuntimeError:
+        return False
+
+
+needs_onednn = pytest.mark.skipif(not _onednn_works(), reason="this torch build has no oneDNN linear")
+
+
+# -- the choice rule, on hand-made timings (ms at widths 1, 2, 4, 8) -----------------------------------------
+
+
+def test_a_flat_kernel_beats_dense_that_grows_with_width():
+    assert kernels._choose({"dense": [3.0, 9.0, 17.0, 16.0], "onednn": [2.9, 2.5, 6.5, 7.2]}) == "onednn"
+
+
+def test_dense_stays_when_the_other_is_not_clearly_faster():
+    assert kernels._choose({"dense": [1.0, 1.1, 1.2, 1.3], "onednn": [1.0, 1.08, 1.18, 1.27]}) == "dense"
+
+
+def test_a_kernel_slower_for_one_token_never_wins():
+    # Far flatter when wide, but a plain step would pay 3x: dense stays.
+    assert kernels._choose({"dense": [1.0, 2.0, 4.0, 8.0], "onednn": [3.0, 2.0, 2.0, 2.0]}) == "dense"
+
+
+def test_without_dense_the_least_worst_kernel_wins():
+    assert kernels._choose({"int8": [2.0, 2.0], "onednn": [1.5, 4.0]}) == "int8"
+
+
+# -- planning: measured, cached, robust ------------------------------------------------------------------------
+
+
+def test_a_plan_is_measured_once_then_read_from_the_cache(home, monkeypatch):
+    model = tiny_model("llama", seed=0)
+    first = plan_kernels(model)
+    assert set(first.choices) == {"float32:128x64", "float32:64x64", "float32:64x128", "float32:32x64",
+                                  f"float32:{model.lm_head.out_features}x64"}
+    assert all(len(row) == len(first.widths) for per_kernel in first.timings.values() for row in per_kernel.values())
+    assert (home / "calibration" / f"{machine_key()}.json").is_file()
+
+    def no_timing(*args):
+        raise AssertionError("measured again although the cache holds the answer")
+
+    monkeypatch.setattr(kernels, "_measure", no_timing)
+    assert plan_kernels(model).choices == first.choices
+
+
+def test_a_damaged_cache_is_measured_again(home):
+    model = tiny_model("llama", seed=0)
+    plan_kernels(model)
+    path = home / "calibration" / f"{machine_key()}.json"
+    path.write_text("{not json")
+    again = plan_kernels(model)
+    assert set(again.choices.values()) <= {"dense", "onednn"}
+    json.loads(path.read_text())  # rewritten whole
+
+
+def test_a_kernel_that_fails_to_build_is_left_out(monkeypatch):
+    def refuses(linear):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setitem(kernels._BUILDERS, "onednn", refuses)
+    plan = plan_kernels(tiny_model("llama", seed=0), cache=False)
+    assert set(plan.choices.values()) == {"dense"}
+    assert all(set(per_kernel) == {"dense"} for per_kernel in plan.timings.values())
+
+
+def test_dense_only_changes_nothing():
+    model = tiny_model("llama", seed=0)
+    assert with_kernels(model, plan_kernels(model, kernels=("dense",))) is model
+
+
+# -- applying a plan -------------------------------------------------------------------------------------------
+
+
+@needs_onednn
+def test_a_planned_copy_leaves_the_original_alone_and_computes_the_same():
+    model = tiny_model("qwen2", seed=0)  # q/k/v with bias
+    fast = with_kernels(model, plan_kernels(model, kernels=("onednn",), cache=False))
+    assert kernel_counts(model) == {"dense": 15} and kernel_counts(fast) == {"onednn": 15}
+    # Only the linears are new: the embeddings are the very same tensor.
+    assert fast.model.embed_tokens.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.inference_mode():
+        assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("method", ["none", "draft", "lookup"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_fast_kernels_never_change_the_greedy_output_at_float32(method, k):
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    reference = Engine.from_models(target, tokenizer, method="none", target_kernels=("dense",)).generate(
+        PROMPT, max_new_tokens=40, ignore_eos=True)
+    # The other kernel everywhere, whatever this machine's timings say.
+    draft = tiny_model("llama", seed=1) if method == "draft" else None
+    engine = Engine.from_models(target, tokenizer, draft_model=draft, method=method, target_kernels=("onednn",))
+    result = engine.generate(PROMPT, max_new_tokens=40, ignore_eos=True, num_draft_tokens=k)
+    assert result.stats.speed_paths["target_kernels"] == {"onednn": 15}
+    assert result.token_ids == reference.token_ids
+
+
+def test_the_target_may_not_run_on_a_kernel_that_changes_its_values():
+    with pytest.raises(DraftwiseError, match="target kernels must be some of dense, onednn .* got int8"):
+        Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), method="none", target_kernels=("int8",))
+
+
+def test_the_stats_say_which_paths_were_taken():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    engine = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1), draft_vocab=100)
+    paths = engine.generate(PROMPT, max_new_tokens=8).stats.to_dict()["speed_paths"]
+    assert paths["dtype"] == "float32"
+    assert sum(paths["target_kernels"].values()) == 15 and set(paths["target_kernels"]) <= {"dense", "onednn"}
+    assert sum(paths["draft_kernels"].values()) == 15
+    assert set(paths["draft_kernels"]) <= {"dense", "onednn", "int8"}
+    assert paths["draft_vocab"] == len(engine.proposer.token_ids) == 100  # the specials are among the first 100
+
+
+# -- the dtype ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_follows_the_hardware(native, expected, monkeypatch):
+    monkeypatch.setattr("draftwise.hardware.native_bf16", lambda device="cpu": native)
+    assert resolve_dtype("auto") == expected
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+
+
+def test_an_unknown_dtype_names_the_allowed_ones():
+    with pytest.raises(DraftwiseError, match="dtype must be one of auto, float32, bfloat16, got 'float16'"):
+        resolve_dtype("float16")
+
+
+def test_auto_on_this_machine_is_what_the_cpu_computes_natively():
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_dtype("auto") == ("bfloat16" if native else "float32")
