@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 # Pulls the Qwen2.5-Coder 1.5B target and 0.5B draft on first use (about 5 minutes), then streams a
 # speculative generation and checks that its greedy text equals the target alone.
+# DTYPE=float32 (or bfloat16) overrides the default, auto: bfloat16 only where the CPU computes it natively.
 demo: install
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(if $(DTYPE),--dtype $(DTYPE))
 
 test: install
 	$(PY) -m pytest -q
