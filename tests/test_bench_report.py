@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from draftwise.bench.plots import speedup_reference, write_plots
-from draftwise.bench.report import md_table, write_report
+from draftwise.bench.report import below_none, md_table, split_by_dtype, write_report
 from draftwise.bench.summary import per_position_acceptance, predicted_speedup, summarize, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -212,7 +212,7 @@ def test_md_table():
 
 def test_report_has_setup_and_tables_with_formatted_cells(tmp_path):
     results = make_results()
-    path = write_report(results, tmp_path, {"speedup_by_category": "speedup_by_category.png"})
+    path = write_report(results, tmp_path, {"float32": {"speedup_by_category": "speedup_by_category.png"}})
     assert path == tmp_path / "report.md"
     text = path.read_text()
     assert text.startswith("# draftwise bench")
@@ -253,10 +253,109 @@ def test_report_without_hf_plain_or_roofline_or_summary(tmp_path):
     assert "## Roofline" not in text and "## Plots" not in text and "![" not in text
 
 
+# -- the promise: no method slower than none ---------------------------------------------------------------------
+
+def summary_row(method, category, tokens_per_s, none_tokens_per_s, dtype="float32"):
+    """A summary row as summarize makes it, with only the fields the guard reads filled in."""
+    fields = ("prompts", "speedup_vs_hf_plain", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+              "mean_draft_length", "cost_ratio", "predicted_speedup", "measured_over_predicted", "identical")
+    return {**dict.fromkeys(fields), "dtype": dtype, "method": method, "category": category, "prompts": 1,
+            "tokens_per_s": tokens_per_s, "speedup_vs_none": tokens_per_s / none_tokens_per_s}
+
+
+def guarded_results(rows):
+    return {"meta": {"methods": ["none", "draft", "lookup"], "categories": ["code", "qa"], "dtypes": ["float32"]},
+            "summary": rows}
+
+
+def promise_section(text):
+    return text.split("## Methods slower than `none`")[1].split("\n## ")[0]
+
+
+def test_methods_below_095x_of_none_are_flagged_with_category_and_ratio(tmp_path):
+    rows = [
+        summary_row("none", "code", 10.0, 10.0), summary_row("none", "qa", 8.0, 8.0),
+        summary_row("none", "all", 9.0, 9.0),
+        summary_row("draft", "code", 20.0, 10.0), summary_row("draft", "qa", 7.2, 8.0),  # 0.90x
+        summary_row("draft", "all", 13.0, 9.0),
+        summary_row("lookup", "code", 9.5, 10.0), summary_row("lookup", "qa", 7.8, 8.0),  # 0.95x: not below
+        summary_row("lookup", "all", 8.1, 9.0),  # 0.90x
+    ]
+    assert [(r["method"], r["category"]) for r in below_none(rows)] == [("draft", "qa"), ("lookup", "all")]
+    section = promise_section(write_report(guarded_results(rows), tmp_path, None).read_text())
+    assert "| draft | qa | 7.2 | 0.900x |" in section
+    assert "| lookup | all | 8.1 | 0.900x |" in section
+    assert "| lookup | code" not in section and "| none |" not in section
+    assert "No method" not in section
+
+
+def test_the_promise_section_says_so_when_no_method_is_below(tmp_path):
+    rows = [summary_row("none", "code", 10.0, 10.0), summary_row("draft", "code", 9.5, 10.0),
+            summary_row("lookup", "code", 30.0, 10.0)]
+    assert below_none(rows) == []
+    section = promise_section(write_report(guarded_results(rows), tmp_path, None).read_text())
+    assert "No method is below 0.95x of `none`'s tokens/s in any category." in section
+    assert "|" not in section
+
+
+def test_without_none_the_promise_section_says_nothing_was_compared(tmp_path):
+    rows = [r for r in make_results()["summary"] if r["method"] != "none"]
+    section = promise_section(write_report({"meta": {}, "summary": rows}, tmp_path, None).read_text())
+    assert "`none` was not run" in section
+
+
+# -- several dtypes ----------------------------------------------------------------------------------------------
+
+def two_dtype_results():
+    """make_runs() in float32, and again in bfloat16 with draft twice as fast; each with its own roofline."""
+    f32 = [{**r, "dtype": "float32"} for r in make_runs()]
+    bf16 = [{**r, "dtype": "bfloat16", "decode_s": r["decode_s"] / (2 if r["method"] == "draft" else 1)}
+            for r in make_runs()]
+    results = make_results(f32 + bf16, roofline={"float32": ROOFLINE, "bfloat16": None}, with_summary=False)
+    results["meta"]["dtypes"] = ["float32", "bfloat16"]
+    del results["meta"]["dtype"]
+    return results
+
+
+def test_split_by_dtype_keeps_each_dtype_apart():
+    parts = split_by_dtype(two_dtype_results())
+    assert list(parts) == ["float32", "bfloat16"]
+    assert parts["float32"]["roofline"] == ROOFLINE and parts["bfloat16"]["roofline"] is None
+    assert parts["bfloat16"]["meta"]["dtype"] == "bfloat16"
+    assert all(run["dtype"] == "bfloat16" for run in parts["bfloat16"]["runs"])
+    rows = {dtype: {(r["method"], r["category"]): r for r in part["summary"]} for dtype, part in parts.items()}
+    # Each dtype is compared with its own none: draft/coding 1.5x in float32, 3.0x in bfloat16.
+    assert rows["float32"]["draft", "coding"]["speedup_vs_none"] == pytest.approx(1.5)
+    assert rows["bfloat16"]["draft", "coding"]["speedup_vs_none"] == pytest.approx(3.0)
+    # Results from before dtypes were recorded per row come back whole, under the meta's dtype.
+    assert list(split_by_dtype(make_results())) == ["float32"]
+
+
+def test_report_and_plots_per_dtype(tmp_path):
+    results = two_dtype_results()
+    plots = write_plots(results, tmp_path)
+    assert plots == {
+        dtype: {"speedup_by_category": f"speedup_by_category_{dtype}.png",
+                "acceptance_by_position": f"acceptance_by_position_{dtype}.png"}
+        for dtype in ("float32", "bfloat16")
+    }
+    assert all((tmp_path / f).read_bytes()[:8] == PNG_SIGNATURE for p in plots.values() for f in p.values())
+    text = write_report(results, tmp_path, plots).read_text()
+    assert "float32, bfloat16" in text.split("\n## ")[0]  # the setup line names both
+    f32, bf16 = text.split("\n## float32\n")[1].split("\n## bfloat16\n")
+    assert "### Tokens/s by category" in f32 and "### Tokens/s by category" in bf16
+    assert "| draft | 10.0 (2.50x) | 20.0 (4.00x) | 12.0 (2.80x) |" in f32
+    assert "| draft | 20.0 (5.00x) | 40.0 (8.00x) | 24.0 (5.60x) |" in bf16
+    assert "### Roofline" in f32 and "Roofline" not in bf16
+    assert "(speedup_by_category_float32.png)" in f32 and "(speedup_by_category_bfloat16.png)" in bf16
+    # The guard names the dtype of each flagged row when there are several.
+    assert "| bfloat16 | hf-plain | coding | 4.0 | 0.600x |" in promise_section(text)
+
+
 # -- plots -------------------------------------------------------------------------------------------------------
 
 def test_plots_are_valid_pngs(tmp_path):
-    written = write_plots(make_results(), tmp_path)
+    written = write_plots(make_results(), tmp_path)["float32"]
     assert written == {
         "speedup_by_category": "speedup_by_category.png",
         "acceptance_by_position": "acceptance_by_position.png",
@@ -270,12 +369,13 @@ def test_plots_are_valid_pngs(tmp_path):
 def test_plots_skipped_when_there_is_nothing_to_draw(tmp_path):
     # no method with per-position acceptance -> no acceptance plot
     plain = [r for r in make_runs() if r["method"] != "draft"]
-    assert write_plots(make_results(plain), tmp_path / "a") == {"speedup_by_category": "speedup_by_category.png"}
+    assert write_plots(make_results(plain), tmp_path / "a") == {
+        "float32": {"speedup_by_category": "speedup_by_category.png"}}
     assert not (tmp_path / "a" / "acceptance_by_position.png").exists()
     # neither hf-plain nor none to compare with -> no speedup plot
     draft_only = [r for r in make_runs() if r["method"] == "draft"]
     assert write_plots(make_results(draft_only), tmp_path / "b") == {
-        "acceptance_by_position": "acceptance_by_position.png"}
+        "float32": {"acceptance_by_position": "acceptance_by_position.png"}}
     assert not (tmp_path / "b" / "speedup_by_category.png").exists()
 
 

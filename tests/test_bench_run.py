@@ -13,6 +13,8 @@ from conftest import tiny_model, tiny_tokenizer
 from draftwise import cli
 from draftwise.bench import command
 from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
+from draftwise.config import DTYPES
+from draftwise.hardware import resolve_dtype
 
 N = 12
 PROMPTS = [
@@ -105,9 +107,12 @@ def test_outputs_are_written(results):
     res, out = results
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["summary"] == json.loads(json.dumps(res["summary"]))
-    assert set(on_disk["roofline"]["target"]) == {"1", "2", "4", "8", "16"}
-    assert on_disk["meta"]["machine"] and on_disk["meta"]["dtype"] == "float32"
+    roofline = on_disk["roofline"]["float32"]
+    assert set(roofline["target"]) == set(roofline["target_as_loaded"]) == {"1", "2", "4", "8", "16"}
+    assert on_disk["meta"]["machine"] and on_disk["meta"]["dtypes"] == ["float32"]
+    assert {r["dtype"] for r in on_disk["runs"] + on_disk["summary"]} == {"float32"}
     report = (out / "report.md").read_text()
+    assert "target as loaded ms" in report
     assert "hf-assisted" in report and "speedup_by_category.png" in report
     for png in ("speedup_by_category.png", "acceptance_by_position.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -156,7 +161,9 @@ def test_cli_bench_writes_outputs_and_prints_the_report_path(tmp_path, prompts_f
     assert code == 0
     assert capsys.readouterr().out.strip() == f"{out}/report.md"
     assert (out / "results.json").exists() and (out / "report.md").exists()
-    assert fake_load[0].methods == ("none", "lookup", "hf-plain") and fake_load[0].dtype == "float32"
+    assert fake_load[0].methods == ("none", "lookup", "hf-plain")
+    # The default dtype: what this machine computes natively.
+    assert [cfg.dtype for cfg in fake_load] == [resolve_dtype("auto")]
 
 
 def test_cli_bench_json_prints_the_summary(tmp_path, prompts_file, fake_load, capsys):
@@ -174,6 +181,8 @@ def test_cli_bench_json_prints_the_summary(tmp_path, prompts_file, fake_load, ca
     (["--repeats", "0"], "repeats must be at least 1, got 0"),
     (["--categories", "poetry"], "unknown category poetry; available: all, prose, code"),
     (["--per-category", "0"], "per_category must be an integer >= 1"),
+    (["--dtype", "float32,float16"], f"dtype must be one of {', '.join(DTYPES)}, got 'float16'"),
+    (["--dtype", ","], f"give at least one of {', '.join(DTYPES)}"),
 ])
 def test_cli_bench_rejects_bad_options_before_loading(tmp_path, prompts_file, fake_load, capsys, args, message):
     code = cli.main(["bench", "--prompts", str(prompts_file), "--out", str(tmp_path / "o"), *args])
@@ -190,3 +199,39 @@ def test_cli_bench_missing_prompt_file_and_out_that_is_a_file(tmp_path, prompts_
     assert cli.main(["bench", "--prompts", str(prompts_file), "--out", str(a_file)]) == 1
     assert "is a file" in capsys.readouterr().err
     assert fake_load == []
+
+
+def _bench_cli(prompts_file, out, *extra):
+    return cli.main(["bench", "--prompts", str(prompts_file), "--methods", "none,draft", "--repeats", "1",
+                     "--max-new-tokens", "6", "--categories", "code", "--out", str(out), "-q", *extra])
+
+
+def test_cli_bench_runs_once_per_dtype_and_reports_each(tmp_path, prompts_file, fake_load):
+    out = tmp_path / "res"
+    assert _bench_cli(prompts_file, out, "--dtype", "float32,bfloat16") == 0
+    # Models loaded once per dtype, in the order given.
+    assert [cfg.dtype for cfg in fake_load] == ["float32", "bfloat16"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["dtypes"] == ["float32", "bfloat16"]
+    assert set(results["roofline"]) == {"float32", "bfloat16"}
+    runs_per_dtype = 2 * 2  # two code prompts, two methods, one repeat
+    assert [r["dtype"] for r in results["runs"]] == ["float32"] * runs_per_dtype + ["bfloat16"] * runs_per_dtype
+    assert [(r["dtype"], r["method"], r["category"]) for r in results["summary"]] == [
+        (d, m, c) for d in ("float32", "bfloat16") for m in ("none", "draft") for c in ("code", "all")]
+    assert all(r["identical"] for r in results["runs"] if r["method"] == "draft")  # vs its own dtype's none
+    report = (out / "report.md").read_text()
+    assert "\n## float32\n" in report and "\n## bfloat16\n" in report
+    for dtype in ("float32", "bfloat16"):
+        for plot in ("speedup_by_category", "acceptance_by_position"):
+            assert (out / f"{plot}_{dtype}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert f"({plot}_{dtype}.png)" in report
+    assert not (out / "speedup_by_category.png").exists()
+
+
+def test_cli_bench_runs_a_dtype_once_however_it_is_named(tmp_path, prompts_file, fake_load):
+    # auto is float32 or bfloat16 here; asking for both and auto must not run either twice.
+    assert _bench_cli(prompts_file, tmp_path / "res", "--dtype", "auto,float32,bfloat16,float32") == 0
+    assert sorted(cfg.dtype for cfg in fake_load) == ["bfloat16", "float32"]
+    assert fake_load[0].dtype == resolve_dtype("auto")
+    results = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert results["meta"]["dtypes"] == [cfg.dtype for cfg in fake_load]

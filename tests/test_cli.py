@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -134,7 +133,7 @@ def test_stats_line_on_stderr_matches_the_run(capsys, loads):
     assert code == 0
     line = err.strip().splitlines()[-1]
     m = re.fullmatch(
-        r"\[draft k=3\] (\d+) tokens, ([\d.]+) tok/s, acceptance ([\d.]+)%, "
+        r"\[draft k=3 float32\] (\d+) tokens, ([\d.]+) tok/s, acceptance ([\d.]+)%, "
         r"mean accepted length ([\d.]+), (\d+) target passes",
         line,
     )
@@ -150,7 +149,7 @@ def test_stats_line_on_stderr_matches_the_run(capsys, loads):
 def test_stats_line_for_the_baseline(capsys, loads):
     code, _, err = run(capsys, *gen("--method", "none"))
     assert code == 0
-    assert re.fullmatch(rf"\[none\] {N} tokens, [\d.]+ tok/s, {N} target passes", err.strip().splitlines()[-1])
+    assert re.fullmatch(rf"\[none float32\] {N} tokens, [\d.]+ tok/s, {N} target passes", err.strip().splitlines()[-1])
 
 
 class _Terminal(io.StringIO):
@@ -205,14 +204,34 @@ def test_quiet_prints_only_the_text(capsys, loads):
     assert out == _direct().text
 
 
+def _check_speculated(stats: dict, method: str) -> None:
+    """The method named actually ran and proposed tokens; otherwise identity with `none` would prove nothing."""
+    assert stats["method"] == method
+    assert stats["proposed"] > 0  # the first round always drafts the full k
+    assert 0 <= stats["accepted"] <= stats["proposed"]
+    # Each target pass emits the kept draft tokens plus one of its own.
+    assert stats["accepted"] + stats["target_forwards"] == N
+
+
 @pytest.mark.parametrize("k", ["1", "4"])
 def test_greedy_token_ids_identical_for_every_method(capsys, loads, k):
-    baseline = run_json(capsys, "--method", "none", "-k", k)["token_ids"]
-    assert len(baseline) == N
-    for extra in (("--draft", "other"), ("--draft", "same"), ("--method", "lookup")):
-        got = run_json(capsys, *extra, "-k", k)
-        assert got["token_ids"] == baseline, extra
-    assert got["stats"]["proposed"] > 0 or extra[-1] == "lookup"
+    baseline = run_json(capsys, "--method", "none", "-k", k)
+    assert len(baseline["token_ids"]) == N
+    assert baseline["stats"]["method"] == "none" and baseline["stats"]["proposed"] == 0
+    assert baseline["stats"]["target_forwards"] == N
+
+    other = run_json(capsys, "--draft", "other", "-k", k)
+    assert other["token_ids"] == baseline["token_ids"]
+    _check_speculated(other["stats"], "draft")
+
+    same = run_json(capsys, "--draft", "same", "-k", k)
+    assert same["token_ids"] == baseline["token_ids"]
+    _check_speculated(same["stats"], "draft")
+    assert same["stats"]["accepted"] > 0, "the target's twin as draft must get tokens kept"
+
+    lookup = run_json(capsys, "--method", "lookup", "-k", k)
+    assert lookup["token_ids"] == baseline["token_ids"]
+    _check_speculated(lookup["stats"], "lookup")
 
 
 def test_options_reach_the_engine(capsys, loads):
@@ -443,7 +462,7 @@ def test_version(capsys):
     (["bench"], ["--methods", "hf-assisted", "--categories", "--per-category", "--limit", "--prompts", "--repeats",
                  "--out", "--dtype", "--json", "(default: 128)", "(default: 3)", "(default: bench-results)"]),
     (["generate"], ["--target", "--draft", "--method", "--prompt-file", "--stop", "--json", "--no-color", "--fixed-k",
-                    "(default: 128)", "(default: 4)", "(default: float32)", "(default: 0.0)", "(default: 1.0)"]),
+                    "(default: 128)", "(default: 4)", "(default: auto)", "(default: 0.0)", "(default: 1.0)"]),
     (["models"], ["list", "pull", "path"]),
     (["models", "list"], ["--json"]),
     (["models", "pull"], ["--force", "NAME"]),
@@ -459,5 +478,7 @@ def test_help(capsys, argv, words):
 
 
 def test_python_dash_m_runs_the_cli():
-    source = (Path(cli.__file__).parent / "__main__.py").read_text()
-    assert "from draftwise.cli import main" in source and "sys.exit(main())" in source
+    done = subprocess.run([sys.executable, "-m", "draftwise", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"draftwise {draftwise.__version__}"

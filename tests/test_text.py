@@ -6,6 +6,7 @@ import pytest
 from conftest import tiny_tokenizer
 from draftwise.text import TextStream
 
+REPLACEMENT = "\ufffd"  # U+FFFD, what a decoder shows for an incomplete UTF-8 sequence
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ and 日本語 too."
 
 
@@ -21,10 +22,17 @@ def stream(text, stop=()):
     return pieces, ts
 
 
+def test_text_splits_multi_byte_characters_across_tokens():
+    # Otherwise the check below would have nothing to catch: some token must decode alone to half a character.
+    tokenizer = tiny_tokenizer()
+    alone = [tokenizer.decode([token]) for token in tokenizer(TEXT)["input_ids"]]
+    assert any(REPLACEMENT in piece for piece in alone)
+
+
 def test_pieces_add_up_to_the_decoded_text():
     pieces, _ = stream(TEXT)
+    assert all(REPLACEMENT not in piece for piece in pieces)  # multi-byte characters never shown half-done
     assert "".join(pieces) == TEXT
-    assert all("\\ufffd" not in piece for piece in pieces)  # multi-byte characters never shown half-done
 
 
 @pytest.mark.parametrize("stop", ["fox", "dog.", "日本", "✓"])

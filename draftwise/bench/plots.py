@@ -1,4 +1,4 @@
-"""Two PNG plots of a bench's summary: speedup by category, and acceptance by draft position.
+"""Two PNG plots of a bench's summary per dtype: speedup by category, and acceptance by draft position.
 
 Uses matplotlib's object API (`Figure` + `savefig`), which needs no backend and touches no global pyplot state.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftwise.bench.report import display_order
+from draftwise.bench.report import display_order, split_by_dtype
 from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, summarize
 
 DPI = 120
@@ -106,13 +106,18 @@ PLOTS = {
 }
 
 
-def write_plots(results: dict, out_dir: Path) -> dict[str, str]:
-    """Write the plots that have something to draw into out_dir; returns {name: filename relative to out_dir}."""
+def write_plots(results: dict, out_dir: Path) -> dict[str, dict[str, str]]:
+    """Write, per dtype, the plots that have something to draw into out_dir; returns {dtype: {name: filename
+    relative to out_dir}}. With several dtypes the file names end in the dtype: name_bfloat16.png."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    parts = split_by_dtype(results)
     written = {}
-    for name, plot in PLOTS.items():
-        filename = f"{name}.png"
-        if plot(results, out_dir / filename):
-            written[name] = filename
+    for dtype, part in parts.items():
+        suffix = f"_{dtype}" if len(parts) > 1 else ""
+        written[dtype] = {}
+        for name, plot in PLOTS.items():
+            filename = f"{name}{suffix}.png"
+            if plot(part, out_dir / filename):
+                written[dtype][name] = filename
     return written

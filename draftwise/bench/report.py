@@ -1,14 +1,18 @@
-"""results.json -> report.md: the setup, four tables, a reading of the roofline, and the plots."""
+"""results.json -> report.md: the setup, the methods slower than `none`, then per dtype four tables, a reading
+of the roofline, and the plots."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from draftwise.adaptive import interpolate
-from draftwise.bench.summary import ALL, REFERENCE_PEER, ratio, summarize
+from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, summarize
 
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
+# Below this share of `none`'s tokens/s a method loses time rather than saves it; the 5% is room for noise.
+PROMISE_FLOOR = 0.95
 PLOT_TITLES = {
     "speedup_by_category": "Speedup by category",
     "acceptance_by_position": "Acceptance by draft position",
@@ -55,6 +59,42 @@ def display_order(meta: dict, summary: list[dict]) -> tuple[list[str], list[str]
     return [m for m in methods if m in present], categories
 
 
+def split_by_dtype(results: dict) -> dict[str, dict]:
+    """{dtype: that dtype's results alone (meta with its dtype, roofline, runs, summary)}, in the order they ran.
+
+    Runs and rows without a dtype (results written before the bench took several) belong to the meta's dtype.
+    """
+    meta = results.get("meta", {})
+    default = meta.get("dtype") or next(iter(meta.get("dtypes") or []), "?")
+    runs, summary = results.get("runs", []), results.get("summary")
+    dtype_of = lambda row: row.get("dtype", default)  # noqa: E731
+    dtypes = list(dict.fromkeys([*map(dtype_of, runs), *map(dtype_of, summary or [])])) or [default]
+    parts = {}
+    for dtype in dtypes:
+        roofline = _roofline_of(results.get("roofline"), dtype)
+        own_runs = [run for run in runs if dtype_of(run) == dtype]
+        parts[dtype] = {
+            "meta": {**meta, "dtype": dtype},
+            "roofline": roofline,
+            "runs": own_runs,
+            "summary": [row for row in summary if dtype_of(row) == dtype] if summary else summarize(own_runs, roofline),
+        }
+    return parts
+
+
+def _roofline_of(roofline: dict | None, dtype: str) -> dict | None:
+    """results["roofline"] is {dtype: roofline}; a single roofline (older results) is every dtype's."""
+    if roofline and "target" in roofline:
+        return roofline
+    return (roofline or {}).get(dtype)
+
+
+def below_none(summary: list[dict], floor: float = PROMISE_FLOOR) -> list[dict]:
+    """The rows whose tokens/s is below floor x draftwise `none`'s in the same category."""
+    return [row for row in summary if row["method"] != REFERENCE_OWN
+            and row.get("speedup_vs_none") is not None and row["speedup_vs_none"] < floor]
+
+
 def _roofline_ms(table: dict | None, n: int) -> float | None:
     if not table:
         return None
@@ -70,12 +110,12 @@ def _interpolated_ms(table: dict | None, n: float) -> float | None:
 
 # -- sections ----------------------------------------------------------------------------------------------------
 
-def _header(meta: dict) -> str:
+def _header(meta: dict, dtypes: list[str]) -> str:
     models = f"target `{meta.get('target', '?')}`"
     if meta.get("draft"):
         models += f", draft `{meta['draft']}`"
     setup = (
-        f"{meta.get('machine', 'unknown machine')} · {meta.get('dtype', '?')} · {models} · "
+        f"{meta.get('machine', 'unknown machine')} · {', '.join(dtypes)} · {models} · "
         f"max_new_tokens {meta.get('max_new_tokens', '?')} · k {meta.get('num_draft_tokens', '?')} · "
         f"repeats {meta.get('repeats', '?')}"
     )
@@ -85,6 +125,23 @@ def _header(meta: dict) -> str:
     if meta.get("command"):
         lines += ["", f"Command: `{meta['command']}`"]
     return "\n".join(lines)
+
+
+def _promise_section(parts: dict[str, dict], floor: float = PROMISE_FLOOR) -> str:
+    """Every (method, category) whose tokens/s is below floor x `none`'s, in the same dtype; or a plain all-clear."""
+    title = f"## Methods slower than `{REFERENCE_OWN}`"
+    if not any(row["method"] == REFERENCE_OWN for part in parts.values() for row in part["summary"]):
+        return f"{title}\n\n`{REFERENCE_OWN}` was not run, so no method was compared with it."
+    flagged = [(dtype, row) for dtype, part in parts.items() for row in below_none(part["summary"], floor)]
+    if not flagged:
+        return f"{title}\n\nNo method is below {floor:.2f}x of `{REFERENCE_OWN}`'s tokens/s in any category."
+    several = len(parts) > 1
+    header = ["dtype"] * several + ["method", "category", "tok/s", f"vs {REFERENCE_OWN}"]
+    body = [[dtype] * several + [row["method"], row["category"], fmt_num(row["tokens_per_s"]),
+                                 f"{row['speedup_vs_none']:.3f}x"] for dtype, row in flagged]
+    intro = (f"Below {floor:.2f}x of `{REFERENCE_OWN}`'s tokens/s (the target alone through the same backend, "
+             f"in the same dtype and category):")
+    return f"{title}\n\n{intro}\n\n" + md_table(header, body, align_left=len(header) - 2)
 
 
 def _table_by_category(summary: list[dict], methods: list[str], categories: list[str]) -> str:
@@ -151,19 +208,26 @@ def _table_positions(summary: list[dict], methods: list[str]) -> str | None:
 def _table_roofline(roofline: dict | None, meta: dict) -> str | None:
     if not roofline or not roofline.get("target"):
         return None
-    target, draft = roofline.get("target"), roofline.get("draft")
+    target, draft, loaded = roofline.get("target"), roofline.get("draft"), roofline.get("target_as_loaded")
     header = ["new tokens", "target ms", "target x of 1 token"]
+    if loaded:
+        header += ["target as loaded ms", "as loaded x of 1 token"]
     if draft:
         header += ["draft ms", "draft x of 1 token"]
     body = []
     for n in ROOFLINE_TOKENS:
         t = _roofline_ms(target, n)
         cells = [str(n), fmt_num(t, 2), fmt_ratio(ratio(t, _roofline_ms(target, 1)))]
+        if loaded:
+            lt = _roofline_ms(loaded, n)
+            cells += [fmt_num(lt, 2), fmt_ratio(ratio(lt, _roofline_ms(loaded, 1)))]
         if draft:
             d = _roofline_ms(draft, n)
             cells += [fmt_num(d, 2), fmt_ratio(ratio(d, _roofline_ms(draft, 1)))]
         body.append(cells)
-    intro = "Median time of one forward of n new tokens after a 200-token prefill."
+    intro = ("Median time of one forward of n new tokens after a 200-token prefill. The target and draft as our "
+             "methods run them (kernels chosen at load, compact draft)" + ("; the target as loaded is what "
+             "transformers' methods run." if loaded else "."))
     return "## Roofline\n\n" + intro + "\n\n" + md_table(header, body) + "\n\n" + _roofline_reading(target, draft, meta)
 
 
@@ -212,22 +276,35 @@ def _plots_section(plots: dict[str, str] | None, out_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
-def write_report(results: dict, out_dir: Path, plots: dict[str, str] | None) -> Path:
-    """Write out_dir/report.md from results.json's dict (the summary is computed when absent); returns its path."""
-    out_dir = Path(out_dir)
-    meta = results.get("meta", {})
-    roofline = results.get("roofline")
-    summary = results.get("summary") or summarize(results.get("runs", []), roofline)
+def _dtype_sections(part: dict, plots: dict[str, str] | None, out_dir: Path) -> list[str | None]:
+    """The tables, roofline and plots of one dtype's results."""
+    meta, summary = part["meta"], part["summary"]
     methods, categories = display_order(meta, summary)
-
-    sections = [
-        _header(meta),
+    return [
         _table_by_category(summary, methods, categories),
         _table_detail(summary, methods, categories),
         _table_positions(summary, methods),
-        _table_roofline(roofline, meta),
+        _table_roofline(part["roofline"], meta),
         _plots_section(plots, out_dir),
     ]
+
+
+def _under_heading(title: str, sections: list[str | None]) -> list[str]:
+    # Each section's own headings move one level down, below the title's.
+    return [f"## {title}", *(re.sub(r"^#", "##", s, flags=re.MULTILINE) for s in sections if s)]
+
+
+def write_report(results: dict, out_dir: Path, plots: dict[str, dict[str, str]] | None) -> Path:
+    """Write out_dir/report.md from results.json's dict (summaries computed when absent); returns its path.
+
+    plots: {dtype: {plot name: filename}} as write_plots returns it. With several dtypes each has a heading.
+    """
+    out_dir = Path(out_dir)
+    parts = split_by_dtype(results)
+    sections = [_header(results.get("meta", {}), list(parts)), _promise_section(parts)]
+    for dtype, part in parts.items():
+        own = _dtype_sections(part, (plots or {}).get(dtype), out_dir)
+        sections += _under_heading(dtype, own) if len(parts) > 1 else own
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.md"
     path.write_text("\n\n".join(s for s in sections if s) + "\n", encoding="utf-8")

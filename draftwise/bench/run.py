@@ -1,17 +1,20 @@
 """`draftwise bench`: every method on the same loaded models and prompts, interleaved, then the three outputs.
 
-Order of work: choose prompts, load the models once, warm every method up (untimed), run prompt by prompt
-with the methods interleaved and their order rotated each repeat (no method always runs first, after a
-particular other, or on a cooler machine), mark which outputs equal the reference greedy output, measure
-the roofline, summarize, write results.json, the plots and report.md.
+Order of work: choose prompts; then for each dtype, load the models once in it, warm every method up
+(untimed), run prompt by prompt with the methods interleaved and their order rotated each repeat (no method
+always runs first, after a particular other, or on a cooler machine), mark which outputs equal the reference
+greedy output of that dtype, measure the roofline, summarize; last, write results.json, the plots and
+report.md for every dtype at once.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,10 +25,12 @@ from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts,
 from draftwise.bench.report import write_report
 from draftwise.bench.runners import NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
+from draftwise.config import DTYPES
 from draftwise.errors import DraftwiseError
+from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
-DEFAULT_METHODS = ("none", "draft", "lookup", "hf-plain", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = ("none", "draft", "lookup", "hybrid", "hf-plain", "hf-assisted", "hf-lookup")
 WARMUP_TOKENS = 8
 
 
@@ -41,7 +46,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 3
     num_draft_tokens: int = 4
-    dtype: str = "float32"
+    dtype: str = "float32"  # one dtype per config: a bench over several is one config each (per_dtype)
     device: str = "cpu"
     out: str = "bench-results"
     roofline: bool = True
@@ -59,12 +64,53 @@ def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
     return select_prompts(prompts, cfg.categories, cfg.per_category, cfg.limit)
 
 
+def per_dtype(cfg: BenchConfig, names: Sequence[str]) -> list[BenchConfig]:
+    """cfg once per distinct dtype that names resolve to on cfg.device, in the order given.
+
+    Resolving first runs 'auto' and the dtype it stands for once, records what actually ran, and fails on an
+    unknown name before any model loads.
+    """
+    if not names:
+        raise DraftwiseError(f"dtype: give at least one of {', '.join(DTYPES)}")
+    dtypes = dict.fromkeys(resolve_dtype(name, cfg.device) for name in names)
+    return [replace(cfg, dtype=dtype) for dtype in dtypes]
+
+
 def run_bench(cfg: BenchConfig, command: str = "", models=None) -> dict:
-    """Run the benchmark and write its outputs under cfg.out. models: (target, tokenizer, draft) already loaded."""
-    cfg.check()
-    prompts = choose_prompts(cfg)
-    out = prepare_out(cfg.out)
-    models = models or load_models(cfg)
+    """Run the benchmark in cfg.dtype and write its outputs under cfg.out.
+
+    models: (target, tokenizer, draft) already loaded; loaded from cfg when None.
+    """
+    return run_per_dtype(per_dtype(cfg, [cfg.dtype]), command, load=lambda c: models or load_models(c))
+
+
+def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
+                  load: Callable[[BenchConfig], tuple] | None = None) -> dict:
+    """The whole bench once per config (the same settings in another dtype, as per_dtype makes them), models
+    loaded by load(config) once each; results.json, the plots and report.md under configs[0].out cover them all."""
+    for cfg in configs:
+        cfg.check()
+    prompts = choose_prompts(configs[0])
+    out = prepare_out(configs[0].out)
+    load = load or load_models
+    passes = []
+    for cfg in configs:
+        passes.append(_bench_pass(cfg, prompts, load(cfg)))
+        gc.collect()  # the pass's models may sit in reference cycles: free them before the next dtype loads
+    results = {
+        "meta": _meta(configs, command, prompts),
+        "roofline": {p["dtype"]: p["roofline"] for p in passes},
+        "runs": [run for p in passes for run in p["runs"]],
+        "summary": [row for p in passes for row in p["summary"]],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plots = write_plots(results, out)
+    write_report(results, out, plots)
+    return results
+
+
+def _bench_pass(cfg: BenchConfig, prompts, models) -> dict:
+    """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged."""
     target_model, tokenizer, draft_model = models
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
@@ -72,17 +118,9 @@ def run_bench(cfg: BenchConfig, command: str = "", models=None) -> dict:
     _warm_up(runners, cfg.methods, encoded[0])
     runs = _interleaved_runs(runners, cfg, prompts, encoded)
     _mark_identical(runs, cfg.methods)
-    roofline = _roofline(target_model, draft_model) if cfg.roofline else None
-    results = {
-        "meta": _meta(cfg, command, prompts),
-        "roofline": roofline,
-        "runs": runs,
-        "summary": summarize(runs, roofline),
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plots = write_plots(results, out)
-    write_report(results, out, plots)
-    return results
+    roofline = _roofline(runners) if cfg.roofline else None
+    summary = [{"dtype": cfg.dtype, **row} for row in summarize(runs, roofline)]
+    return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary}
 
 
 def load_models(cfg: BenchConfig):
@@ -114,16 +152,17 @@ def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded) -> l
     methods = list(cfg.methods)
     runs = []
     total = len(prompts) * cfg.repeats * len(methods)
-    with tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress, dynamic_ncols=True) as bar:
+    bar = tqdm(total=total, desc=f"bench {cfg.dtype}", unit="run", disable=not cfg.progress, dynamic_ncols=True)
+    with bar:
         for prompt, prompt_ids in zip(prompts, encoded):
             for repeat in range(cfg.repeats):
                 shift = repeat % len(methods)
                 for method in methods[shift:] + methods[:shift]:
                     bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
                     record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
-                    runs.append({"method": method, "category": prompt.category, "question_id": prompt.question_id,
-                                 "repeat": repeat, "prompt_tokens": len(prompt_ids), **record,
-                                 "token_ids": token_ids})
+                    runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
+                                 "question_id": prompt.question_id, "repeat": repeat,
+                                 "prompt_tokens": len(prompt_ids), **record, "token_ids": token_ids})
                     bar.update()
     return runs
 
@@ -139,15 +178,22 @@ def _mark_identical(runs: list[dict], methods) -> None:
         run["identical"] = None if reference is None else run["token_ids"] == expected[key]
 
 
-def _roofline(target_model, draft_model) -> dict:
-    return {"context": 200, "target": measure_roofline(target_model),
-            "draft": measure_roofline(draft_model) if draft_model is not None else None}
+def _roofline(runners: Runners) -> dict:
+    """The target and draft as our methods run them (calibrated kernels, compact draft), and the target as
+    loaded, which transformers' methods run: the before and after of the kernel choice."""
+    draft = runners.draft_in_use
+    return {"context": 200, "target": measure_roofline(runners.fast_target),
+            "target_as_loaded": measure_roofline(runners.target_model),
+            "draft": measure_roofline(draft) if draft is not None else None}
 
 
-def _meta(cfg: BenchConfig, command: str, prompts) -> dict:
-    meta = asdict(cfg)
+def _meta(configs: Sequence[BenchConfig], command: str, prompts) -> dict:
+    """The settings the configs share, and the dtypes that ran, in order (each run and row carries its own)."""
+    meta = asdict(configs[0])
+    del meta["dtype"]
     meta.update(
-        methods=list(cfg.methods),
+        dtypes=[cfg.dtype for cfg in configs],
+        methods=list(configs[0].methods),
         categories=categories_of(prompts),
         prompts=len(prompts),
         machine=machine_description(),

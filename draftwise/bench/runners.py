@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from draftwise.backends.kernels import plan_kernels, with_kernels
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
@@ -38,14 +39,22 @@ class Runners:
     """The loaded models, shared by every method so that all of them run on the very same weights."""
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4):
-        self.target_model = target_model
+        self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
+        # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
+        self.fast_target = with_kernels(target_model, plan_kernels(target_model))
         self._engines = {
-            m: Engine.from_models(target_model, tokenizer, draft_model if m in NEEDS_DRAFT else None, method=m)
+            m: Engine.from_models(self.fast_target, tokenizer, draft_model if m in NEEDS_DRAFT else None, method=m)
             for m in OURS if m not in NEEDS_DRAFT or draft_model is not None
         }
         self._peer_config = _no_eos_config(target_model.generation_config)
+
+    @property
+    def draft_in_use(self):
+        """The draft model as the 'draft' method runs it (compact), or None without one."""
+        engine = self._engines.get("draft")
+        return engine.proposer.backend.model if engine is not None else None
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         if method in OURS:
