@@ -40,15 +40,17 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks emit a fixed number of tokens
     adaptive: bool = True  # num_draft_tokens is the most per round; the engine picks k from measured cost and acceptance
+    method: str | None = None  # how this sequence speculates; None: the engine's own method, "none": not at all
 
     @classmethod
     def from_options(
         cls, *, max_new_tokens: int = 128, num_draft_tokens: int = 4, temperature: float = 0.0, top_k: int = 0,
         top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False, adaptive: bool = True,
+        method: str | None = None,
     ) -> "GenerationConfig":
-        """The keyword options of Engine.stream as a checked config."""
+        """The one request config: the keyword options of Engine.stream, the CLI and the server, checked."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive)
+        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive, method)
         cfg.check()
         return cfg
 
@@ -62,5 +64,7 @@ class GenerationConfig:
             raise DraftwiseError(
                 f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
+        if self.method is not None and self.method not in METHODS:
+            raise DraftwiseError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
         if any(not s for s in self.stop):
             raise DraftwiseError("stop strings must be non-empty")

@@ -1,11 +1,13 @@
-"""The speculative loop: stream() yields events, generate() collects them.
+"""The speculative loop, for one sequence or many: open_sequence, prefill, step (one round for every sequence
+in the batch, all drafts verified in one target pass), close_sequence. stream() is the batch of one.
 
-One round, in named phases: propose k tokens; verify them with one target pass over
-[last token, draft...]; accept the kept prefix plus the target's own next token; commit the
-target cache to exactly the accepted text (in `finally`); let the proposer adapt.
+One round, in named phases: propose k tokens per sequence (draft-model sequences share each draft forward);
+verify every sequence's [last token, draft...] in one batched target pass; accept each kept prefix plus the
+target's own next token; commit each sequence's caches to exactly its accepted text (in `finally`); let each
+proposer and controller adapt.
 
-Cache rule: the target's cache holds every token of the text except the last one, which is
-fed at the head of the next round, so row 0 of a round's logits scores the first draft token.
+Cache rule: a sequence's target slot holds every token of its text except the last one, which is fed at the
+head of the next round, so row 0 of a round's logits scores the first draft token.
 """
 from __future__ import annotations
 
@@ -17,15 +19,20 @@ import torch
 
 from draftwise.adaptive import DraftLengthController
 from draftwise.backends.base import Backend
-from draftwise.config import GenerationConfig, SamplingConfig
+from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
-from draftwise.sampling import logits_to_probs, make_generator
+from draftwise.proposers.batch import propose_many
+from draftwise.sampling import make_generator
+from draftwise.sequence import Sequence
 from draftwise.text import TextStream
 from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
-from draftwise.verify import verify_greedy, verify_rejection
+from draftwise.verify.batch import DraftBatch, verify_batch
+
+DRAFT_METHODS = ("draft", "hybrid")  # the methods that need a draft model
+
 
 @dataclass(frozen=True)
 class Result:
@@ -35,10 +42,22 @@ class Result:
     finish_reason: str
 
 
+@dataclass
+class StepTimes:
+    """Where one step's seconds went, for the server's metrics."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+
 class Engine:
     def __init__(self, target: Backend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int],
                  max_context: int | None = None, speed_paths: dict | None = None):
-        """speed_paths: which speed paths were chosen at load (dtype, kernels, draft vocabulary), for the stats."""
+        """speed_paths: which speed paths were chosen at load (dtype, kernels, draft vocabulary), for the stats.
+
+        target and proposer serve the first live sequence (so a single stream needs no slot of its own); every
+        other live sequence gets its own slot of the target and its own proposer (proposer.fork())."""
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -46,6 +65,13 @@ class Engine:
         self.eos = eos
         self.max_context = max_context or target.max_context  # the smallest context of the models involved
         self.speed_paths = dict(speed_paths or {})
+        self._default_in_use = False
+        self.last_step = StepTimes()
+
+    @property
+    def methods_available(self) -> tuple[str, ...]:
+        """The methods a sequence may ask for: the target alone and lookup always, the draft's with a draft."""
+        return ("none", "lookup", *(DRAFT_METHODS if self.method in DRAFT_METHODS else ()))
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -78,36 +104,85 @@ class Engine:
                 return Result("".join(pieces), token_ids, event.stats, event.finish_reason)
         raise AssertionError("stream ended without a final event")
 
-    def stream(
-        self,
-        prompt: str | list[int] | list[dict],
-        *,
-        chat: bool = False,
-        max_new_tokens: int = 128,
-        num_draft_tokens: int = 4,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: tuple[str, ...] | list[str] = (),
-        ignore_eos: bool = False,
-        adaptive: bool = True,
-    ) -> Iterator[Event]:
+    def stream(self, prompt: str | list[int] | list[dict], *, chat: bool = False, **options) -> Iterator[Event]:
         """Yield one Event per emitted token, then a final Event with the finish reason and stats.
 
-        adaptive: num_draft_tokens is the most per round, and each round drafts the number that the measured
-        acceptance and costs say pays best (none when speculation does not pay); False drafts it every round.
+        options: those of GenerationConfig.from_options (max_new_tokens=128, num_draft_tokens=4, temperature=0,
+        top_k=0, top_p=1, seed, stop, ignore_eos, adaptive=True, method). adaptive: num_draft_tokens is the most
+        per round, and each round drafts the number that the measured acceptance and costs say pays best (none
+        when speculation does not pay); False drafts it every round.
         """
-        cfg = GenerationConfig.from_options(
-            max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos, adaptive=adaptive,
-        )
-        prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
+        cfg = GenerationConfig.from_options(**options)
+        seq = self.open_sequence(encode_prompt(self.tokenizer, prompt, chat), cfg)
+        return self._run(seq)
+
+    def _run(self, seq: Sequence) -> Iterator[Event]:
+        try:
+            while not seq.prefill_done:
+                self.prefill(seq)
+            while seq.finish is None:
+                events = self.step([seq])[seq]
+                if seq.finish == "error":
+                    raise seq.exception
+                yield from events
+        finally:
+            self.close_sequence(seq)
+
+    # -- sequences ---------------------------------------------------------------------------------------
+    def open_sequence(self, prompt_ids: list[int], cfg: GenerationConfig) -> Sequence:
+        """A live sequence with its own cache slots and proposer; checked before anything is allocated."""
+        method = cfg.method or self.method
+        if method not in self.methods_available:
+            raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
+                                 f"{', '.join(self.methods_available)}")
         self._check_limits(len(prompt_ids), cfg)
-        return self._run(prompt_ids, cfg)
+        if not self._default_in_use and method == self.method:
+            self._default_in_use = True
+            target, proposer = self.target.default, self.proposer
+        else:
+            target, proposer = self.target.open_slot(), self._new_proposer(method)
+        generator = make_generator(cfg.sampling.seed)
+        target.trim(0)
+        if proposer is not None:
+            proposer.begin(prompt_ids, cfg.sampling, generator)
+        controller = DraftLengthController(cfg.num_draft_tokens) if proposer and cfg.adaptive else None
+        stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
+                      speed_paths=self.speed_paths)
+        return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
+                        controller=controller, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
+                        generator=generator, context=list(prompt_ids))
+
+    def close_sequence(self, seq: Sequence) -> None:
+        """Give the sequence's slots back (once); the engine's own slot and proposer become free for the next."""
+        if seq.target is None:
+            return
+        if seq.target is self.target.default:
+            self._default_in_use = False
+        else:
+            seq.target.close()
+            if seq.proposer is not None:
+                seq.proposer.release()
+        seq.target = None
+
+    def _new_proposer(self, method: str):
+        from draftwise.proposers import HybridProposer, PromptLookupProposer
+        from draftwise.proposers.hybrid import MIN_NGRAM
+
+        mine = self.proposer
+        if method == "none":
+            return None
+        if method == self.method:
+            return mine.fork()
+        if method == "lookup":
+            return mine.lookup.fork() if self.method == "lookup" else PromptLookupProposer()
+        if method == "draft":  # the engine's method is hybrid
+            return mine.draft.fork()
+        return HybridProposer(mine.fork(), PromptLookupProposer(min_ngram=MIN_NGRAM))  # hybrid on a draft engine
 
     def _check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
         context = self.max_context
+        if prompt_len < 1:
+            raise DraftwiseError("the prompt is empty; give at least one token")
         if prompt_len + cfg.max_new_tokens > context:
             room = context - prompt_len
             allowed = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt"
@@ -116,90 +191,112 @@ class Engine:
                 f"model context of {context} tokens; {allowed}"
             )
 
-    def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
-        stats = Stats(method=self.method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
-                      speed_paths=self.speed_paths)
-        generator = make_generator(cfg.sampling.seed)
-        text = TextStream(self.tokenizer, cfg.stop)
-        context = list(prompt_ids)
-
+    # -- prefill -----------------------------------------------------------------------------------------
+    def prefill(self, seq: Sequence, max_tokens: int | None = None) -> None:
+        """Put (up to max_tokens more of) the prompt, all but its last token, into the sequence's caches.
+        A server prefills in chunks so a long prompt does not stall the sequences already decoding."""
         started = time.perf_counter()
-        self.target.prefill(prompt_ids[:-1])
-        if self.proposer is not None:
-            self.proposer.begin(prompt_ids, cfg.sampling, generator)
-        stats.prefill_s = time.perf_counter() - started
+        end = len(seq.prompt_ids) - 1
+        if max_tokens is not None:
+            end = min(end, seq.prefilled + max_tokens)
+        chunk = seq.prompt_ids[seq.prefilled : end]
+        seq.target.append(chunk)
+        if seq.proposer is not None and hasattr(seq.proposer, "extend"):
+            seq.proposer.extend(chunk)
+        seq.prefilled = end
+        seq.stats.prefill_s += time.perf_counter() - started
 
-        controller = DraftLengthController(cfg.num_draft_tokens) if self.proposer and cfg.adaptive else None
-        finish = None
-        resumed = time.perf_counter()
-        while finish is None:
-            remaining = cfg.max_new_tokens - stats.new_tokens
-            k = controller.choose() if controller else cfg.num_draft_tokens
-            # Drafting past the last token we may emit is wasted work.
-            k = min(k, remaining - 1) if self.proposer is not None else 0
-            spent = (stats.draft_s, stats.verify_s)
-            stop_confidence = controller.stop_confidence() if controller else 0.0
-            draft, verdict = self._round(context, k, cfg.sampling, generator, stats, stop_confidence)
-            if controller:
-                controller.observe(len(draft), verdict.num_accepted, stats.draft_s - spent[0],
-                                   stats.verify_s - spent[1])
-            new_tokens = [*draft.token_ids[: verdict.num_accepted], verdict.next_token]
-            events = []
-            for i, token in enumerate(new_tokens):
-                context.append(token)
-                stats.new_tokens += 1
-                piece = text.add(token)
-                finish = self._finish_reason(token, text, stats, cfg)
-                if finish is not None:
-                    piece += text.finish()
-                events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted))
-                if finish is not None:
-                    break
-            # Draft tokens cut off by an end (EOS, stop, length) were never kept.
-            stats.observe_draft(len(draft), min(verdict.num_accepted, len(events)))
-            # Time spent by the caller between events is not decoding time.
-            stats.decode_s += time.perf_counter() - resumed
-            yield from events
-            resumed = time.perf_counter()
-        yield Event(token_id=None, text="", finish_reason=finish, stats=stats)
-
-    def _finish_reason(self, token: int, text: TextStream, stats: Stats, cfg: GenerationConfig) -> str | None:
-        if text.stopped:
-            return "stop"
-        if token in self.eos and not cfg.ignore_eos:
-            return "eos"
-        if stats.new_tokens >= cfg.max_new_tokens:
-            return "length"
-        return None
-
-    def _round(
-        self, context: list[int], k: int, sampling: SamplingConfig, generator: torch.Generator, stats: Stats,
-        stop_confidence: float = 0.0,
-    ) -> tuple[Draft, Verdict]:
-        # Propose, then verify: one target pass scores the last token's successor and every draft position.
-        base = self.target.cache_len  # == len(context) - 1
-        draft, verdict = Draft(token_ids=()), None
+    # -- one round for a batch of sequences --------------------------------------------------------------
+    def step(self, seqs: list[Sequence]) -> dict[Sequence, list[Event]]:
+        """One round for every sequence (each prefilled, none finished): propose, verify all drafts in one
+        target pass, commit. Returns each sequence's events; a sequence that ended gets its final event, and
+        one whose round failed ends with finish "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
+        ks = self._draft_lengths(seqs)
+        stops = [seq.controller.stop_confidence() if seq.controller else 0.0 for seq in seqs]
+        drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
+        proposed = time.perf_counter()
+        live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
+        verdicts: dict[int, Verdict] = {}
         try:
-            if k > 0:
-                draft = self.proposer.propose(context, k, stop_confidence)
-            proposed = time.perf_counter()
-            stats.draft_s += proposed - started
-            logits = self.target.forward([context[-1], *draft.token_ids])  # [n + 1, vocab]
-            verdict = self._verify(draft, logits, sampling, generator)
-            stats.verify_s += time.perf_counter() - proposed
+            verdicts = self._verify(seqs, drafts, live)
+        except Exception as err:  # the target pass is shared: every sequence in it lost its round
+            for i in live:
+                drafts[i] = err
         finally:
-            # Commit: both caches hold exactly the accepted text, even when the round failed.
-            kept = verdict.num_accepted if verdict else 0
-            self.target.trim(base + 1 + kept if verdict else base)
-            if k > 0:
-                self.proposer.observe(kept)
-        return draft, verdict
+            verified = time.perf_counter()
+            for i, seq in enumerate(seqs):
+                self._commit_caches(seq, ks[i], verdicts.get(i))
+        times = StepTimes(proposed - started, verified - proposed)
+        events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
+        times.total_s = time.perf_counter() - started
+        for seq in seqs:
+            seq.stats.decode_s += times.total_s
+        self.last_step = times
+        return events
 
     @staticmethod
-    def _verify(draft: Draft, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
-        if sampling.greedy:
-            return verify_greedy(draft.token_ids, logits)
-        p = logits_to_probs(logits, sampling)  # [n + 1, vocab]
-        return verify_rejection(draft.token_ids, draft.q, p, generator)
+    def _draft_lengths(seqs: list[Sequence]) -> list[int]:
+        """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k
+        (the median of their controllers' choices): a row drafting less would pay for the widest row anyway,
+        and each controller then learns the cost of the widths the batch really runs."""
+        wanted = [seq.controller.choose() if seq.controller else seq.cfg.num_draft_tokens for seq in seqs]
+        adaptive = sorted(k for seq, k in zip(seqs, wanted) if seq.controller)
+        shared = adaptive[len(adaptive) // 2] if adaptive else 0
+        return [0 if seq.proposer is None else
+                min(shared if seq.controller else k, seq.cfg.num_draft_tokens, seq.remaining - 1)
+                # drafting past the last token we may emit is wasted work
+                for seq, k in zip(seqs, wanted)]
 
+    def _verify(self, seqs: list[Sequence], drafts: list, live: list[int]) -> dict[int, Verdict]:
+        if not live:
+            return {}
+        rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
+        logits = torch.cat(self.target.forward_batch(rows))  # [T + B, vocab]
+        batch = DraftBatch.of([drafts[i] for i in live])
+        found = verify_batch(batch, logits, [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
+        return dict(zip(live, found))
+
+    @staticmethod
+    def _commit_caches(seq: Sequence, k: int, verdict: Verdict | None) -> None:
+        """Both caches hold exactly the accepted text, even when the round failed."""
+        base = len(seq.context) - 1
+        kept = verdict.num_accepted if verdict else 0
+        seq.target.trim(base + 1 + kept if verdict else base)
+        if k > 0:
+            seq.proposer.observe(kept)
+
+    def _emit(self, seq: Sequence, draft, verdict: Verdict | None, k: int, times: StepTimes) -> list[Event]:
+        if verdict is None:  # the round failed: the sequence ends here, its caches already consistent
+            seq.finish, seq.exception = "error", draft
+            seq.error = f"{type(draft).__name__}: {draft}"
+            return [Event(token_id=None, text="", finish_reason="error", stats=seq.stats, error=seq.error)]
+        seq.stats.draft_s += times.draft_s
+        seq.stats.verify_s += times.verify_s
+        if seq.controller:
+            seq.controller.observe(len(draft), verdict.num_accepted, times.draft_s, times.verify_s)
+        events = []
+        for i, token in enumerate([*draft.token_ids[: verdict.num_accepted], verdict.next_token]):
+            seq.context.append(token)
+            seq.stats.new_tokens += 1
+            piece = seq.text.add(token)
+            seq.finish = self._finish_reason(token, seq)
+            if seq.finish is not None:
+                piece += seq.text.finish()
+            events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted))
+            if seq.finish is not None:
+                break
+        # Draft tokens cut off by an end (EOS, stop, length) were never kept.
+        seq.stats.observe_draft(len(draft), min(verdict.num_accepted, len(events)))
+        if seq.finish is not None:
+            events.append(Event(token_id=None, text="", finish_reason=seq.finish, stats=seq.stats))
+        return events
+
+    def _finish_reason(self, token: int, seq: Sequence) -> str | None:
+        if seq.text.stopped:
+            return "stop"
+        if token in self.eos and not seq.cfg.ignore_eos:
+            return "eos"
+        if seq.stats.new_tokens >= seq.cfg.max_new_tokens:
+            return "length"
+        return None

@@ -40,7 +40,7 @@ class Event:
     A token's event carries the text that became safe to show with it (text held back for a
     possible stop string or an unfinished character comes later; the last token's event flushes
     it). After the last token, one more event with token_id None carries the finish reason
-    ("eos", "stop", "length") and the run's stats.
+    ("eos", "stop", "length"; in the server also "cancelled" and "error") and the run's stats.
     """
 
     token_id: int | None
@@ -48,3 +48,4 @@ class Event:
     from_draft: bool = False
     finish_reason: str | None = None
     stats: Stats | None = None  # on the last event
+    error: str | None = None  # on the last event when finish_reason is "error": what went wrong

@@ -1,9 +1,10 @@
-"""Hugging Face transformers as a backend: any causal LM, a DynamicCache that crops to rewind."""
+"""Hugging Face transformers as a backend: any causal LM, one slot cache shared by many sequences."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.progress import transformers_progress
@@ -12,12 +13,20 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class HFBackend:
+    """A model and one SlotCache: sequences open slots, and one forward serves a ragged batch of them.
+
+    The single-sequence methods (prefill, forward, trim, cache_len) act on `default`, a slot opened here,
+    so code that runs one sequence at a time needs no slot at all."""
+
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
         config = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().out_features  # a packed head has no plain .weight
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
-        self._cache = _new_cache()
+        self._windows = attention_windows(config)
+        self._bool_mask = getattr(config, "_attn_implementation", "sdpa") != "eager"
+        self.cache = SlotCache(self.max_context)
+        self.default = self.open_slot()
 
     @property
     def device(self) -> torch.device:
@@ -28,46 +37,127 @@ class HFBackend:
         return self.model.dtype
 
     @property
+    def open_slots(self) -> int:
+        return len(self.cache.slots)
+
+    def open_slot(self) -> "SlotView":
+        return SlotView(self, self.cache.open_slot())
+
+    def close_slot(self, view: "SlotView") -> None:
+        self.cache.close_slot(view.slot)
+
+    # -- the default slot ------------------------------------------------------------------------------
+    @property
     def cache_len(self) -> int:
-        return self._cache.get_seq_length()
+        return self.default.cache_len
 
     def prefill(self, token_ids: list[int]) -> None:
-        self._cache = _new_cache()
-        if token_ids:
-            # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
-            self._run(token_ids, logits_to_keep=1)
+        self.default.prefill(token_ids)
 
     def forward(self, new_token_ids: list[int]) -> torch.Tensor:
-        logits = self._run(new_token_ids, logits_to_keep=len(new_token_ids))  # [1, n, vocab]
-        return logits[0].float()  # [n, vocab]
+        return self.default.forward(new_token_ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        self.default.append(token_ids)
 
     def trim(self, to_len: int) -> None:
-        # Layer by layer to an absolute length: a forward interrupted midway leaves layers of unequal length.
-        for layer in self._cache.layers:
-            extra = layer.get_seq_length() - to_len if layer.is_initialized else 0
-            if extra > 0:
-                layer.crop(-extra)
+        self.default.trim(to_len)
+
+    # -- ragged batches --------------------------------------------------------------------------------
+    def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True) -> list[torch.Tensor]:
+        """Append each row's new ids to its slot; return float32 logits [n_i, vocab] per row (empty when not
+        logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded."""
+        slots = [view.slot for view, _ in rows]
+        lengths = [len(ids) for _, ids in rows]
+        width = max(lengths)
+        for slot, n in zip(slots, lengths):
+            if slot.length + n > self.max_context:
+                raise DraftwiseError(
+                    f"sequence of {slot.length + n} tokens exceeds the model's context of {self.max_context}")
+        out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1)
+        for slot, n in zip(slots, lengths):
+            slot.length += n
+        if not logits:
+            return [out.new_empty(0, self.vocab_size) for _ in rows]
+        return [out[i, :n].float() for i, n in enumerate(lengths)]  # [n_i, vocab] each
 
     @torch.inference_mode()
-    def _run(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        start = self.cache_len
-        if start + len(token_ids) > self.max_context:
-            raise DraftwiseError(
-                f"sequence of {start + len(token_ids)} tokens exceeds the model's context of {self.max_context}"
-            )
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
-        # Positions and a full mask given outright, as generate() does: the model then builds no defaults per step.
-        positions = torch.arange(start, start + len(token_ids), device=self.device)  # [n]
-        mask = torch.ones(1, start + len(token_ids), dtype=torch.long, device=self.device)  # [1, cache + n]
-        out = self.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, attention_mask=mask,
-                         cache_position=positions, logits_to_keep=logits_to_keep)
-        return out.logits
+    def _run(self, slots: list[Slot], ids: list[list[int]], width: int, logits_to_keep: int) -> torch.Tensor:
+        device = self.device
+        padded = [row + [row[-1]] * (width - len(row)) for row in ids]  # padding lands past each row's length
+        input_ids = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]
+        starts = torch.tensor([s.length for s in slots], device=device)  # [B]
+        positions = starts[:, None] + torch.arange(width, device=device)  # [B, N]
+        self.cache.begin_forward(slots, width)
+        end = int(starts.max()) + width
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                         attention_mask=self._masks(positions, end), position_ids=positions,
+                         logits_to_keep=logits_to_keep)
+        return out.logits  # [B, logits_to_keep, vocab]
+
+    def _masks(self, positions: torch.Tensor, end: int):
+        """Row i, query t sees keys [0, position] (the last `window` of them on sliding layers): [B, 1, N, end]."""
+        keys = torch.arange(end, device=positions.device)  # [end]
+        query = positions[:, None, :, None]  # [B, 1, N, 1]
+        masks = {}
+        for layer_type, window in self._windows.items():
+            visible = keys <= query
+            if window:
+                visible &= keys > query - window
+            masks[layer_type] = visible if self._bool_mask else _additive(visible, self.dtype)
+        return masks.get(None, masks)  # one mask for every layer, or one per layer type
 
 
-def _new_cache() -> DynamicCache:
-    # No config on purpose: with one, sliding-window models get layers that refuse to crop once the
-    # window fills, and every rejection would fail. The model's attention mask applies the window anyway.
-    return DynamicCache()
+class SlotView:
+    """One sequence's view of a shared backend: the single-sequence methods, on its own slot."""
+
+    def __init__(self, backend: HFBackend, slot: Slot):
+        self.backend = backend
+        self.slot = slot
+
+    model = property(lambda self: self.backend.model)
+    vocab_size = property(lambda self: self.backend.vocab_size)
+    max_context = property(lambda self: self.backend.max_context)
+    device = property(lambda self: self.backend.device)
+    dtype = property(lambda self: self.backend.dtype)
+
+    @property
+    def cache_len(self) -> int:
+        return self.slot.length
+
+    def prefill(self, token_ids: list[int]) -> None:
+        self.slot.length = 0
+        self.append(token_ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        """Extend the cache with token_ids, no logits: a prefill (or a chunk of one)."""
+        if token_ids:
+            # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
+            self.backend.forward_batch([(self, token_ids)], logits=False)
+
+    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
+        return self.backend.forward_batch([(self, new_token_ids)])[0]  # [n, vocab]
+
+    def trim(self, to_len: int) -> None:
+        self.slot.length = min(self.slot.length, to_len)
+
+    def close(self) -> None:
+        self.backend.close_slot(self)
+
+
+def attention_windows(config) -> dict[str | None, int | None]:
+    """The masks a model needs: {None: window} for one mask on every layer, or one per layer type."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in layer_types:
+        return {"full_attention": None, "sliding_attention": window}
+    return {None: window}
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager attention adds its mask to the scores."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)
 
 
 def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:

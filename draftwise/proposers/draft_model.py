@@ -10,6 +10,7 @@ import torch
 
 from draftwise.backends.base import Backend
 from draftwise.config import SamplingConfig
+from draftwise.proposers.batch import run_round
 from draftwise.sampling import logits_to_probs, sample
 from draftwise.types import Draft
 
@@ -25,33 +26,68 @@ class DraftModelProposer:
         self._context_len = 0  # length of the context of the last propose
         self._sampling = SamplingConfig()
         self._generator: torch.Generator | None = None
+        self._feed: list[int] | None = None  # tokens the round's next draft forward appends
+        self._left, self._stop_confidence = 0, 0.0
+        self._tokens: list[int] = []
+        self._qs: list[torch.Tensor] = []
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
+        """Start a sequence with an empty cache: extend() prefills it (in chunks, if the caller wants), and
+        whatever is not cached by the first propose() is fed then."""
         self._sampling, self._generator = sampling, generator
-        self._cached = list(prompt_ids[:-1])
-        self.backend.prefill(self._cached)
+        self._cached = []
+        self.backend.trim(0)
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Prefill: append text the cache does not hold yet (no logits needed)."""
+        self.backend.append(token_ids)
+        self._cached += token_ids
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+        return run_round(self, context, k, stop_confidence)
+
+    # A round in steps, so that many sequences' drafts can share each draft forward (proposers/batch.py):
+    # start(); while pending() gives tokens to feed: take(the logits row after them); settle(); finish().
+    def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
         # observe() keeps the cache a prefix of the text, so only the newest tokens need feeding.
         self._context_len = len(context)
-        feed = context[len(self._cached) :]  # >= 1 token: the last one is never cached yet
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        try:
-            for _ in range(k):
-                logits = self.backend.forward(feed)[-1]  # [draft_vocab]
-                self._cached += feed
-                token, q, confidence = self._choose(logits, want_confidence=stop_confidence > 0)
-                tokens.append(token)
-                if q is not None:
-                    qs.append(q)
-                feed = [token]
-                if confidence < stop_confidence:  # the next guesses would build on a doubtful one
-                    break
-        finally:
-            # Whatever happened, the cache must hold exactly self._cached.
-            self.backend.trim(len(self._cached))
-        return Draft(token_ids=tuple(tokens), q=torch.stack(qs) if qs else None)
+        self._feed = context[len(self._cached) :] if k > 0 else None  # >= 1 token: the last one is never cached
+        self._left, self._stop_confidence = k, stop_confidence
+        self._tokens, self._qs = [], []
+
+    def pending(self) -> list[int] | None:
+        """The tokens the next draft forward must append, or None when the round's draft is complete."""
+        return self._feed
+
+    def take(self, logits: torch.Tensor) -> None:
+        """logits: [draft_vocab], the draft's row after the pending tokens (which the backend has cached)."""
+        self._cached += self._feed
+        self._feed = None
+        token, q, confidence = self._choose(logits, want_confidence=self._stop_confidence > 0)
+        self._tokens.append(token)
+        if q is not None:
+            self._qs.append(q)
+        self._left -= 1
+        # Below the confidence cut, the next guesses would build on a doubtful one.
+        if self._left > 0 and confidence >= self._stop_confidence:
+            self._feed = [token]
+
+    def settle(self) -> None:
+        """Whatever happened in the round, the cache must hold exactly self._cached."""
+        self._feed = None
+        self.backend.trim(len(self._cached))
+
+    def finish(self) -> Draft:
+        return Draft(token_ids=tuple(self._tokens), q=torch.stack(self._qs) if self._qs else None)
+
+    def fork(self) -> "DraftModelProposer":
+        """A proposer for another sequence: its own slot of the same draft model."""
+        shared = getattr(self.backend, "backend", self.backend)  # a slot view's model, or the model itself
+        return DraftModelProposer(shared.open_slot(), self.target_vocab_size, self.token_ids)
+
+    def release(self) -> None:
+        if hasattr(self.backend, "close"):
+            self.backend.close()
 
     def observe(self, num_accepted: int) -> None:
         # The cache holds the context and d1..d(k-1); drop the draft tokens the target did not keep.

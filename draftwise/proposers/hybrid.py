@@ -37,6 +37,7 @@ class HybridProposer:
         self.lookup = lookup
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
+        self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -45,6 +46,11 @@ class HybridProposer:
         self.rounds = {"lookup": 0, "draft": 0}
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+        guess = self._pick(context, k)
+        return guess if guess is not None else self.draft.propose(context, k, stop_confidence)
+
+    def _pick(self, context: list[int], k: int) -> Draft | None:
+        """Lookup's guess when it wins the round, else None (the draft model's round)."""
         # Lookup takes the full k: it costs nothing, so no confidence cut applies to it.
         self._last = self.lookup
         guess = self.lookup.propose(context, k)
@@ -53,9 +59,41 @@ class HybridProposer:
             return guess
         self._last = self.draft  # set before proposing: a failed propose is still observed (with 0)
         self.rounds["draft"] += 1
-        return self.draft.propose(context, k, stop_confidence)
+        return None
 
     def observe(self, num_accepted: int) -> None:
         if self._last is not None:
             self._last.observe(num_accepted)
         self._last = None
+
+    # The round in steps (see DraftModelProposer.start): lookup's guess is complete at once.
+    def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
+        self._guess = self._pick(context, k)
+        if self._guess is None:
+            self.draft.start(context, k, stop_confidence)
+
+    def pending(self) -> list[int] | None:
+        return None if self._guess is not None else self.draft.pending()
+
+    @property
+    def backend(self):  # where pending() tokens go
+        return self.draft.backend
+
+    def take(self, logits) -> None:
+        self.draft.take(logits)
+
+    def settle(self) -> None:
+        if self._guess is None:
+            self.draft.settle()
+
+    def finish(self) -> Draft:
+        return self._guess if self._guess is not None else self.draft.finish()
+
+    def extend(self, token_ids: list[int]) -> None:
+        self.draft.extend(token_ids)
+
+    def fork(self) -> "HybridProposer":
+        return HybridProposer(self.draft.fork(), self.lookup.fork())
+
+    def release(self) -> None:
+        self.draft.release()

@@ -37,6 +37,12 @@ class PromptLookupProposer:
     def observe(self, num_accepted: int) -> None:
         pass
 
+    def fork(self) -> "PromptLookupProposer":
+        return PromptLookupProposer(self.max_ngram, self.min_ngram)
+
+    def release(self) -> None:
+        pass
+
     def _index(self, context: list[int]) -> None:
         """Record, for every n-gram that now has a token after it, where that token is (O(new tokens))."""
         if len(context) < self._indexed:  # a different sequence: start over

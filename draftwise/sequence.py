@@ -1,0 +1,41 @@
+"""One sequence's whole state: its text, its slot in the target's cache, its proposer, controller and stats.
+
+The engine keeps no per-sequence state of its own, so any number of sequences can be live on one engine: a
+stream() generator holds one, the server's scheduler holds many and steps them together (Engine.step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.adaptive import DraftLengthController
+from draftwise.config import GenerationConfig
+from draftwise.metrics import Stats
+from draftwise.text import TextStream
+
+
+@dataclass(eq=False)  # compared by identity: a sequence is a live thing, not a value
+class Sequence:
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    method: str  # the method this sequence speculates with ("none": the target alone)
+    target: object  # its slot of the target's cache (a SlotView, or the backend for the engine's default slot)
+    proposer: object | None  # its own proposer, None for "none"
+    controller: DraftLengthController | None
+    text: TextStream
+    stats: Stats
+    generator: torch.Generator
+    context: list[int] = field(default_factory=list)  # prompt + every token emitted so far
+    prefilled: int = 0  # prompt tokens (of all but the last) already in the target's and draft's caches
+    finish: str | None = None  # set once the sequence has ended
+    error: str | None = None  # why, when it ended in an error
+    exception: BaseException | None = None  # the error itself
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.cfg.max_new_tokens - self.stats.new_tokens

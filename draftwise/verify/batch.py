@@ -1,0 +1,68 @@
+"""Verify a whole batch's drafts at once: flat draft ids with per-sequence offsets (as vLLM's rejection sampler
+takes them), every sequence judged by its own sampling settings and random generator.
+
+The scalar verifiers (greedy.py, rejection.py) stay the oracle: for the same logits and generator states this
+returns exactly their verdicts, drawing the same random numbers in the same order, which the tests check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.config import SamplingConfig
+from draftwise.sampling import logits_to_probs, sample
+from draftwise.types import Draft, Verdict
+from draftwise.verify.rejection import _residual
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    token_ids: torch.Tensor  # [T] long: every sequence's draft, concatenated
+    offsets: tuple[int, ...]  # [B + 1]: sequence b's draft is token_ids[offsets[b] : offsets[b + 1]]
+    q: tuple[torch.Tensor | None, ...]  # per sequence [n_b, vocab], None for a one-hot (or greedy) draft
+
+    @classmethod
+    def of(cls, drafts: list[Draft]) -> "DraftBatch":
+        offsets = [0]
+        for draft in drafts:
+            offsets.append(offsets[-1] + len(draft))
+        ids = [t for draft in drafts for t in draft.token_ids]
+        return cls(torch.tensor(ids, dtype=torch.long), tuple(offsets), tuple(d.q for d in drafts))
+
+    def rows(self, b: int) -> slice:
+        """Sequence b's rows in the flat logits: one per draft token, plus one after them ([n_b + 1])."""
+        return slice(self.offsets[b] + b, self.offsets[b + 1] + b + 1)
+
+
+def verify_batch(batch: DraftBatch, logits: torch.Tensor, samplings: list[SamplingConfig],
+                 generators: list[torch.Generator]) -> list[Verdict]:
+    """logits: [T + B, vocab], sequence b's rows at batch.rows(b). Returns one Verdict per sequence."""
+    greedy_ids = logits.argmax(dim=-1).tolist() if any(s.greedy for s in samplings) else None  # [T + B]
+    verdicts = []
+    for b, (sampling, generator) in enumerate(zip(samplings, generators)):
+        draft = batch.token_ids[batch.offsets[b] : batch.offsets[b + 1]]  # [n_b]
+        if sampling.greedy:
+            verdicts.append(_greedy(draft.tolist(), greedy_ids[batch.rows(b)]))
+        else:
+            p = logits_to_probs(logits[batch.rows(b)], sampling)  # [n_b + 1, vocab]
+            verdicts.append(_rejection(draft, batch.q[b], p, generator))
+    return verdicts
+
+
+def _greedy(draft: list[int], target_ids: list[int]) -> Verdict:
+    accepted = next((i for i, (d, t) in enumerate(zip(draft, target_ids)) if d != t), len(draft))
+    return Verdict(num_accepted=accepted, next_token=target_ids[accepted])
+
+
+def _rejection(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+    n = len(draft)
+    uniforms = torch.rand(n, generator=generator)  # [n], drawn up front as the scalar verifier does
+    positions = torch.arange(n)
+    p_draft = p[positions, draft]  # [n]
+    q_draft = torch.ones(n) if q is None else q[positions, draft]  # [n]
+    rejected = (uniforms.double() * q_draft.double() >= p_draft.double()).nonzero()
+    if len(rejected) == 0:
+        return Verdict(num_accepted=n, next_token=sample(p[n], generator))
+    i = int(rejected[0])
+    return Verdict(num_accepted=i, next_token=sample(_residual(p[i], q, i, int(draft[i])), generator))
