@@ -1,4 +1,5 @@
-"""The `draftwise` command: generate text, and list, pull and locate the packaged models.
+"""The `draftwise` command: generate text, serve it over HTTP, benchmark, and list, pull and locate the packaged
+models.
 
 argparse lives only here. Output contract (others script against it):
 - stdout carries the result only: the generated text (or one JSON object with --json), or a path.
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from draftwise import __version__
 from draftwise.bench.command import add_bench
+from draftwise.serve.command import add_serve
+from draftwise.serve.loadgen import add_loadgen
 from draftwise.config import DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(commands)
     add_bench(commands, _Formatter)
+    add_serve(commands, _Formatter)
+    add_loadgen(commands, _Formatter)
     _add_models(commands)
     return parser
 

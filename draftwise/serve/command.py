@@ -1,0 +1,127 @@
+"""`draftwise serve`: its options, its handler, and a uvicorn server that drains on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from draftwise.config import DTYPES, MAX_DRAFT_TOKENS, METHODS
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def add_serve(commands, formatter) -> None:
+    p = commands.add_parser(
+        "serve",
+        formatter_class=formatter,
+        help="serve a model over OpenAI's HTTP API, many requests batched into each step",
+        description=(
+            "An OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (streaming with\n"
+            "stream: true), /health and /metrics (Prometheus). Every running request is drafted for and verified\n"
+            "in one batched target pass per step; requests join and leave between steps. Greedy output is the\n"
+            "target's own, alone or in a batch. Per request, the extra body field \"speculation\" picks the\n"
+            "method and draft length, or turns speculation off; the response's \"draftwise\" field has the\n"
+            "request's own acceptance stats. SIGTERM drains: running requests finish, new ones get 503."
+        ),
+        epilog=(
+            "examples:\n"
+            "  draftwise serve --port 8000\n"
+            "  draftwise serve --target ./my-hf-folder --draft none --method lookup --api-key s3cret\n"
+            "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+            "      -d '{\"model\": \"qwen2.5-coder-1.5b-instruct\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}'"
+        ),
+    )
+    m = p.add_argument_group("models")
+    m.add_argument("--target", default=DEFAULT_TARGET, help="model name, Hugging Face folder or .gguf path")
+    m.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer), or 'none'")
+    m.add_argument("--method", choices=METHODS, help="default speculation method (default: draft with a draft "
+                                                     "model, lookup without)")
+    m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help=f"most draft tokens per round by default, 1-{MAX_DRAFT_TOKENS}")
+    m.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: bfloat16 where the CPU computes it natively, else float32")
+    m.add_argument("--model-id", help="the model name clients send (default: --target)")
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
+    n.add_argument("--port", type=int, default=8000)
+    n.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$DRAFTWISE_API_KEY; none when unset)")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-batch", type=int, default=8, help="most requests running in one step")
+    s.add_argument("--max-waiting", type=int, default=64,
+                   help="most requests waiting to join; more get 429 with Retry-After")
+    s.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens prefilled per step, so a long prompt does not stall the others")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from draftwise import Engine
+    from draftwise.errors import DraftwiseError
+    from draftwise.serve.app import create_app
+    from draftwise.serve.metrics import ServeMetrics
+    from draftwise.serve.scheduler import Scheduler
+
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise DraftwiseError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}")
+    draft = None if args.draft in (None, "none") else args.draft
+    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype)
+    metrics = ServeMetrics()
+    scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                          prefill_chunk=args.prefill_chunk, metrics=metrics)
+    scheduler.start()
+    app = create_app(scheduler, args.model_id or args.target, metrics, args.api_key, args.num_draft_tokens)
+    print(f"draftwise: serving {args.model_id or args.target} ({engine.method}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
+                   args.drain_timeout).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM or Ctrl-C: keep listening (new requests get 503), let the running ones finish up to
+    the drain timeout, then shut down. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, scheduler, drain_timeout: float):
+        super().__init__(config)
+        self.scheduler, self.drain_timeout = scheduler, drain_timeout
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        threading.Thread(target=self._drain_then_exit, daemon=True).start()
+
+    def _drain_then_exit(self) -> None:
+        self.scheduler.drain(self.drain_timeout)
+        self.should_exit = True
+
+
+def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, callable]:
+    """Run app on a free loopback port in a daemon thread: (base URL, stop()). For tests and the load driver."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        threading.Event().wait(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://{host}:{port}", stop

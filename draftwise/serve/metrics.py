@@ -1,0 +1,79 @@
+"""The server's Prometheus metrics, every name prefixed draftwise_, in a registry of its own (so two servers in
+one process, as in the tests, never share counters)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds from a fraction of a millisecond (tiny models) to minutes (long requests on a CPU).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+
+class ServeMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.proposed = Counter("draftwise_proposed_tokens", "Draft tokens proposed", ["method"], registry=r)
+        self.accepted = Counter("draftwise_accepted_tokens", "Draft tokens the target kept", ["method"], registry=r)
+        self.proposed_at = Counter("draftwise_proposed_tokens_by_position",
+                                   "Draft tokens proposed at each draft position (0 = first)", ["position"],
+                                   registry=r)
+        self.accepted_at = Counter("draftwise_accepted_tokens_by_position",
+                                   "Draft tokens kept at each draft position (0 = first)", ["position"], registry=r)
+        self.passes = Counter("draftwise_verification_passes", "Batched target passes (one per step)", registry=r)
+        self.emitted = Counter("draftwise_emitted_tokens", "Tokens sent to clients", registry=r)
+        self.draft_s = Histogram("draftwise_draft_seconds", "Drafting time per step", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.verify_s = Histogram("draftwise_verify_seconds", "Verification time per step (one batched pass)",
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead_s = Histogram("draftwise_scheduling_overhead_seconds",
+                                    "Step time outside drafting and verifying", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_s = Histogram("draftwise_prefill_chunk_seconds", "Time per prefill chunk",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("draftwise_batch_size", "Sequences per step", buckets=BATCH_BUCKETS, registry=r)
+        self.ttft = Histogram("draftwise_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tbt = Histogram("draftwise_time_between_tokens_seconds", "Gap between a request's consecutive tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("draftwise_request_seconds", "Request arrival to its last byte",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("draftwise_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("draftwise_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
+        self.running = Gauge("draftwise_running_requests", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("draftwise_waiting_requests", "Requests waiting to join the batch", registry=r)
+
+    # -- called by the scheduler (model thread) ------------------------------------------------------
+    def observe_step(self, batch_size: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
+        self.passes.inc()
+        self.batch.observe(batch_size)
+        self.draft_s.observe(draft_s)
+        self.verify_s.observe(verify_s)
+        self.overhead_s.observe(overhead_s)
+
+    def observe_round(self, method: str, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed:
+            self.proposed.labels(method).inc(num_proposed)
+            self.accepted.labels(method).inc(num_accepted)
+        for i in range(num_proposed):
+            self.proposed_at.labels(str(i)).inc()
+            if i < num_accepted:
+                self.accepted_at.labels(str(i)).inc()
+
+    def observe_emitted(self, n: int) -> None:
+        self.emitted.inc(n)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_s.observe(seconds)
+
+    def set_load(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    # -- called by the HTTP side ---------------------------------------------------------------------
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,173 @@
+"""OpenAI request bodies -> (prompt ids, GenerationConfig), with errors that name the parameter at fault."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.config import MAX_DRAFT_TOKENS, GenerationConfig
+from draftwise.errors import DraftwiseError
+from draftwise.tokenizers import encode_prompt
+
+MAX_STOPS = 4  # as OpenAI's API
+
+
+class RequestError(DraftwiseError):
+    """A request the server refuses: an OpenAI-style error body with this status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.kind, self.code = param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    stream: bool
+    include_usage: bool
+
+
+def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4) -> Parsed:
+    """Check an OpenAI completions (chat=False) or chat completions body against what this server can do."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise RequestError("'model' is required", "model")
+    if model != model_id:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {model_id!r}", "model",
+                           status=404, code="model_not_found")
+    _number(body, "n", 1, 1, 1, integer=True)
+    prompt_ids = _chat_ids(body, engine.tokenizer) if chat else _prompt_ids(body, engine.tokenizer)
+    room = engine.max_context - len(prompt_ids)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}",
+                           "messages" if chat else "prompt", code="context_length_exceeded")
+    default_max = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+    max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                         default_max, 1, None, integer=True)
+    if max_tokens > room:
+        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                           f"context of {engine.max_context} tokens; at most {room} fit", "max_tokens",
+                           code="context_length_exceeded")
+    spec = _speculation(body.get("speculation"), engine)
+    options = dict(
+        max_new_tokens=max_tokens,
+        num_draft_tokens=default_draft_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=_number(body, "top_k", 0, 0, None, integer=True),
+        seed=_number(body, "seed", None, None, None, integer=True),
+        stop=_stops(body.get("stop")),
+    )
+    options.update(spec)
+    stream = _flag(body, "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    try:
+        cfg = GenerationConfig.from_options(**options)
+    except DraftwiseError as err:
+        raise RequestError(str(err)) from err
+    return Parsed(prompt_ids, cfg, stream, bool(stream_options.get("include_usage")))
+
+
+def _prompt_ids(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return encode_prompt(tokenizer, prompt, False)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = len(tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"token ids in 'prompt' must be in [0, {vocab})", "prompt")
+        return list(prompt)
+    raise RequestError("'prompt' must be a non-empty string, or a non-empty list of token ids (one prompt: n=1)",
+                       "prompt")
+
+
+def _chat_ids(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood here
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", "messages")
+        plain.append({"role": m["role"], "content": content})
+    try:
+        return encode_prompt(tokenizer, plain, True)
+    except DraftwiseError as err:
+        raise RequestError(str(err), "messages") from err
+
+
+def _speculation(value, engine) -> dict:
+    """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive}."""
+    if value is None or value is True or value == "on":
+        return {}
+    if value is False or value == "off":
+        return {"method": "none"}
+    if not isinstance(value, dict):
+        raise RequestError("'speculation' must be false, \"off\", or an object {method, num_draft_tokens, adaptive}",
+                           "speculation")
+    unknown = set(value) - {"method", "num_draft_tokens", "adaptive"}
+    if unknown:
+        raise RequestError(f"unknown 'speculation' fields: {', '.join(sorted(unknown))}; allowed: method, "
+                           "num_draft_tokens, adaptive", "speculation")
+    out = {}
+    if "method" in value:
+        if value["method"] not in engine.methods_available:
+            raise RequestError(f"speculation method {value['method']!r} is not available on this server; choose "
+                               f"one of: {', '.join(engine.methods_available)}", "speculation.method")
+        out["method"] = value["method"]
+    if "num_draft_tokens" in value:
+        out["num_draft_tokens"] = _number(value, "num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS, integer=True,
+                                          param="speculation.num_draft_tokens")
+    if "adaptive" in value:
+        out["adaptive"] = _flag(value, "adaptive", param="speculation.adaptive")
+    return out
+
+
+def _stops(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise RequestError(f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
+    return tuple(stops)
+
+
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be true or false, got {value!r}", param or name)
+    return value
+
+
+def _number(body: dict, name: str, default, low, high, integer: bool = False, open_low: bool = False,
+            param: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise RequestError(f"'{name}' must be {kind}, got {value!r}", param or name)
+    too_low = low is not None and (value <= low if open_low else value < low)
+    if too_low or (high is not None and value > high):
+        left = "(" if open_low else "["
+        bounds = f"{left}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise RequestError(f"'{name}' must be {kind} in {bounds}, got {value!r}", param or name)
+    return value

@@ -1,0 +1,241 @@
+"""The model loop of the server: one thread owns the engine and steps every running sequence together.
+
+Continuous batching: between steps, waiting requests join (up to max_batch running) and finished or cancelled
+ones leave, giving their cache slots back. Each loop iteration runs at most one prefill chunk of a newcomer and
+then one step of every sequence that is decoding, so a long prompt delays the others by a chunk, not by its
+whole prefill. The HTTP side never touches the engine: it submits, cancels, and receives events through a
+sink called from this thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from draftwise.config import GenerationConfig
+from draftwise.engine import Engine
+from draftwise.errors import DraftwiseError
+from draftwise.sequence import Sequence
+from draftwise.types import Event
+
+
+class QueueFull(DraftwiseError):
+    """More requests wait than --max-waiting allows; the client should retry after retry_after seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(DraftwiseError):
+    """The server is draining: running requests finish, new ones are refused."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    sink: Callable[[Event], None]
+    submitted_at: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    cancelled: bool = False
+    done: bool = False
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_waiting: int = 64, prefill_chunk: int = 128,
+                 metrics=None):
+        if max_batch < 1 or max_waiting < 0 or prefill_chunk < 1:
+            raise DraftwiseError("max_batch and prefill_chunk must be >= 1 and max_waiting >= 0")
+        self.engine = engine
+        self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
+        self.metrics = metrics
+        self.fault_injector: Callable[[Sequence], None] | None = None  # tests: raise inside one sequence's round
+        self._waiting: deque[Ticket] = deque()
+        self._running: list[Ticket] = []
+        self._cond = threading.Condition()
+        self._draining = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._step_s = 0.5  # a running estimate of one step, for Retry-After
+
+    # -- the HTTP side (any thread) -------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="draftwise-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None]) -> Ticket:
+        """Queue a request; never blocks. Raises DraftwiseError for a request that cannot run, QueueFull, or
+        ShuttingDown."""
+        method = cfg.method or self.engine.method
+        if method not in self.engine.methods_available:
+            raise DraftwiseError(f"method {method!r} is not available on this server; choose one of: "
+                                 f"{', '.join(self.engine.methods_available)}")
+        self.engine._check_limits(len(prompt_ids), cfg)
+        ticket = Ticket(list(prompt_ids), cfg, sink)
+        with self._cond:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down and takes no new requests")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-waiting "
+                                f"{self.max_waiting}); retry later", retry_after=self._retry_after())
+            self._waiting.append(ticket)
+            self._cond.notify()
+        self._report_load()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The sequence leaves at the next step and its slots are freed; its final event says "cancelled"."""
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify()
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests, let the admitted ones finish for up to timeout seconds, cancel the rest, stop."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+        deadline = time.monotonic() + timeout
+        while (self._waiting or self._running) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._cond:
+            for ticket in [*self._waiting, *self._running]:
+                ticket.cancelled = True
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _retry_after(self) -> float:
+        # The queue moves by about a batch per request's length; one step's time per waiting request is a floor.
+        return max(1.0, round(self._step_s * (len(self._waiting) + 1), 1))
+
+    # -- the model thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self._running or self._stopping):
+                    self._cond.wait()
+                if self._stopping and not self._running and not self._waiting:
+                    return
+                self._admit()
+            started = time.perf_counter()
+            self._drop_cancelled()
+            self._prefill_one()
+            self._step()
+            self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - started)
+            if self._stopping:
+                self._drop_cancelled()
+            self._report_load()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            ticket = self._waiting.popleft()
+            if ticket.cancelled:
+                self._finish(ticket, Event(token_id=None, text="", finish_reason="cancelled"))
+                continue
+            try:
+                ticket.seq = self.engine.open_sequence(ticket.prompt_ids, ticket.cfg)
+            except Exception as err:  # checked at submit; anything left is this request's alone
+                self._fail(ticket, err)
+                continue
+            self._running.append(ticket)
+
+    def _drop_cancelled(self) -> None:
+        for ticket in [t for t in self._running if t.cancelled]:
+            self._finish(ticket, Event(token_id=None, text="", finish_reason="cancelled",
+                                       stats=ticket.seq.stats if ticket.seq else None))
+
+    def _prefill_one(self) -> None:
+        ticket = next((t for t in self._running if not t.seq.prefill_done), None)
+        if ticket is None:
+            return
+        started = time.perf_counter()
+        try:
+            self.engine.prefill(ticket.seq, self.prefill_chunk)
+        except Exception as err:
+            self._fail(ticket, err)
+            return
+        if self.metrics is not None:
+            self.metrics.observe_prefill(time.perf_counter() - started)
+
+    def _step(self) -> None:
+        ready = []
+        for ticket in self._running:
+            if not ticket.seq.prefill_done:
+                continue
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(ticket.seq)
+            except Exception as err:
+                self._fail(ticket, err)
+                continue
+            ready.append(ticket)
+        if not ready:
+            return
+        started = time.perf_counter()
+        before = {t: (t.seq.stats.proposed, t.seq.stats.accepted) for t in ready}
+        try:
+            events = self.engine.step([t.seq for t in ready])
+        except Exception as err:  # step isolates sequences itself; this is a bug, and ends the batch, not the server
+            for ticket in ready:
+                self._fail(ticket, err)
+            return
+        elapsed = time.perf_counter() - started
+        for ticket in ready:
+            self._deliver(ticket, events[ticket.seq], before[ticket])
+        if self.metrics is not None:
+            times = self.engine.last_step
+            self.metrics.observe_step(len(ready), times.draft_s, times.verify_s,
+                                      max(0.0, elapsed - times.draft_s - times.verify_s))
+
+    def _deliver(self, ticket: Ticket, events: list[Event], before: tuple[int, int]) -> None:
+        stats = ticket.seq.stats
+        if self.metrics is not None and ticket.seq.finish != "error":
+            self.metrics.observe_round(ticket.seq.method, stats.proposed - before[0], stats.accepted - before[1])
+            self.metrics.observe_emitted(sum(e.token_id is not None for e in events))
+        for event in events:
+            if event.finish_reason is not None:
+                self._finish(ticket, event)
+            else:
+                self._send(ticket, event)
+
+    def _fail(self, ticket: Ticket, err: BaseException) -> None:
+        stats = ticket.seq.stats if ticket.seq else None
+        self._finish(ticket, Event(token_id=None, text="", finish_reason="error", stats=stats,
+                                   error=f"{type(err).__name__}: {err}"))
+
+    def _finish(self, ticket: Ticket, event: Event) -> None:
+        if ticket.done:
+            return
+        ticket.done = True
+        if ticket.seq is not None:
+            self.engine.close_sequence(ticket.seq)
+        with self._cond:
+            if ticket in self._running:
+                self._running.remove(ticket)
+        self._send(ticket, event)
+
+    def _send(self, ticket: Ticket, event: Event) -> None:
+        try:
+            ticket.sink(event)
+        except Exception:  # a broken sink is its client's problem; the loop and the others go on
+            ticket.cancelled = True
+
+    def _report_load(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_load(len(self._running), len(self._waiting))

@@ -1,0 +1,339 @@
+"""The server end to end: the official openai client against a live uvicorn on 127.0.0.1, tiny models.
+
+Every test is bounded: requests are short, clients time out, waits poll with a deadline.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import Engine
+from draftwise.serve.app import create_app
+from draftwise.serve.command import serve_in_thread
+from draftwise.serve.metrics import ServeMetrics
+from draftwise.serve.scheduler import Scheduler
+
+MODEL = "tiny"
+PROMPTS = ["The quick brown fox", "def quicksort(arr):\n", "for i in range(10):", "Summaries copy spans of",
+           "The dog sleeps; the fox", "Speculative decoding proposes", "print(i * i)", "the article says that"]
+
+
+def start(api_key=None, max_waiting=64, max_batch=8):
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
+                                method="draft")
+    metrics = ServeMetrics()
+    scheduler = Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting, prefill_chunk=4, metrics=metrics)
+    scheduler.start()
+    url, stop = serve_in_thread(create_app(scheduler, MODEL, metrics, api_key))
+    return url, scheduler, metrics, stop
+
+
+@pytest.fixture(scope="module")
+def server():
+    url, scheduler, metrics, stop = start()
+    yield url, scheduler, metrics
+    stop()
+    scheduler.drain(5)
+
+
+def client(url, key="unused"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def complete(url, prompt, **extra):
+    options = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    options.update(extra)
+    return client(url).completions.create(**options)
+
+
+def alone(scheduler, prompt, max_tokens=16, **options):
+    """The same request on a fresh engine of the same models, one at a time: the reference."""
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
+                                method="draft")
+    return engine.generate(prompt, max_new_tokens=max_tokens, **options).text
+
+
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_models_lists_the_served_model(server):
+    assert [m.id for m in client(server[0]).models.list().data] == [MODEL]
+
+
+def test_a_completion_is_the_targets_own_text_with_usage_and_stats(server):
+    url, scheduler, _ = server
+    out = complete(url, PROMPTS[0])
+    assert out.choices[0].text == alone(scheduler, PROMPTS[0])
+    assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == len(tiny_tokenizer()(PROMPTS[0])["input_ids"])
+    stats = out.model_extra["draftwise"]
+    assert stats["method"] == "draft" and stats["new_tokens"] == 16 and stats["proposed"] > 0
+
+
+def test_chat_streaming_equals_chat_whole_and_reports_usage(server):
+    url = server[0]
+    messages = [{"role": "user", "content": "Write quicksort."}]
+    whole = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    url, scheduler, _ = server
+    full = complete(url, PROMPTS[1], max_tokens=24).choices[0].text
+    stop = full[5:8]
+    out = complete(url, PROMPTS[1], max_tokens=24, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == full[: full.index(stop)]
+
+
+def test_per_request_speculation_settings(server):
+    url = server[0]
+    off = complete(url, PROMPTS[2], extra_body={"speculation": "off"})
+    lookup = complete(url, PROMPTS[2], extra_body={"speculation": {"method": "lookup", "num_draft_tokens": 2}})
+    draft = complete(url, PROMPTS[2], extra_body={"speculation": {"method": "draft", "adaptive": False,
+                                                                  "num_draft_tokens": 3}})
+    assert off.model_extra["draftwise"]["method"] == "none" and off.model_extra["draftwise"]["proposed"] == 0
+    assert lookup.model_extra["draftwise"]["method"] == "lookup"
+    assert lookup.model_extra["draftwise"]["num_draft_tokens"] == 2
+    assert draft.model_extra["draftwise"]["per_position_acceptance"][:3]  # three positions offered
+    assert off.choices[0].text == lookup.choices[0].text == draft.choices[0].text
+
+
+@pytest.mark.parametrize("options,param", [
+    ({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"max_tokens": 10**6}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"), ({"top_p": 0}, "top_p"), ({"stop": ["a"] * 5}, "stop"),
+    ({"extra_body": {"speculation": {"method": "psychic"}}}, "speculation.method"),
+    ({"extra_body": {"speculation": {"num_draft_tokens": 0}}}, "speculation.num_draft_tokens"),
+])
+def test_bad_parameters_are_400s_that_name_the_parameter(server, options, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(server[0], PROMPTS[0], **options)
+    assert caught.value.body["param"] == param and caught.value.body["message"]
+
+
+def test_unknown_model_malformed_json_and_overlong_prompts(server):
+    url, _, metrics = server
+    with pytest.raises(openai.NotFoundError):
+        client(url).completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    raw = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(url, "word " * 600)
+    assert caught.value.code == "context_length_exceeded"
+    assert complete(url, PROMPTS[0]).choices[0].text  # and the server goes on serving
+
+
+def test_32_requests_at_concurrency_8_each_equal_to_alone(server):
+    url, scheduler, metrics = server
+    requests = [(PROMPTS[i % 8], 8 + (i * 5) % 17) for i in range(32)]  # ragged lengths: rows leave mid-batch
+    batches = []
+    real_observe = metrics.observe_step
+    metrics.observe_step = lambda size, *a: (batches.append(size), real_observe(size, *a))
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda r: complete(url, r[0], max_tokens=r[1]).choices[0].text, requests))
+    finally:
+        metrics.observe_step = real_observe
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
+                                method="draft")
+    for (prompt, n), text in zip(requests, got):
+        assert text == engine.generate(prompt, max_new_tokens=n).text
+    assert max(batches) > 1  # they really shared steps
+
+
+def test_a_disconnect_mid_stream_cancels_and_frees_the_slot(server):
+    url, scheduler, _ = server
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+    wait_until(lambda: scheduler.running == 0 and scheduler.engine.target.open_slots == 1)
+
+
+def test_a_round_that_raises_ends_only_its_request_with_a_500(server):
+    url, scheduler, _ = server
+    poison = tiny_tokenizer()(PROMPTS[4])["input_ids"]
+
+    def inject(seq):
+        if seq.prompt_ids == poison and seq.stats.new_tokens >= 3:
+            raise RuntimeError("injected fault")
+
+    scheduler.fault_injector = inject
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(complete, url, p, max_tokens=20) for p in PROMPTS[3:7]]
+            with pytest.raises(openai.InternalServerError) as caught:
+                futures[1].result()
+            others = [f.result().choices[0].text for i, f in enumerate(futures) if i != 1]
+    finally:
+        scheduler.fault_injector = None
+    assert "injected fault" in caught.value.body["message"]
+    assert others == [alone(scheduler, p, 20) for i, p in enumerate(PROMPTS[3:7]) if i != 1]
+
+
+def metric(url, name, labels=""):
+    text = httpx.get(f"{url}/metrics").text
+    found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_metrics_move_by_what_the_requests_produced(server):
+    url, scheduler, _ = server
+    names = ["draftwise_emitted_tokens_total", "draftwise_proposed_tokens_total", "draftwise_accepted_tokens_total",
+             "draftwise_requests_total", "draftwise_rejected_requests_total"]
+    labels = ["", '{method="draft"}', '{method="draft"}', '{finish_reason="length"}', '{reason="invalid_parameter"}']
+    before = [metric(url, n, l) for n, l in zip(names, labels)]
+    outs = [complete(url, p, max_tokens=10) for p in PROMPTS[:3]]
+    with pytest.raises(openai.BadRequestError):
+        complete(url, PROMPTS[0], temperature=-1)
+    after = [metric(url, n, l) for n, l in zip(names, labels)]
+    stats = [o.model_extra["draftwise"] for o in outs]
+    assert after[0] - before[0] == sum(o.usage.completion_tokens for o in outs)
+    assert after[1] - before[1] == sum(s["proposed"] for s in stats)
+    assert after[2] - before[2] == sum(s["accepted"] for s in stats)
+    assert after[3] - before[3] == 3 and after[4] - before[4] == 1
+    assert "draftwise_time_to_first_token_seconds_bucket" in httpx.get(f"{url}/metrics").text
+
+
+def test_a_wrong_or_missing_api_key_is_refused_but_health_is_open():
+    url, scheduler, _, stop = start(api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert client(url, "s3cret").models.list().data[0].id == MODEL
+    finally:
+        stop()
+        scheduler.drain(5)
+
+
+def test_more_waiting_than_allowed_gets_429_with_retry_after():
+    url, scheduler, _, stop = start(max_waiting=0)
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            complete(url, PROMPTS[0])
+        assert int(caught.value.response.headers["retry-after"]) >= 1
+    finally:
+        stop()
+        scheduler.drain(5)
+
+
+def test_draining_finishes_running_requests_and_refuses_new_ones():
+    url, scheduler, _, stop = start()
+    try:
+        result = {}
+        running = threading.Thread(target=lambda: result.update(out=complete(url, PROMPTS[0], max_tokens=60)))
+        running.start()
+        wait_until(lambda: scheduler.running == 1)
+        drain = threading.Thread(target=scheduler.drain, args=(20,))
+        drain.start()
+        wait_until(lambda: scheduler.draining)
+        with pytest.raises(openai.APIStatusError) as caught:
+            complete(url, PROMPTS[1])
+        assert caught.value.status_code == 503
+        assert httpx.get(f"{url}/health").status_code == 503
+        running.join(30)
+        drain.join(30)
+        assert result["out"].choices[0].finish_reason == "length" and result["out"].usage.completion_tokens == 60
+    finally:
+        stop()
+
+
+def test_a_stream_carries_openai_chunks_and_ends_with_done(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    lines = [l for l in httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30).text.splitlines() if l]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l.removeprefix("data: ")) for l in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and chunks[-1]["draftwise"]["new_tokens"] == 5
+
+
+def test_loadgen_drives_a_live_server_and_writes_its_table(tmp_path, server):
+    from draftwise.cli import main
+
+    url = server[0]
+    code = main(["loadgen", "--url", url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6",
+                 "--per-category", "1", "--categories", "qa,translation", "--out", str(tmp_path), "--json"])
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("on", 1), ("off", 1), ("on", 2), ("off", 2)]
+    assert all(r["failed"] == 0 and 0 < r["tokens"] <= 12 and r["tokens_per_s"] > 0 for r in rows)  # EOS may end one early
+    assert all(r["acceptance"] is not None for r in rows if r["mode"] == "on")
+    assert (tmp_path / "loadgen.png").stat().st_size > 0 and "| on | 2 |" in (tmp_path / "report.md").read_text()
+
+
+def test_percentiles_and_summary_math():
+    from draftwise.serve.loadgen import RequestRecord, percentile, summarise
+
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    records = [RequestRecord("off", 1, "a", ttft_s=1.0, gaps_s=[0.1, 0.3], completion_tokens=10, level_wall_s=5.0),
+               RequestRecord("on", 1, "a", ttft_s=0.5, gaps_s=[0.2], completion_tokens=10, acceptance=0.5,
+                             level_wall_s=2.0),
+               RequestRecord("on", 1, "b", error="HTTP 500", level_wall_s=2.0)]
+    off, on = summarise(records)
+    assert off["tokens_per_s"] == 2.0 and on["tokens_per_s"] == 5.0 and on["vs_c1_off"] == 2.5
+    assert on["failed"] == 1 and on["tbt_p50_s"] == 0.2 and off["tbt_p50_s"] == pytest.approx(0.2)
+
+
+def test_draftwise_serve_drains_on_sigterm(tmp_path):
+    """The real command in its own process: SIGTERM lets a running stream finish, refuses new requests with 503,
+    then exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    for name, model in (("target", tiny_model("llama", 0)), ("draft", tiny_model("llama", 1, 1))):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, DRAFTWISE_HOME=str(tmp_path / "home"))
+    server = subprocess.Popen([sys.executable, "-m", "draftwise", "serve", "--target", str(tmp_path / "target"),
+                               "--draft", str(tmp_path / "draft"), "--model-id", MODEL, "--port", str(port)],
+                              env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{url}/health"), seconds=60)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True,
+                "speculation": "off"}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{url}/health").status_code == 503)
+            assert httpx.post(f"{url}/v1/completions", json={**body, "stream": False}).status_code == 503
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
