@@ -135,7 +135,7 @@ class Engine:
         if method not in self.methods_available:
             raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
                                  f"{', '.join(self.methods_available)}")
-        self._check_limits(len(prompt_ids), cfg)
+        self.check_limits(len(prompt_ids), cfg)
         if not self._default_in_use and method == self.method:
             self._default_in_use = True
             target, proposer = self.target.default, self.proposer
@@ -179,7 +179,8 @@ class Engine:
             return mine.draft.fork()
         return HybridProposer(mine.fork(), PromptLookupProposer(min_ngram=MIN_NGRAM))  # hybrid on a draft engine
 
-    def _check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
+    def check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
+        """Raise DraftwiseError when the request cannot fit the context (before anything is allocated)."""
         context = self.max_context
         if prompt_len < 1:
             raise DraftwiseError("the prompt is empty; give at least one token")

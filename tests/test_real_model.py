@@ -50,3 +50,39 @@ def test_real_greedy_output_is_the_targets_own(prompt, method, k):
         assert result.stats.acceptance_rate == 1.0
     if method == "lookup" and prompt == PROMPTS[0]:
         assert result.stats.accepted > 0  # the copied sentence is found in the prompt
+
+
+def test_real_model_served_in_a_batch_gives_each_request_its_own_greedy_text():
+    """SmolLM2 behind the server, 6 chat requests at once (lookup): each equals transformers' greedy alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from draftwise.serve.app import create_app
+    from draftwise.serve.command import serve_in_thread
+    from draftwise.serve.metrics import ServeMetrics
+    from draftwise.serve.scheduler import Scheduler
+
+    model, tokenizer = loaded()
+    engine = Engine.from_models(model, tokenizer, method="lookup")
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16, metrics=ServeMetrics())
+    scheduler.start()
+    url, stop = serve_in_thread(create_app(scheduler, NAME, scheduler.metrics))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        def ask(prompt):
+            reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=NEW_TOKENS, temperature=0)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, PROMPTS * 3))
+    finally:
+        stop()
+        scheduler.drain(5)
+    for prompt, (text, finish) in zip(PROMPTS * 3, replies):
+        ids = reference(prompt)
+        eos = set(engine.eos)
+        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))  # the server stops at EOS
+        assert text == tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        assert finish == ("stop" if cut < len(ids) else "length")

@@ -5,12 +5,18 @@ Events arrive from the scheduler's thread through a sink that hands them to this
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import secrets
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.errors import DraftwiseError
 from draftwise.serve.metrics import ServeMetrics
@@ -19,21 +25,30 @@ from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 from draftwise.types import Event
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # engine -> OpenAI
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
 
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
-               default_draft_tokens: int = 4) -> FastAPI:
-    app = FastAPI(title="draftwise", docs_url=None, redoc_url=None)
-    app.state.scheduler, app.state.metrics = scheduler, metrics
+               default_draft_tokens: int = 4, drain_timeout: float = 30.0) -> FastAPI:
+    """The ASGI app. On uvicorn's shutdown (lifespan) it drains the scheduler, so an embedded server that stops
+    lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py)."""
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                metrics.reject("unauthorized")
-                return _error(RequestError("a valid API key is required: Authorization: Bearer KEY", status=401,
-                                           kind="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(scheduler.drain, drain_timeout)  # a no-op when already drained
+
+    app = FastAPI(title="draftwise", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    _add_error_handlers(app, metrics)
+
+    def check_key(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise RequestError("a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                               status=401, kind="authentication_error", code="invalid_api_key", reason="unauthorized")
+
+    api = APIRouter(dependencies=[Depends(check_key)])  # every route but /health
 
     @app.get("/health")
     async def health():
@@ -41,20 +56,20 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def prometheus():
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "draftwise"}]}
 
-    @app.post("/v1/completions")
+    @api.post("/v1/completions")
     async def completions(request: Request):
         return await _serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _serve(request, chat=True)
 
@@ -64,27 +79,31 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             try:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json") from err
+                raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
+                                   reason="invalid_json") from err
             parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens)
             relay = _Relay(asyncio.get_running_loop())
             ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink)
         except RequestError as err:
-            metrics.reject(err.code or ("unknown_model" if err.status == 404 else "invalid_parameter"))
+            metrics.reject(err.reason)
             return _error(err)
         except QueueFull as err:
             metrics.reject("queue_full")
             return _error(RequestError(str(err), status=429, kind="rate_limit_error", code="queue_full"),
-                          {"Retry-After": str(max(1, round(err.retry_after)))})
+                          {"Retry-After": str(max(1, math.ceil(err.retry_after)))})
         except ShuttingDown as err:
             metrics.reject("shutting_down")
             return _error(RequestError(str(err), status=503, kind="server_error", code="shutting_down"))
-        except DraftwiseError as err:
+        except DraftwiseError as err:  # the scheduler's own checks (limits, methods): the request's fault
             metrics.reject("invalid_parameter")
             return _error(RequestError(str(err)))
         reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics)
         if parsed.stream:
+            # The background task covers a client that leaves before the stream's first byte: then the generator
+            # never starts, and its finally (which cancels) never runs.
             return StreamingResponse(_stream(request, relay, ticket, reply, parsed.include_usage),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(_cancel_unless_finished, ticket, reply))
         return await _whole(request, relay, ticket, reply)
 
     async def _whole(request: Request, relay: "_Relay", ticket, reply: "_Reply"):
@@ -93,16 +112,14 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             while (event := await relay.next(request)) is not None and event.finish_reason is None:
                 reply.token(event)
                 pieces.append(event.text)
+            if event is not None:
+                reply.finish(event)
         finally:
-            if event is None or event.finish_reason is None:
-                scheduler.cancel(ticket)  # the client went away
+            _cancel_unless_finished(ticket, reply)  # the client went away (or this task was cancelled)
         if event is None:
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
-        reply.finish(event)
-        if event.finish_reason == "error":
-            return _error(RequestError(f"the request failed while generating: {event.error}", status=500,
-                                       kind="server_error"))
-        return reply.whole("".join(pieces), event)
+        failure = _failure(event)
+        return _error(failure) if failure else reply.whole("".join(pieces), event)
 
     async def _stream(request: Request, relay: "_Relay", ticket, reply: "_Reply", include_usage: bool):
         event = None
@@ -116,19 +133,51 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             if event is None:
                 return
             reply.finish(event)
-            if event.finish_reason == "error":
-                yield _sse(RequestError(f"the request failed while generating: {event.error}", status=500,
-                                        kind="server_error").body())
+            failure = _failure(event)
+            if failure:  # the status line is long gone: say it in the stream, as OpenAI does
+                yield _sse(failure.body())
             else:
                 yield _sse(reply.chunk("" if not reply.chat else {}, FINISH_REASONS.get(event.finish_reason)))
                 if include_usage:
                     yield _sse(reply.usage_chunk(event))
             yield "data: [DONE]\n\n"
         finally:
-            if event is None or event.finish_reason is None:
-                scheduler.cancel(ticket)  # disconnected (or the response was dropped) mid-stream
+            _cancel_unless_finished(ticket, reply)  # disconnected (or the response was dropped) mid-stream
 
+    def _cancel_unless_finished(ticket, reply: "_Reply") -> None:
+        if not reply.closed:
+            scheduler.cancel(ticket)
+            reply.abandon()
+
+    app.include_router(api)
     return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
+    """Every error in OpenAI's shape {"error": {message, type, param, code}}, FastAPI's own included."""
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, err: RequestError):
+        metrics.reject(err.reason)
+        return _error(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        reason = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
+        message = {404: f"no route {request.url.path}; this server has /v1/models, /v1/completions, "
+                        "/v1/chat/completions, /health and /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
+        metrics.reject(reason)
+        return _error(RequestError(message, status=err.status_code, code=reason), getattr(err, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):  # FastAPI's 422, as OpenAI's 400
+        metrics.reject("invalid_parameter")
+        return _error(RequestError(f"invalid request: {err.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception):  # a bug of ours: say so, in the same shape
+        return _error(RequestError(f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error"))
 
 
 class _Relay:
@@ -161,6 +210,7 @@ class _Reply:
         self.arrived, self.metrics = arrived, metrics
         self.last_token: float | None = None
         self.completion_tokens = 0
+        self.closed = False  # the final event is counted (finished or abandoned)
 
     def token(self, event: Event) -> None:
         now = time.perf_counter()
@@ -171,7 +221,12 @@ class _Reply:
         self.last_token = now
         self.completion_tokens += 1
 
+    def abandon(self) -> None:
+        """The client left before the end: its scheduler-side final event has nobody to reach."""
+        self.finish(Event(token_id=None, text="", finish_reason="cancelled"))
+
     def finish(self, event: Event) -> None:
+        self.closed = True
         self.metrics.e2e.observe(time.perf_counter() - self.arrived)
         self.metrics.requests.labels(event.finish_reason).inc()
 
@@ -204,6 +259,16 @@ class _Reply:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_id, "choices": [choice], "usage": self.usage(),
                 "draftwise": _stats(event)}
+
+
+def _failure(event: Event) -> RequestError | None:
+    """The error a final event means: a round that raised (500), or the server's drain ending it (503)."""
+    if event.finish_reason == "error":
+        return RequestError(f"the request failed while generating: {event.error}", status=500, kind="server_error")
+    if event.finish_reason == "cancelled":  # we cancel only after the client left, so the server ended it
+        return RequestError("the server shut down before this request finished (--drain-timeout)", status=503,
+                            kind="server_error", code="shutting_down")
+    return None
 
 
 def _stats(event: Event) -> dict | None:

@@ -7,6 +7,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -27,40 +29,54 @@ def add_serve(commands, formatter) -> None:
             "in one batched target pass per step; requests join and leave between steps. Greedy output is the\n"
             "target's own, alone or in a batch. Per request, the extra body field \"speculation\" picks the\n"
             "method and draft length, or turns speculation off; the response's \"draftwise\" field has the\n"
-            "request's own acceptance stats. SIGTERM drains: running requests finish, new ones get 503."
+            "request's own acceptance stats. SIGTERM or Ctrl-C drains: running requests finish (up to\n"
+            "--drain-timeout), new ones get 503; a second signal stops at once."
         ),
         epilog=(
             "examples:\n"
             "  draftwise serve --port 8000\n"
             "  draftwise serve --target ./my-hf-folder --draft none --method lookup --api-key s3cret\n"
             "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
-            "      -d '{\"model\": \"qwen2.5-coder-1.5b-instruct\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}'"
+            "      -d '{\"model\": \"qwen2.5-coder-1.5b-instruct\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}'\n"
+            "  # chat, streamed, with this request's own speculation settings (or \"speculation\": false):\n"
+            "  curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            "      -d '{\"model\": \"qwen2.5-coder-1.5b-instruct\", \"stream\": true, \"max_tokens\": 64,\n"
+            "           \"messages\": [{\"role\": \"user\", \"content\": \"Write quicksort in Python.\"}],\n"
+            "           \"speculation\": {\"method\": \"draft\", \"num_draft_tokens\": 6}}'\n"
+            "  # python: openai.OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"unused\")\n"
+            "  curl -s http://127.0.0.1:8000/metrics | grep draftwise_accepted"
         ),
     )
     m = p.add_argument_group("models")
-    m.add_argument("--target", default=DEFAULT_TARGET, help="model name, Hugging Face folder or .gguf path")
-    m.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer), or 'none'")
+    m.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"model name, Hugging Face folder or .gguf path (default: {DEFAULT_TARGET})")
+    m.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help=f"draft model with the target's tokenizer, or 'none' (default: {DEFAULT_DRAFT})")
     m.add_argument("--method", choices=METHODS, help="default speculation method (default: draft with a draft "
                                                      "model, lookup without)")
     m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
-                   help=f"most draft tokens per round by default, 1-{MAX_DRAFT_TOKENS}")
+                   help=f"most draft tokens per round unless a request says otherwise, 1-{MAX_DRAFT_TOKENS} "
+                        "(default: 4)")
     m.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
     m.add_argument("--model-id", help="the model name clients send (default: --target)")
     n = p.add_argument_group("network")
-    n.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
-    n.add_argument("--port", type=int, default=8000)
+    n.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the server to "
+                        "the network: set --api-key)")
+    n.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     n.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$DRAFTWISE_API_KEY; none when unset)")
     s = p.add_argument_group("scheduling")
-    s.add_argument("--max-batch", type=int, default=8, help="most requests running in one step")
+    s.add_argument("--max-batch", type=int, default=8, help="most requests running in one step (default: 8)")
     s.add_argument("--max-waiting", type=int, default=64,
-                   help="most requests waiting to join; more get 429 with Retry-After")
+                   help="most requests waiting to join; more get 429 with Retry-After (default: 64)")
     s.add_argument("--prefill-chunk", type=int, default=128,
-                   help="prompt tokens prefilled per step, so a long prompt does not stall the others")
+                   help="prompt tokens prefilled per step, so a long prompt does not stall the others "
+                        "(default: 128)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
+                   help="seconds running requests get to finish after SIGTERM (default: 30)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -79,12 +95,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting,
                           prefill_chunk=args.prefill_chunk, metrics=metrics)
     scheduler.start()
-    app = create_app(scheduler, args.model_id or args.target, metrics, args.api_key, args.num_draft_tokens)
-    print(f"draftwise: serving {args.model_id or args.target} ({engine.method}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
-    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
-                   args.drain_timeout).run()
-    return 0
+    model_id = args.model_id or args.target
+    app = create_app(scheduler, model_id, metrics, args.api_key, args.num_draft_tokens, args.drain_timeout)
+    print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
+                            args.drain_timeout)
+    try:
+        server.run()
+    finally:
+        scheduler.drain(0 if server.force_exit else args.drain_timeout)  # e.g. the port was taken: stop the loop
+    return 0 if server.started else 1
 
 
 class DrainingServer(uvicorn.Server):
@@ -97,31 +117,40 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
+        if sig not in (signal.SIGTERM, signal.SIGINT):
             return super().handle_exit(sig, frame)
+        if self._draining:  # a second signal: stop now, without waiting for open connections
+            self.force_exit = True
+            return super().handle_exit(sig, frame)
+        # uvicorn's own shutdown would close the listening socket first (new requests would get "connection
+        # refused", not 503) and wait on open streams with no limit; so drain the scheduler first, listening.
         self._draining = True
-        threading.Thread(target=self._drain_then_exit, daemon=True).start()
+        threading.Thread(target=self._drain_then_exit, daemon=True, name="draftwise-drain").start()
 
     def _drain_then_exit(self) -> None:
         self.scheduler.drain(self.drain_timeout)
         self.should_exit = True
 
 
-def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, callable]:
-    """Run app on a free loopback port in a daemon thread: (base URL, stop()). For tests and the load driver."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
+    """Run app on a free port of host in a daemon thread: (base URL, stop()). For tests and the load driver.
+
+    The socket is bound here, before uvicorn starts, so no other process can take the port in between."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="draftwise-uvicorn")
     thread.start()
+    deadline = time.monotonic() + 30
     while not server.started:
-        if not thread.is_alive():
+        if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start on {host}:{port}")
-        threading.Event().wait(0.01)
+        time.sleep(0.01)
 
     def stop() -> None:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=30)
 
     return f"http://{host}:{port}", stop

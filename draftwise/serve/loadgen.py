@@ -1,9 +1,13 @@
 """`draftwise loadgen`: drive a live server over HTTP at several concurrencies, speculation on and off.
 
-For each concurrency level, the modes (on, off) run one after the other, each with a warm-up request and then
-N streamed requests kept exactly `concurrency` in flight. Per level: aggregate tokens/s (completion tokens over
-the level's wall time), p50/p95 time to first token and time between tokens (gaps between one request's
-consecutive content chunks; the server sends one chunk per token), and the server-reported acceptance.
+For each concurrency level, each mode (on, off) runs in turn, so that whatever else the machine is doing at the
+time weighs on both: a warm-up request (not counted), then N streamed requests kept exactly `concurrency` in
+flight. Per (mode, level): aggregate tokens/s (completion tokens over the level's wall time), p50/p95 time to
+first token and time between tokens (gaps between one request's consecutive content chunks: the server sends one
+chunk per token), and the server-reported acceptance.
+
+Three layers: the options (add_loadgen, plan_from_args), the HTTP driver (run_load and the coroutines under it),
+and pure functions (take_chunk, percentile, summarise, markdown_table) that the tests feed made-up data.
 """
 from __future__ import annotations
 
@@ -11,184 +15,416 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
 
 from draftwise.errors import DraftwiseError
 
 MODES = ("on", "off")
+API_KEY_ENV = "DRAFTWISE_API_KEY"
+ERROR_CHARS = 300  # how much of an error body a record keeps
 
 
-@dataclass
-class RequestRecord:
-    mode: str
-    concurrency: int
-    prompt_id: str
-    started: float = 0.0
-    ttft_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)  # between consecutive content chunks
-    completion_tokens: int = 0
-    acceptance: float | None = None
-    error: str | None = None
-    level_wall_s: float | None = None  # the wall time of the level this request ran in
+# ---------------------------------------------------------------------------------------------------------
+# Options
 
 
 def add_loadgen(commands, formatter) -> None:
     p = commands.add_parser(
         "loadgen",
         formatter_class=formatter,
-        help="drive a live draftwise (or any OpenAI-compatible) server at several concurrencies",
+        help="drive a live server over HTTP at several concurrencies, speculation on and off",
         description=(
-            "Stream the bench's prompts to a running server, exactly C requests in flight, at each --concurrency,\n"
-            "with speculation on (the server's default) and off (the extra body field speculation: off). Writes\n"
-            "results.json (every request), report.md (the table) and loadgen.png under --out, and prints the table."
+            "Stream the bench's prompts to a running draftwise server (or any OpenAI-compatible one), with\n"
+            "exactly C requests in flight at each --concurrency C. Within a level, each mode runs in turn: on\n"
+            "(the server's default method, or --method) and off (the extra body field speculation: {method:\n"
+            "none}). Each (mode, level) starts with one warm-up request, not counted, then --requests requests;\n"
+            "a failed request is counted, never retried. Greedy (temperature 0), one chunk per token.\n"
+            "\n"
+            "Per (mode, level): aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
+            "level's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
+            "between one request's consecutive chunks, pooled), and the acceptance the server reports.\n"
+            "\n"
+            "Writes results.json (every request, raw, and the summary rows), report.md (the table) and\n"
+            "loadgen.png under --out; prints the table on stdout, progress on stderr."
         ),
         epilog=(
             "examples:\n"
             "  draftwise serve --port 8000 &\n"
             "  draftwise loadgen --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --max-tokens 64\n"
-            "  draftwise loadgen --url http://127.0.0.1:8000 --speculation off --categories summarization"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --speculation off --categories summarization\n"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --method lookup --no-chat --json\n"
+            "\n"
+            "a run sends about (levels x modes x (requests + 1)) requests; the default sends 4 levels x 2 modes\n"
+            "with 4, 4, 8 and 16 requests, so start small with --concurrency 1,2 --max-tokens 16."
         ),
     )
-    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"), help="default: $DRAFTWISE_API_KEY")
-    p.add_argument("--model", help="the model id to send (default: the first of the server's /v1/models)")
-    p.add_argument("--concurrency", default="1,2,4,8", help="comma list of requests in flight")
-    p.add_argument("--speculation", default="on,off", help="comma list of modes: on, off")
-    p.add_argument("--method", help="with mode on, ask for this speculation method (default: the server's)")
-    p.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 4)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--categories", default="all", help="bench prompt categories, comma list or all")
-    p.add_argument("--per-category", type=int, default=4, help="prompts taken from each category")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--out", default="loadgen-results", help="folder for results.json, report.md, loadgen.png")
-    p.add_argument("--json", action="store_true", help="print the summary rows as JSON instead of the table")
+    server = p.add_argument_group("server")
+    server.add_argument("--url", required=True, metavar="URL",
+                        help="the server's base address, http:// or https:// (a trailing /v1 is fine), "
+                             "e.g. http://127.0.0.1:8000")
+    server.add_argument("--api-key", metavar="KEY", help=f"sent as a bearer token (default: ${API_KEY_ENV})")
+    server.add_argument("--model", metavar="ID", help="the model id to ask for (default: the first of /v1/models)")
+    server.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds one request may take in all before it counts as failed (default: %(default)s)")
+    work = p.add_argument_group("workload")
+    work.add_argument("--concurrency", default="1,2,4,8", metavar="C,C,...",
+                      help="comma-separated numbers of requests in flight (default: %(default)s)")
+    work.add_argument("--speculation", default="on,off", metavar="MODE,...",
+                      help=f"comma-separated modes, from: {', '.join(MODES)} (default: %(default)s)")
+    work.add_argument("--method", metavar="NAME",
+                      help="in mode on, ask for this speculation method (default: the server's own)")
+    work.add_argument("--requests", type=int, metavar="N",
+                      help="requests per mode and level, raised to the concurrency where below it "
+                           "(default: 2 x concurrency, at least 4)")
+    work.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                      help="max_tokens of every request (default: %(default)s)")
+    work.add_argument("--categories", default="all", metavar="C,C,...",
+                      help="the bench's prompt categories, comma-separated, or 'all' (default: %(default)s)")
+    work.add_argument("--per-category", type=int, default=4, metavar="N",
+                      help="first N prompts of each category (default: %(default)s)")
+    work.add_argument("--prompts", metavar="FILE",
+                      help="a JSONL file of {question_id, category, turns} instead of the built-in set")
+    work.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                      help="POST /v1/chat/completions with the prompt as a user message; --no-chat: "
+                           "/v1/completions with the raw prompt (default: chat)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="loadgen-results", metavar="DIR", help="output folder (default: %(default)s)")
+    out.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout")
     p.set_defaults(func=cmd_loadgen)
 
 
-def cmd_loadgen(args: argparse.Namespace) -> int:
-    from draftwise.bench.prompts import default_prompts, select_prompts
+@dataclass(frozen=True)
+class LoadPlan:
+    """Everything a run needs, checked: what add_loadgen's options become."""
 
-    if urlparse(args.url).scheme not in ("http", "https"):
-        raise DraftwiseError(f"--url must be an http:// or https:// address, got {args.url!r}")
-    levels = _int_list(args.concurrency, "--concurrency")
-    modes = [m.strip() for m in args.speculation.split(",") if m.strip()]
+    url: str
+    levels: tuple[int, ...]
+    modes: tuple[str, ...]
+    prompts: tuple  # BenchPrompt
+    requests: int | None = None
+    max_tokens: int = 64
+    chat: bool = True
+    method: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    timeout: float = 300.0
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def count(self, level: int) -> int:
+        """Requests at this level: fewer than the concurrency would never reach it."""
+        return max(self.requests, level) if self.requests else max(4, 2 * level)
+
+
+def plan_from_args(args: argparse.Namespace) -> LoadPlan:
+    """Check every option before anything touches the network; a bad one is a DraftwiseError naming it."""
+    from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
+
+    _at_least("--requests", args.requests, 1, allow_none=True)
+    _at_least("--max-tokens", args.max_tokens, 1)
+    if not args.timeout > 0:
+        raise DraftwiseError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
+    modes = tuple(dict.fromkeys(m.strip() for m in args.speculation.split(",") if m.strip()))
     if not modes or any(m not in MODES for m in modes):
-        raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}")
-    prompts = select_prompts(default_prompts(), args.categories, args.per_category)
-    records = asyncio.run(_drive(args, levels, modes, prompts))
-    rows = summarise(records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"summary": rows, "requests": [asdict(r) for r in records]},
-                                                 indent=1))
-    table = markdown_table(rows)
-    (out / "report.md").write_text(f"# Load test of {args.url}\n\n{table}\n")
-    plot(rows, out / "loadgen.png")
-    print(json.dumps(rows, indent=1) if args.json else table)
-    print(f"wrote {out}/results.json, report.md, loadgen.png", file=sys.stderr)
-    return 0
+        raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}; got {args.speculation!r}")
+    prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
+    return LoadPlan(
+        url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
+        prompts=tuple(select_prompts(prompts, args.categories, args.per_category)), requests=args.requests,
+        max_tokens=args.max_tokens, chat=args.chat, method=args.method, model=args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
+    )
 
 
-# -- driving -------------------------------------------------------------------------------------------
-async def _drive(args, levels: list[int], modes: list[str], prompts) -> list[RequestRecord]:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    records: list[RequestRecord] = []
-    async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout) as http:
-        model = args.model or await _first_model(http)
-        for level in levels:
-            count = args.requests or max(4, 2 * level)
-            for mode in modes:
-                body = _body(model, args, mode)
-                await _one(http, body, prompts[0], RequestRecord(mode, level, "warm-up"))
-                print(f"loadgen: concurrency {level}, speculation {mode}: {count} requests", file=sys.stderr)
-                records += await _level(http, body, prompts, mode, level, count)
-    return records
+def base_url(url: str) -> str:
+    """'http://host:8000/v1/' -> 'http://host:8000': OpenAI clients are given the /v1 form, we add paths to it."""
+    parsed = urlparse(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise DraftwiseError(f"--url must be an http:// or https:// address like http://127.0.0.1:8000, got {url!r}")
+    path = parsed.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return f"{parsed.scheme}://{parsed.netloc}{path}"
 
 
-async def _level(http, body: dict, prompts, mode: str, level: int, count: int) -> list[RequestRecord]:
-    queue = [(prompts[i % len(prompts)], RequestRecord(mode, level, str(prompts[i % len(prompts)].question_id)))
-             for i in range(count)]
-    pending = list(queue)
-
-    async def worker():
-        while pending:
-            prompt, record = pending.pop(0)
-            await _one(http, body, prompt, record)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(level)))
-    wall = time.perf_counter() - started
-    for _, record in queue:
-        record.started -= started  # relative to the level's start
-        record.level_wall_s = wall
-    return [r for _, r in queue]
-
-
-async def _one(http, body: dict, prompt, record: RequestRecord) -> None:
-    payload = dict(body, messages=[{"role": "user", "content": prompt.text}])
-    record.started = time.perf_counter()
-    last = None
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=payload) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = chunk["error"].get("message")
-                now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                    if last is None:
-                        record.ttft_s = now - record.started
-                    else:
-                        record.gaps_s.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    record.completion_tokens = chunk["usage"]["completion_tokens"]
-                    record.acceptance = (chunk.get("draftwise") or {}).get("acceptance_rate")
-    except Exception as err:  # counted, never retried
-        record.error = f"{type(err).__name__}: {err}"
-
-
-async def _first_model(http) -> str:
-    response = await http.get("/v1/models")
-    if response.status_code != 200:
-        raise DraftwiseError(f"GET /v1/models answered {response.status_code}: {response.text[:200]}")
-    return response.json()["data"][0]["id"]
-
-
-def _body(model: str, args, mode: str) -> dict:
-    body = {"model": model, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if mode == "off":
-        body["speculation"] = "off"
-    elif args.method:
-        body["speculation"] = {"method": args.method}
-    return body
-
-
-def _int_list(text: str, name: str) -> list[int]:
+def _int_list(text: str, name: str) -> tuple[int, ...]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
         raise DraftwiseError(f"{name} takes a comma list of integers >= 1, got {text!r}")
-    return values
+    return tuple(dict.fromkeys(values))
 
 
-# -- statistics (pure) ---------------------------------------------------------------------------------
+def _at_least(name: str, value, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < low:
+        raise DraftwiseError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command
+
+
+def cmd_loadgen(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    out = Path(args.out)
+    records = asyncio.run(run_load(plan))
+    rows = summarise(records)
+    write_results(out, plan, records, rows, command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    print(json.dumps(rows, indent=1) if args.json else markdown_table(rows))
+    print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}", file=sys.stderr)
+    return 0
+
+
+def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], command: str = "") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"url": plan.url, "endpoint": plan.path, "command": command, "max_tokens": plan.max_tokens,
+            "method": plan.method, "prompts": len(plan.prompts),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    results = {"meta": meta, "summary": rows, "requests": [asdict(r) for r in records]}
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "report.md").write_text(report_markdown(meta, rows))
+    plot(rows, out / "loadgen.png")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driving the server
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds from the request's own start unless said otherwise."""
+
+    mode: str
+    concurrency: int
+    prompt_id: str
+    start_s: float = 0.0  # from the start of the level
+    ttft_s: float | None = None  # the first chunk with non-empty text
+    chunk_times_s: list[float] = field(default_factory=list)  # every content chunk
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive content chunks
+    total_s: float | None = None
+    completion_tokens: int = 0
+    tokens_from_usage: bool = False  # False: no usage chunk came, the content chunks were counted instead
+    acceptance: float | None = None
+    stats: dict | None = None  # the reply's `draftwise` field, as sent
+    finish_reason: str | None = None
+    status: int | None = None  # the HTTP status
+    done: bool = False  # the stream ended with data: [DONE]
+    error: str | None = None
+    level_wall_s: float | None = None  # the wall time of the level this request ran in
+
+
+async def run_load(plan: LoadPlan, log=None) -> list[RequestRecord]:
+    """Every level and mode of the plan, in order; the records of the counted requests."""
+    import httpx
+
+    log = log or _stderr
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    # Enough connections that the pool never holds a request back from the concurrency asked for.
+    limits = httpx.Limits(max_connections=max(plan.levels) + 1, max_keepalive_connections=max(plan.levels) + 1)
+    records: list[RequestRecord] = []
+    async with httpx.AsyncClient(base_url=plan.url, headers=headers, timeout=plan.timeout, limits=limits) as http:
+        model = plan.model or await first_model(http, plan.url)
+        log(f"loadgen: {plan.url}{plan.path}, model {model}, {len(plan.prompts)} prompts, "
+            f"max_tokens {plan.max_tokens}")
+        for level in plan.levels:
+            for mode in plan.modes:
+                body = request_body(model, plan, mode)
+                await _warm_up(http, plan, body, mode, level)
+                level_records = await run_level(http, plan, body, mode, level)
+                log(_progress_line(summarise(level_records)[0], level_records))
+                records += level_records
+    return records
+
+
+async def first_model(http, url: str) -> str:
+    import httpx
+
+    try:
+        response = await http.get("/v1/models")
+    except httpx.HTTPError as err:
+        raise DraftwiseError(f"cannot reach {url}: {_describe(err)}; is the server running?") from None
+    if response.status_code != 200:
+        raise DraftwiseError(f"GET {url}/v1/models answered {http_error(response.status_code, response.content)}"
+                             f"{_auth_hint(response.status_code)}")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise DraftwiseError(f"GET {url}/v1/models did not list a model; give one with --model") from None
+
+
+def request_body(model: str, plan: LoadPlan, mode: str) -> dict:
+    """The body shared by a (mode, level)'s requests; the prompt goes in per request."""
+    body = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if mode == "off":
+        body["speculation"] = {"method": "none"}
+    elif plan.method:
+        body["speculation"] = {"method": plan.method}
+    return body
+
+
+def with_prompt(body: dict, text: str, chat: bool) -> dict:
+    return dict(body, messages=[{"role": "user", "content": text}]) if chat else dict(body, prompt=text)
+
+
+async def _warm_up(http, plan: LoadPlan, body: dict, mode: str, level: int) -> None:
+    """One request first, not counted. If even that fails, every counted one would too: stop with its reason."""
+    record = RequestRecord(mode, level, "warm-up")
+    await one_request(http, plan, body, plan.prompts[0], record, time.perf_counter())
+    if record.error is not None:
+        raise DraftwiseError(f"the warm-up request (speculation {mode}, concurrency {level}) failed: "
+                             f"{record.error}{_auth_hint(record.status)}")
+
+
+async def run_level(http, plan: LoadPlan, body: dict, mode: str, level: int) -> list[RequestRecord]:
+    """plan.count(level) requests, `level` workers each sending the next one as soon as its last one ends."""
+    count = plan.count(level)
+    prompts = [plan.prompts[i % len(plan.prompts)] for i in range(count)]
+    records = [RequestRecord(mode, level, str(p.question_id)) for p in prompts]
+    todo = deque(zip(prompts, records))
+    origin = time.perf_counter()
+
+    async def worker():
+        while todo:
+            prompt, record = todo.popleft()
+            await one_request(http, plan, body, prompt, record, origin)
+
+    await asyncio.gather(*(worker() for _ in range(level)))
+    wall = time.perf_counter() - origin
+    for record in records:
+        record.level_wall_s = wall
+    return records
+
+
+async def one_request(http, plan: LoadPlan, body: dict, prompt, record: RequestRecord, origin: float) -> None:
+    """Send one streamed request and fill its record; any failure lands in record.error, nothing is raised."""
+    import httpx
+
+    started = time.perf_counter()
+    record.start_s = started - origin
+    try:
+        # wait_for bounds the whole request; httpx's own timeout bounds only each read or connect.
+        await asyncio.wait_for(_stream(http, plan.path, with_prompt(body, prompt.text, plan.chat), record, started),
+                               plan.timeout)
+    except asyncio.TimeoutError:
+        record.error = f"timed out after {plan.timeout:g}s"
+    except httpx.HTTPError as err:
+        record.error = _describe(err)
+    except ValueError as err:  # a chunk that is not JSON
+        record.error = f"bad stream: {err}"
+    record.total_s = time.perf_counter() - started
+    finish_record(record)
+
+
+async def _stream(http, path: str, payload: dict, record: RequestRecord, started: float) -> None:
+    async with http.stream("POST", path, json=payload) as response:
+        record.status = response.status_code
+        if response.status_code != 200:
+            record.error = http_error(response.status_code, await response.aread())
+            return
+        async for line in response.aiter_lines():
+            data = sse_data(line)
+            if data == "[DONE]":
+                record.done = True
+                return
+            if data is not None:
+                take_chunk(record, json.loads(data), time.perf_counter() - started)
+
+
+def finish_record(record: RequestRecord) -> None:
+    """After the stream: a stream cut before [DONE] is a failure; without a usage chunk, count the chunks."""
+    if record.error is None and not record.done:
+        record.error = "the stream ended before data: [DONE]"
+    if not record.tokens_from_usage:
+        record.completion_tokens = len(record.chunk_times_s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure: one stream's lines and chunks
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of an SSE `data:` line; None for blank lines, comments and other fields."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+def take_chunk(record: RequestRecord, chunk: dict, t: float) -> None:
+    """Fold one OpenAI stream chunk (chat or completions), received t seconds into the request, into record."""
+    if not isinstance(chunk, dict):
+        raise ValueError(f"a chunk must be a JSON object, got {chunk!r:.80}")
+    if "error" in chunk:  # the server ended the request mid-stream
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        record.error = f"error in stream: {message}"
+    for choice in chunk.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+        if text:
+            if record.chunk_times_s:
+                record.gaps_s.append(t - record.chunk_times_s[-1])
+            else:
+                record.ttft_s = t
+            record.chunk_times_s.append(t)
+        record.finish_reason = choice.get("finish_reason") or record.finish_reason
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and "completion_tokens" in usage:
+        record.completion_tokens = int(usage["completion_tokens"])
+        record.tokens_from_usage = True
+    if isinstance(chunk.get("draftwise"), dict):
+        record.stats = chunk["draftwise"]
+        record.acceptance = record.stats.get("acceptance_rate")
+
+
+def http_error(status: int, body: bytes) -> str:
+    """'HTTP 429: too many waiting requests': the OpenAI error message when the body has one, else the raw body."""
+    text = body.decode("utf-8", "replace")
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text.strip() or "(empty body)"
+    return f"HTTP {status}: {message[:ERROR_CHARS]}"
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _auth_hint(status: int | None) -> str:
+    return f"; pass --api-key or set ${API_KEY_ENV}" if status in (401, 403) else ""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _progress_line(row: dict, records: list[RequestRecord]) -> str:
+    line = (f"loadgen: speculation {row['mode']}, concurrency {row['concurrency']}: {row['requests']} requests, "
+            f"{_fmt(row['tokens_per_s'], 1)} tok/s, TBT p50 {_fmt(row['tbt_p50_s'], 0, 1000)} ms")
+    if row["failed"]:
+        first = next(r.error for r in records if r.error is not None)
+        line += f", {row['failed']} FAILED (first: {first})"
+    return line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure: statistics
+
+
 def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between the nearest ranks; None for no values."""
+    """The q-th percentile (0-100), linear between the nearest ranks (numpy's default); None for no values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -199,47 +435,90 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(records: list[RequestRecord]) -> list[dict]:
-    """One row per (mode, concurrency), in the order they ran; ratios against concurrency 1 with speculation off
-    (the plain single-user server) when that level ran."""
-    rows = []
-    for key in dict.fromkeys((r.mode, r.concurrency) for r in records):
-        group = [r for r in records if (r.mode, r.concurrency) == key]
-        ok = [r for r in group if r.error is None]
-        wall = group[0].level_wall_s
-        tokens = sum(r.completion_tokens for r in ok)
-        gaps = [g for r in ok for g in r.gaps_s]
-        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-        accept = [r.acceptance for r in ok if r.acceptance is not None]
-        rows.append({
-            "mode": key[0], "concurrency": key[1], "requests": len(group), "failed": len(group) - len(ok),
-            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
-            "tbt_p50_s": percentile(gaps, 50), "tbt_p95_s": percentile(gaps, 95),
-            "acceptance": sum(accept) / len(accept) if accept else None,
-        })
+    """One row per (mode, concurrency), in the order they ran. Only the requests that succeeded count towards
+    tokens, times and acceptance; vs_c1_off compares with concurrency 1, speculation off (one user, the target
+    alone) when that level ran."""
+    groups: dict[tuple[str, int], list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault((r.mode, r.concurrency), []).append(r)
+    rows = [_summary_row(mode, level, group) for (mode, level), group in groups.items()]
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "off" and r["concurrency"] == 1), None)
     for row in rows:
-        row["vs_c1_off"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+        row["vs_c1_off"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] is not None else None
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    def f(value, digits=2, scale=1.0):
-        return "-" if value is None else f"{value * scale:.{digits}f}"
+def _summary_row(mode: str, level: int, group: list[RequestRecord]) -> dict:
+    ok = [r for r in group if r.error is None]
+    wall = max((r.level_wall_s for r in group if r.level_wall_s is not None), default=None)
+    tokens = sum(r.completion_tokens for r in ok)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.gaps_s]  # pooled: a long request weighs by its number of tokens
+    methods = sorted({r.stats["method"] for r in ok if r.stats and r.stats.get("method")})
+    return {
+        "mode": mode, "concurrency": level, "requests": len(group), "failed": len(group) - len(ok),
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
+        "tbt_p50_s": percentile(gaps, 50), "tbt_p95_s": percentile(gaps, 95),
+        "acceptance": acceptance(ok), "mean_accepted_length": _mean(r.stats.get("mean_accepted_length")
+                                                                    for r in ok if r.stats),
+        "server_methods": methods,
+    }
 
+
+def acceptance(records: list[RequestRecord]) -> float | None:
+    """Accepted over proposed draft tokens, pooled over the requests, when the server reports both counts;
+    else the mean of the requests' own rates; None when no request reported any (speculation off)."""
+    counted = [r.stats for r in records if r.stats and r.stats.get("proposed")]
+    if counted:
+        return sum(s.get("accepted", 0) for s in counted) / sum(s["proposed"] for s in counted)
+    return _mean(r.acceptance for r in records)
+
+
+def _mean(values) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(value, digits: int = 2, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
     lines = ["| speculation | concurrency | requests (failed) | aggregate tok/s | vs c1 off | TTFT p50 / p95 s "
              "| TBT p50 / p95 ms | acceptance |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["mode"], r["concurrency"])):
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} ({r['failed']}) | {f(r['tokens_per_s'])} "
-                     f"| {f(r['vs_c1_off'])}x | {f(r['ttft_p50_s'])} / {f(r['ttft_p95_s'])} "
-                     f"| {f(r['tbt_p50_s'], 0, 1000)} / {f(r['tbt_p95_s'], 0, 1000)} | {f(r['acceptance'])} |")
+        ratio = "-" if r["vs_c1_off"] is None else f"{r['vs_c1_off']:.2f}x"
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} ({r['failed']}) "
+                     f"| {_fmt(r['tokens_per_s'], 1)} | {ratio} | {_fmt(r['ttft_p50_s'])} / {_fmt(r['ttft_p95_s'])} "
+                     f"| {_fmt(r['tbt_p50_s'], 1, 1000)} / {_fmt(r['tbt_p95_s'], 1, 1000)} "
+                     f"| {_fmt(r['acceptance'])} |")
     return "\n".join(lines)
+
+
+def report_markdown(meta: dict, rows: list[dict]) -> str:
+    method = meta["method"] or "the server's default"
+    return (
+        f"# Load test of {meta['url']}\n\n"
+        f"{meta['date']}, `{meta['command']}`\n\n"
+        f"POST {meta['endpoint']}, streamed, temperature 0, max_tokens {meta['max_tokens']}, {meta['prompts']} "
+        f"prompts; speculation on: {method}; off: `{{\"method\": \"none\"}}`.\n\n"
+        f"{markdown_table(rows)}\n\n"
+        "Aggregate tok/s: completion tokens of the requests that succeeded over the level's wall time. vs c1 off: "
+        "that over concurrency 1 with speculation off. TTFT: time to the first chunk with text. TBT: gaps between "
+        "one request's consecutive chunks (one per token), pooled. Acceptance: accepted over proposed draft "
+        "tokens, as the server reports them.\n"
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # no display needed; safe in threads and on servers
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -247,10 +526,13 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in mine]
         left.plot(xs, [r["tokens_per_s"] or 0 for r in mine], marker="o", label=f"speculation {mode}")
-        right.plot(xs, [(r["tbt_p50_s"] or 0) * 1000 for r in mine], marker="o", label=f"speculation {mode}")
+        tbt = [(r["tbt_p50_s"] * 1000 if r["tbt_p50_s"] is not None else float("nan")) for r in mine]
+        right.plot(xs, tbt, marker="o", label=f"speculation {mode}")
     left.set(xlabel="concurrency", ylabel="aggregate tokens/s", title="Throughput")
     right.set(xlabel="concurrency", ylabel="p50 time between tokens (ms)", title="Time between tokens")
+    levels = sorted({r["concurrency"] for r in rows})
     for ax in (left, right):
+        ax.set_xticks(levels)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -1,7 +1,11 @@
 """OpenAI request bodies -> (prompt ids, GenerationConfig), with errors that name the parameter at fault."""
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+
+from jinja2 import TemplateError
 
 from draftwise.config import MAX_DRAFT_TOKENS, GenerationConfig
 from draftwise.errors import DraftwiseError
@@ -9,14 +13,23 @@ from draftwise.tokenizers import encode_prompt
 
 MAX_STOPS = 4  # as OpenAI's API
 
+# OpenAI parameters this server does not implement: refused when set to anything but "off", so that a client never
+# silently gets something other than what it asked for. Fields not named here and not read below are ignored.
+UNSUPPORTED = {
+    "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}
+
 
 class RequestError(DraftwiseError):
-    """A request the server refuses: an OpenAI-style error body with this status."""
+    """A request the server refuses: an OpenAI-style error body with this status. reason labels the
+    draftwise_rejected_requests_total counter (invalid_json, invalid_parameter, unknown_model, context_length...)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None, reason: str = "invalid_parameter"):
         super().__init__(message)
-        self.param, self.status, self.kind, self.code = param, status, kind, code
+        self.param, self.status, self.kind, self.code, self.reason = param, status, kind, code, reason
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -39,27 +52,28 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
         raise RequestError("'model' is required", "model")
     if model != model_id:
         raise RequestError(f"the model {model!r} does not exist; this server serves {model_id!r}", "model",
-                           status=404, code="model_not_found")
+                           status=404, code="model_not_found", reason="unknown_model")
     _number(body, "n", 1, 1, 1, integer=True)
+    _refuse_unsupported(body)
     prompt_ids = _chat_ids(body, engine.tokenizer) if chat else _prompt_ids(body, engine.tokenizer)
     room = engine.max_context - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}",
-                           "messages" if chat else "prompt", code="context_length_exceeded")
+                           "messages" if chat else "prompt", code="context_length_exceeded", reason="context_length")
     default_max = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
     max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                          default_max, 1, None, integer=True)
     if max_tokens > room:
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                            f"context of {engine.max_context} tokens; at most {room} fit", "max_tokens",
-                           code="context_length_exceeded")
+                           code="context_length_exceeded", reason="context_length")
     spec = _speculation(body.get("speculation"), engine)
     options = dict(
         max_new_tokens=max_tokens,
         num_draft_tokens=default_draft_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        top_k=_number(body, "top_k", 0, 0, None, integer=True),
+        top_k=max(0, _number(body, "top_k", 0, -1, None, integer=True)),  # -1 (vLLM's "off") is 0 here
         seed=_number(body, "seed", None, None, None, integer=True),
         stop=_stops(body.get("stop")),
     )
@@ -73,6 +87,13 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
     except DraftwiseError as err:
         raise RequestError(str(err)) from err
     return Parsed(prompt_ids, cfg, stream, bool(stream_options.get("include_usage")))
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise RequestError(f"'{name}' is not supported by this server; leave it out (or set it to "
+                               f"{json.dumps(off[-1])})", name, code="unsupported_parameter")
 
 
 def _prompt_ids(body: dict, tokenizer) -> list[int]:
@@ -108,6 +129,8 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
         plain.append({"role": m["role"], "content": content})
     try:
         return encode_prompt(tokenizer, plain, True)
+    except TemplateError as err:  # the model's template refuses the conversation (e.g. roles must alternate)
+        raise RequestError(f"the model's chat template refused these messages: {err}", "messages") from err
     except DraftwiseError as err:
         raise RequestError(str(err), "messages") from err
 
@@ -163,7 +186,7 @@ def _number(body: dict, name: str, default, low, high, integer: bool = False, op
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not math.isfinite(value):
         raise RequestError(f"'{name}' must be {kind}, got {value!r}", param or name)
     too_low = low is not None and (value <= low if open_low else value < low)
     if too_low or (high is not None and value > high):

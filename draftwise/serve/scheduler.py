@@ -85,7 +85,7 @@ class Scheduler:
         if method not in self.engine.methods_available:
             raise DraftwiseError(f"method {method!r} is not available on this server; choose one of: "
                                  f"{', '.join(self.engine.methods_available)}")
-        self.engine._check_limits(len(prompt_ids), cfg)
+        self.engine.check_limits(len(prompt_ids), cfg)
         ticket = Ticket(list(prompt_ids), cfg, sink)
         with self._cond:
             if self._draining:

@@ -1,0 +1,354 @@
+"""draftwise loadgen: the summary math on made-up timings, the chunk parsing, and whole runs against a stand-in
+OpenAI streaming server (a stdlib http.server thread on 127.0.0.1), never the real draftwise server."""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from draftwise.errors import DraftwiseError
+from draftwise.serve.loadgen import (
+    RequestRecord, acceptance, add_loadgen, base_url, finish_record, http_error, markdown_table, percentile,
+    plan_from_args, request_body, sse_data, summarise, take_chunk,
+)
+
+# -- the summary math -----------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_ranks_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # order of arrival does not matter
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    assert percentile(list(range(101)), 95) == pytest.approx(95.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0 and percentile([1.0, 2.0, 3.0, 4.0], 0) == 1.0
+
+
+def _rec(mode, c, **kw):
+    return RequestRecord(mode, c, kw.pop("prompt_id", "p"), **kw)
+
+
+def test_summary_per_mode_and_level_with_ratio_against_one_user_without_speculation():
+    records = [
+        # off, c1: 2 requests, 10 tokens each, in 4 s -> 5 tok/s
+        _rec("off", 1, ttft_s=0.5, gaps_s=[0.2, 0.2, 0.4], completion_tokens=10, level_wall_s=4.0),
+        _rec("off", 1, ttft_s=1.5, gaps_s=[0.2], completion_tokens=10, level_wall_s=4.0),
+        # on, c2: 3 requests, one failed (its tokens and times do not count); 30 tokens in 2 s -> 15 tok/s
+        _rec("on", 2, ttft_s=0.1, gaps_s=[0.1, 0.3], completion_tokens=20, level_wall_s=2.0,
+             stats={"method": "draft", "proposed": 8, "accepted": 6, "mean_accepted_length": 3.0}),
+        _rec("on", 2, ttft_s=0.3, gaps_s=[0.1], completion_tokens=10, level_wall_s=2.0,
+             stats={"method": "draft", "proposed": 2, "accepted": 0, "mean_accepted_length": 1.0}),
+        _rec("on", 2, ttft_s=9.0, gaps_s=[9.0], completion_tokens=99, error="HTTP 500: boom", level_wall_s=2.0),
+    ]
+    off, on = summarise(records)
+    assert (off["mode"], off["concurrency"], on["mode"], on["concurrency"]) == ("off", 1, "on", 2)
+    assert off["tokens_per_s"] == pytest.approx(5.0) and on["tokens_per_s"] == pytest.approx(15.0)
+    assert off["vs_c1_off"] == pytest.approx(1.0) and on["vs_c1_off"] == pytest.approx(3.0)
+    assert (on["requests"], on["failed"], on["tokens"]) == (3, 1, 30)
+    assert off["ttft_p50_s"] == pytest.approx(1.0) and off["ttft_p95_s"] == pytest.approx(1.45)
+    # TBT pools every gap of every successful request: [0.2, 0.2, 0.4, 0.2] -> p50 0.2, p95 0.37
+    assert off["tbt_p50_s"] == pytest.approx(0.2) and off["tbt_p95_s"] == pytest.approx(0.37)
+    assert on["tbt_p50_s"] == pytest.approx(0.1) and on["tbt_p95_s"] == pytest.approx(0.28)  # not the failed 9.0
+    # acceptance pooled over proposed tokens: 6 / 10, not the mean of 0.75 and 0.0
+    assert on["acceptance"] == pytest.approx(0.6) and off["acceptance"] is None
+    assert on["mean_accepted_length"] == pytest.approx(2.0) and on["server_methods"] == ["draft"]
+
+
+def test_summary_without_a_baseline_or_any_success():
+    rows = summarise([_rec("on", 4, error="timed out after 1s", level_wall_s=1.0),
+                      _rec("on", 4, error="ConnectError", level_wall_s=1.0)])
+    (row,) = rows
+    assert row["failed"] == 2 and row["tokens"] == 0 and row["tokens_per_s"] == 0.0
+    assert row["vs_c1_off"] is None and row["ttft_p50_s"] is None and row["tbt_p95_s"] is None
+    table = markdown_table(rows)
+    assert "| on | 4 | 2 (2) | 0.0 | - | - / - | - / - | - |" in table
+
+
+def test_acceptance_falls_back_to_the_mean_of_reported_rates():
+    assert acceptance([_rec("on", 1, acceptance=0.5), _rec("on", 1, acceptance=1.0), _rec("on", 1)]) == 0.75
+    assert acceptance([_rec("on", 1)]) is None
+
+
+# -- one stream's chunks ----------------------------------------------------------------------------------
+
+
+def test_chat_chunks_fold_into_times_tokens_and_stats():
+    r = _rec("on", 1)
+    take_chunk(r, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 0.05)
+    take_chunk(r, {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}, 0.5)
+    take_chunk(r, {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]}, 0.75)
+    take_chunk(r, {"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": None}]}, 1.25)
+    take_chunk(r, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, 1.3)
+    take_chunk(r, {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+                   "draftwise": {"acceptance_rate": 0.5, "proposed": 4, "accepted": 2}}, 1.31)
+    assert r.ttft_s == 0.5 and r.chunk_times_s == [0.5, 0.75, 1.25] and r.gaps_s == pytest.approx([0.25, 0.5])
+    assert r.finish_reason == "length" and r.completion_tokens == 3 and r.tokens_from_usage
+    assert r.acceptance == 0.5 and r.stats["accepted"] == 2
+    finish_record(r)
+    assert r.error == "the stream ended before data: [DONE]"  # never saw [DONE]
+
+
+def test_completion_chunks_error_chunks_and_no_usage():
+    r = _rec("off", 1)
+    for t, text in ((0.1, "a"), (0.2, ""), (0.4, "b")):
+        take_chunk(r, {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": None}]}, t)
+    take_chunk(r, {"error": {"message": "the request failed while generating: boom", "type": "server_error"}}, 0.5)
+    r.done = True
+    finish_record(r)
+    assert r.ttft_s == 0.1 and r.gaps_s == pytest.approx([0.3]) and r.completion_tokens == 2  # chunks counted
+    assert not r.tokens_from_usage and r.error == "error in stream: the request failed while generating: boom"
+    with pytest.raises(ValueError):
+        take_chunk(r, ["not", "an", "object"], 0.6)
+
+
+def test_sse_lines_and_http_errors():
+    assert sse_data("data: [DONE]") == "[DONE]" and sse_data('data:{"a":1}') == '{"a":1}'
+    assert sse_data("") is None and sse_data(": keep-alive") is None and sse_data("event: x") is None
+    body = json.dumps({"error": {"message": "too many waiting requests", "type": "rate_limit"}}).encode()
+    assert http_error(429, body) == "HTTP 429: too many waiting requests"
+    assert http_error(502, b"<html>bad gateway</html>") == "HTTP 502: <html>bad gateway</html>"
+    assert http_error(500, b"") == "HTTP 500: (empty body)"
+
+
+def test_urls_and_request_bodies():
+    assert base_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
+    assert base_url("https://example.org/api/v1") == "https://example.org/api"
+    for bad in ("ftp://127.0.0.1:8000", "127.0.0.1:8000", "http://"):
+        with pytest.raises(DraftwiseError, match="--url"):
+            base_url(bad)
+    plan = plan_from_args(_args("--url", "http://h:1", "--method", "lookup", "--per-category", "1"))
+    on, off = request_body("m", plan, "on"), request_body("m", plan, "off")
+    assert on["speculation"] == {"method": "lookup"} and off["speculation"] == {"method": "none"}
+    assert on["stream"] and on["stream_options"] == {"include_usage": True} and on["temperature"] == 0
+    plain = plan_from_args(_args("--url", "http://h:1", "--per-category", "1"))
+    assert "speculation" not in request_body("m", plain, "on")
+    assert [plain.count(c) for c in (1, 2, 4, 8)] == [4, 4, 8, 16]
+    fixed = plan_from_args(_args("--url", "http://h:1", "--requests", "3", "--per-category", "1"))
+    assert [fixed.count(c) for c in (1, 2, 4, 8)] == [3, 3, 4, 8]  # never below the concurrency
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
+    (["--speculation", "on,maybe"], "--speculation"), (["--requests", "0"], "--requests"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"),
+    (["--categories", "nope"], "unknown category"),
+])
+def test_bad_options_fail_before_any_request(argv, message):
+    with pytest.raises(DraftwiseError, match=message):
+        plan_from_args(_args("--url", "http://127.0.0.1:9", *argv))
+
+
+def _args(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_loadgen(parser.add_subparsers(), argparse.HelpFormatter)
+    return parser.parse_args(["loadgen", *argv])
+
+
+# -- whole runs against a stand-in server -----------------------------------------------------------------
+
+TOKENS = ["Hello", ",", " world", "!"]
+
+
+class StandIn:
+    """An OpenAI-style streaming server on a free loopback port. It records each request; `faults` maps the
+    n-th POST (1-based, warm-ups included) to what goes wrong with it."""
+
+    def __init__(self, key: str | None = None, faults: dict | None = None, gap_s: float = 0.002):
+        self.key, self.faults, self.gap_s = key, faults or {}, gap_s
+        self.posts: list[tuple[str, dict]] = []
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _handler(self):
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                if self._refused():
+                    return
+                self._json(200, {"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
+                with standin.lock:
+                    standin.posts.append((self.path, body))
+                    fault = standin.faults.get(len(standin.posts))
+                    standin.in_flight += 1
+                    standin.most_in_flight = max(standin.most_in_flight, standin.in_flight)
+                try:
+                    self._answer(body, fault)
+                except OSError:  # the client gave up (a timeout test)
+                    pass
+                finally:
+                    with standin.lock:
+                        standin.in_flight -= 1
+
+            def _answer(self, body, fault):
+                if fault == "500":
+                    return self._json(500, {"error": {"message": "boom", "type": "server_error", "param": None}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+                chat = self.path == "/v1/chat/completions"
+                if chat:
+                    self._event({"object": "chat.completion.chunk",
+                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                for i, token in enumerate(TOKENS[: body["max_tokens"]]):
+                    if fault == "stall":
+                        time.sleep(5)
+                    if fault == "cut" and i == 2:
+                        return
+                    time.sleep(standin.gap_s)
+                    self._event(self._chunk(chat, token, None))
+                if fault == "error chunk":
+                    self._event({"error": {"message": "the request failed while generating: x",
+                                           "type": "server_error"}})
+                    return self._done()
+                self._event(self._chunk(chat, "", "length"))
+                off = body.get("speculation") == {"method": "none"}
+                stats = None if off else {"method": "draft", "proposed": 4, "accepted": 3, "acceptance_rate": 0.75,
+                                          "mean_accepted_length": 2.0}
+                n = min(len(TOKENS), body["max_tokens"])
+                self._event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n,
+                                                      "total_tokens": 5 + n}, "draftwise": stats})
+                self._done()
+
+            @staticmethod
+            def _chunk(chat, text, finish):
+                if chat:
+                    return {"object": "chat.completion.chunk",
+                            "choices": [{"index": 0, "delta": {"content": text} if text else {},
+                                         "finish_reason": finish}]}
+                return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+            def _refused(self) -> bool:
+                if standin.key and self.headers.get("Authorization") != f"Bearer {standin.key}":
+                    self._json(401, {"error": {"message": "invalid API key", "type": "invalid_request_error"}})
+                    return True
+                return False
+
+            def _event(self, payload):
+                self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                self.wfile.flush()
+
+            def _done(self):
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+            def _json(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+@pytest.fixture
+def standin(request):
+    server = StandIn(**getattr(request, "param", {}))
+    yield server
+    server.close()
+
+
+def _run(*argv) -> int:
+    args = _args(*argv)
+    return args.func(args)
+
+
+def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_API_KEY", "")
+    started = time.perf_counter()
+    code = _run("--url", standin.url + "/v1", "--concurrency", "1,3", "--requests", "5", "--max-tokens", "4",
+                "--categories", "qa,translation", "--per-category", "2", "--out", str(tmp_path))
+    assert code == 0 and time.perf_counter() - started < 10
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["summary"]
+    assert [(r["mode"], r["concurrency"], r["requests"]) for r in rows] == [
+        ("on", 1, 5), ("off", 1, 5), ("on", 3, 5), ("off", 3, 5)]
+    assert all(r["failed"] == 0 and r["tokens"] == 5 * 4 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["ttft_p50_s"] > 0 and r["tbt_p50_s"] > 0 and r["tbt_p95_s"] >= r["tbt_p50_s"] for r in rows)
+    assert [r["acceptance"] for r in rows] == [0.75, None, 0.75, None]
+    assert rows[1]["vs_c1_off"] == pytest.approx(1.0)
+    # 20 counted requests, 4 warm-ups; each counted one has 4 content chunks, so 3 gaps
+    assert len(results["requests"]) == 20 and len(standin.posts) == 24
+    assert all(len(r["chunk_times_s"]) == 4 and len(r["gaps_s"]) == 3 and r["tokens_from_usage"]
+               for r in results["requests"])
+    assert standin.most_in_flight == 3
+    # what was sent: chat, greedy, streamed with usage; off asks for the target alone, on for the default
+    paths = {path for path, _ in standin.posts}
+    assert paths == {"/v1/chat/completions"}
+    bodies = [body for _, body in standin.posts]
+    assert all(b["messages"][0]["role"] == "user" and b["temperature"] == 0 and b["stream"] for b in bodies)
+    assert sum(b.get("speculation") == {"method": "none"} for b in bodies) == 12
+    assert sum("speculation" not in b for b in bodies) == 12
+    report = (tmp_path / "report.md").read_text()
+    assert "| on | 3 | 5 (0) |" in report and "| off | 1 | 5 (0) |" in report and "1.00x" in report
+    assert (tmp_path / "loadgen.png").read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr()
+    assert out.out.startswith("| speculation | concurrency |") and "concurrency 3" in out.err
+
+
+@pytest.mark.parametrize("standin", [{"faults": {3: "500", 4: "error chunk", 5: "cut", 6: "stall"}}],
+                         indirect=True)
+def test_failures_are_counted_never_retried(tmp_path, standin, capsys):
+    code = _run("--url", standin.url, "--concurrency", "1", "--speculation", "on", "--requests", "6",
+                "--max-tokens", "3", "--no-chat", "--timeout", "0.5", "--per-category", "1", "--out", str(tmp_path),
+                "--json")
+    assert code == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["requests"], row["failed"], row["tokens"]) == (6, 4, 2 * 3)
+    requests = json.loads((tmp_path / "results.json").read_text())["requests"]
+    errors = [r["error"] for r in requests]
+    assert errors[0] is None and errors[5] is None
+    assert errors[1] == "HTTP 500: boom" and requests[1]["status"] == 500
+    assert errors[2] == "error in stream: the request failed while generating: x"
+    assert errors[3] == "the stream ended before data: [DONE]"
+    assert errors[4] == "timed out after 0.5s"
+    assert len(standin.posts) == 7  # the warm-up and six, none sent again
+    assert {path for path, _ in standin.posts} == {"/v1/completions"}
+    assert all("prompt" in body and "messages" not in body for _, body in standin.posts)
+
+
+@pytest.mark.parametrize("standin", [{"key": "sesame"}], indirect=True)
+def test_a_wrong_api_key_stops_the_run_with_the_servers_reason(tmp_path, standin, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_API_KEY", "wrong")
+    with pytest.raises(DraftwiseError, match="HTTP 401: invalid API key; pass --api-key"):
+        _run("--url", standin.url, "--concurrency", "1", "--per-category", "1", "--out", str(tmp_path))
+    assert not (tmp_path / "results.json").exists()
+    assert _run("--url", standin.url, "--api-key", "sesame", "--concurrency", "1", "--speculation", "off",
+                "--requests", "1", "--per-category", "1", "--out", str(tmp_path)) == 0
+    # with --model given, /v1/models is skipped and the warm-up is the first to meet the refusal
+    monkeypatch.delenv("DRAFTWISE_API_KEY")
+    with pytest.raises(DraftwiseError, match="warm-up request .* HTTP 401"):
+        _run("--url", standin.url, "--model", "m", "--concurrency", "1", "--per-category", "1",
+             "--out", str(tmp_path))
+
+
+def test_no_server_at_the_address_is_a_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(DraftwiseError, match=f"cannot reach http://127.0.0.1:{port}"):
+        _run("--url", f"http://127.0.0.1:{port}", "--per-category", "1", "--out", str(tmp_path))
