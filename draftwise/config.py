@@ -7,6 +7,9 @@ from draftwise.errors import DraftwiseError
 
 METHODS = ("draft", "lookup", "none", "hybrid")
 MAX_DRAFT_TOKENS = 64
+# The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where the hardware computes it, else float32
 
 

@@ -25,7 +25,7 @@ class HFBackend:
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self._windows = attention_windows(config)
         self._bool_mask = getattr(config, "_attn_implementation", "sdpa") != "eager"
-        self.cache = SlotCache(self.max_context)
+        self.cache = SlotCache()
         self.default = self.open_slot()
 
     @property
@@ -86,10 +86,8 @@ class HFBackend:
         device = self.device
         padded = [row + [row[-1]] * (width - len(row)) for row in ids]  # padding lands past each row's length
         input_ids = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]
-        starts = torch.tensor([s.length for s in slots], device=device)  # [B]
-        positions = starts[:, None] + torch.arange(width, device=device)  # [B, N]
-        self.cache.begin_forward(slots, width)
-        end = int(starts.max()) + width
+        positions = self.cache.begin_forward(slots, width, device)  # [B, N]
+        end = int(positions[:, -1].max()) + 1
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                          attention_mask=self._masks(positions, end), position_ids=positions,
                          logits_to_keep=logits_to_keep)

@@ -25,27 +25,26 @@ INITIAL_CAPACITY = 256  # positions per row before the first growth
 class Slot:
     """A handle on one row. `row` moves when another slot is freed; callers keep the handle, not the row."""
 
-    def __init__(self, cache: "SlotCache", row: int):
-        self.cache = cache
+    def __init__(self, row: int):
         self.row = row
         self.length = 0  # positions held
         self.open = True
 
 
 class SlotCache(Cache):
-    def __init__(self, max_positions: int):
+    def __init__(self):
         super().__init__(layers=[])
-        self.max_positions = max_positions
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.slots: list[Slot] = []  # slots[r].row == r
-        self._rows: slice | torch.Tensor = slice(0, 0)  # the rows of the forward in progress
+        self._rows: slice | torch.Tensor = slice(0, 0)  # the rows of the forward in progress, for reading
+        self._row_index: torch.Tensor | None = None  # [B, 1] the same rows, for writing
         self._write_at: torch.Tensor | None = None  # [B, N] positions the forward writes
         self._read_end = 0
 
     # -- slots ----------------------------------------------------------------------------------------
     def open_slot(self) -> Slot:
-        slot = Slot(self, len(self.slots))
+        slot = Slot(len(self.slots))
         self.slots.append(slot)
         return slot
 
@@ -64,15 +63,18 @@ class SlotCache(Cache):
             self.slots[slot.row] = last
 
     # -- one forward ----------------------------------------------------------------------------------
-    def begin_forward(self, slots: list[Slot], width: int) -> None:
-        """Prepare a forward that appends `width` positions (padding included) to each of slots, in order."""
+    def begin_forward(self, slots: list[Slot], width: int, device: torch.device) -> torch.Tensor:
+        """Prepare a forward that appends `width` positions (padding included) to each of slots, in order.
+        Returns the positions it writes, [B, N], which are also the new tokens' position ids."""
         rows = [s.row for s in slots]
-        starts = torch.tensor([s.length for s in slots])  # [B]
-        self._write_at = starts[:, None] + torch.arange(width)  # [B, N]
+        starts = torch.tensor([s.length for s in slots], device=device)  # [B]
+        self._write_at = starts[:, None] + torch.arange(width, device=device)  # [B, N]
         self._read_end = int(starts.max()) + width
+        self._row_index = torch.tensor(rows, device=device)[:, None]  # [B, 1]
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        self._rows = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows)
+        self._rows = slice(rows[0], rows[0] + len(rows)) if contiguous else self._row_index[:, 0]
         self._grow(len(self.slots), self._read_end)
+        return self._write_at
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [B, kv_heads, N, head_dim] -> the keys and values to attend to, [B, kv_heads, end, D]."""
@@ -80,8 +82,7 @@ class SlotCache(Cache):
             self._add_layer(key_states)
         out = []
         for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
-            rows = self._row_index()  # [B, 1]
-            buf[rows, :, self._write_at.to(buf.device)] = new.transpose(1, 2).to(buf.dtype)  # [B, N, H, D]
+            buf[self._row_index, :, self._write_at] = new.transpose(1, 2).to(buf.dtype)  # [B, N, H, D]
             out.append(buf[self._rows, :, : self._read_end])
         return out[0], out[1]
 
@@ -89,11 +90,6 @@ class SlotCache(Cache):
         return max((s.length for s in self.slots), default=0)
 
     # -- storage --------------------------------------------------------------------------------------
-    def _row_index(self) -> torch.Tensor:
-        if isinstance(self._rows, slice):
-            return torch.arange(self._rows.start, self._rows.stop)[:, None]
-        return self._rows[:, None]
-
     def _add_layer(self, like: torch.Tensor) -> None:
         rows = max(len(self.slots), 1)
         capacity = self.keys[0].shape[2] if self.keys else self._capacity_for(self._read_end)

@@ -6,10 +6,7 @@ import json
 import shlex
 import sys
 
-from draftwise.config import DTYPES
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES
 
 
 def add_bench(commands, formatter) -> None:

@@ -12,10 +12,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from draftwise.config import DTYPES, MAX_DRAFT_TOKENS, METHODS
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, MAX_DRAFT_TOKENS, METHODS
 
 
 def add_serve(commands, formatter) -> None:
