@@ -1,18 +1,24 @@
-"""How many tokens to draft next round: the k that maximizes expected tokens per second.
+"""How many tokens to draft next round: the k that maximizes the batch's expected tokens per second.
 
 Speculation pays only when the tokens a round is expected to emit outweigh what the round costs, and both
-sides move: acceptance changes with the text (a copied span, then free prose), and the cost of a
-verification pass depends on its width, the dtype and the machine (in float32 on CPU, verifying 5 tokens
-costs about two plain steps; in bfloat16 about one). So both are measured as the generation goes:
+sides move: acceptance changes with the text (a copied span, then free prose), and the cost of a step
+depends on its shape, the dtype and the machine (in float32 on CPU, verifying 5 tokens costs about two plain
+steps; in bfloat16 about one), and on how many sequences share it: one row of a batch is nearly free while
+decoding is memory-bound, but every draft token adds a token per row to a pass that turns compute-bound.
+So both are measured as the engine runs:
 
-- acceptance `a`: the maximum-likelihood per-token rate of a geometric run (kept tokens over kept tokens
-  plus rejections), decayed so that recent rounds count most;
-- seconds per draft token, and seconds per verification pass of each width n = k + 1, decayed the same way.
+- acceptance `a`, per sequence (Acceptance): the maximum-likelihood per-token rate of a geometric run (kept
+  tokens over kept tokens plus rejections), decayed so that recent rounds count most;
+- the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
+  of each width n = k + 1, and seconds per draft forward, decayed the same way.
 
-A round of k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al.) and to cost
-k * draft + verify(k + 1) seconds; k = 0 is a plain step. A width never measured is interpolated between
-the nearest measured ones, or costs what the nearest does (optimism, so that wider drafts get tried). When k = 0 wins,
-every PROBE_EVERY-th round still drafts one token, so a text that turns copyable is noticed.
+A row drafting k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al.); a step of
+`rows` sequences that all draft k costs k * draft(rows) + verify(rows, k + 1) seconds; k = 0 is a plain step.
+The target pass pads every row to the widest, so the batch shares one k (DraftLengthPolicy.choose): the one
+whose summed expected tokens per second is highest. That turns speculation off when a full batch makes wide
+passes dear, and back on as load falls. A shape never measured costs what the nearest measured one does
+(interpolated between widths, the nearest batch size below or above), which is optimism, so that it gets
+tried. When k = 0 wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -44,53 +50,88 @@ def expected_tokens(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def nearest(keys, n: int) -> int:
+    """The measured batch size closest to n (the smaller one on a tie: it costs less, so it is the optimist)."""
+    return min(keys, key=lambda m: (abs(m - n), m))
+
+
 @dataclass
-class DraftLengthController:
-    k_max: int
+class Acceptance:
+    """One sequence's per-token acceptance rate."""
+
     _accepted: float = PRIOR_ACCEPTED
     _trials: float = PRIOR_TRIALS
-    _verify_s: dict[int, float] = field(default_factory=dict)  # width n -> seconds per verification pass
-    _draft_s: float | None = None
-    _rounds_without_draft: int = 0
 
     @property
-    def acceptance(self) -> float:
+    def rate(self) -> float:
         return self._accepted / self._trials
 
-    def choose(self) -> int:
-        """k in [0, k_max] that maximizes expected tokens per second under the current estimates."""
-        if not self._verify_s:
-            return self.k_max  # nothing measured yet: try the full width
-        best = max(range(self.k_max + 1), key=self.rate)
-        if best == 0:
-            self._rounds_without_draft += 1
-            if self._rounds_without_draft % PROBE_EVERY == 0:
-                return 1
-        return best
-
-    def rate(self, k: int) -> float:
-        """Expected tokens per second of a round that drafts k tokens."""
-        draft_s = (self._draft_s or 0.0) * k
-        return expected_tokens(self.acceptance, k) / (draft_s + self.verify_cost(k + 1))
-
-    def verify_cost(self, n: int) -> float:
-        return interpolate(self._verify_s, n)
-
-    def stop_confidence(self) -> float:
-        """Below this draft confidence a draft token is not worth its step: its chance of being kept (which the
-        draft's own probability approximates) is smaller than what it costs, as a share of a verification pass."""
-        if self._draft_s is None or not self._verify_s:
-            return 0.0
-        return min(MAX_STOP_CONFIDENCE, self._draft_s / self.verify_cost(2))
-
-    def observe(self, num_draft: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
-        """One round: num_draft offered, the first num_accepted kept, and what drafting and verifying took."""
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """One round: num_draft offered, the first num_accepted kept."""
         if num_draft > 0:
             rejected = 1 if num_accepted < num_draft else 0
             self._accepted = DECAY * self._accepted + num_accepted
             self._trials = DECAY * self._trials + num_accepted + rejected
-            per_token = draft_s / num_draft
-            self._draft_s = per_token if self._draft_s is None else DECAY * self._draft_s + (1 - DECAY) * per_token
-        n = num_draft + 1
-        old = self._verify_s.get(n)
-        self._verify_s[n] = verify_s if old is None else DECAY * old + (1 - DECAY) * verify_s
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a step's parts, by the number of rows (sequences) in it."""
+
+    _verify_s: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> width n -> seconds per pass
+    _draft_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds per draft forward
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._verify_s)
+
+    def verify(self, rows: int, n: int) -> float:
+        return interpolate(self._verify_s[nearest(self._verify_s, rows)], n)
+
+    def draft(self, rows: int) -> float:
+        return self._draft_s[nearest(self._draft_s, rows)] if self._draft_s else 0.0
+
+    def observe(self, rows: int, k: int, draft_s: float, verify_s: float) -> None:
+        """One step of `rows` sequences, the widest drafting k tokens: what drafting and verifying took."""
+        _decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
+        if k > 0:
+            _decay_into(self._draft_s, rows, draft_s / k)
+
+
+def _decay_into(table: dict[int, float], key: int, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else DECAY * old + (1 - DECAY) * value
+
+
+@dataclass
+class DraftLengthPolicy:
+    """The engine's choice of one k for every adaptive sequence of a step, from their acceptance and the
+    measured costs of steps of that many rows."""
+
+    costs: StepCosts = field(default_factory=StepCosts)
+    _steps_without_draft: int = 0
+
+    def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = ()) -> int:
+        """k in [0, k_max] for the sequences whose acceptance rates are `rates`, in a step of `rows` rows; the
+        others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass."""
+        if not self.costs.measured:
+            return k_max  # nothing measured yet: try the full width
+        best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed))
+        if best == 0:
+            self._steps_without_draft += 1
+            if self._steps_without_draft % PROBE_EVERY == 0:
+                return min(1, k_max)
+        return best
+
+    def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = ()) -> float:
+        """Expected tokens per second of a step in which the adaptive sequences draft k tokens."""
+        tokens = sum(expected_tokens(a, k) for a in rates) + rows - len(rates)
+        widest = max([k, *fixed])  # draft forwards run in lockstep and the pass pads to the widest row
+        return tokens / (self.costs.draft(rows) * widest + self.costs.verify(rows, widest + 1))
+
+    def stop_confidence(self, rows: int) -> float:
+        """Below this draft confidence a draft token is not worth its step: its chance of being kept (which the
+        draft's own probability approximates) is smaller than what it costs, as a share of a verification pass."""
+        if not self.costs.measured or not self.costs.draft(rows):
+            return 0.0
+        return min(MAX_STOP_CONFIDENCE, self.costs.draft(rows) / self.costs.verify(rows, 2))

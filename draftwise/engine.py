@@ -4,7 +4,7 @@ in the batch, all drafts verified in one target pass), close_sequence. stream() 
 One round, in named phases: propose k tokens per sequence (draft-model sequences share each draft forward);
 verify every sequence's [last token, draft...] in one batched target pass; accept each kept prefix plus the
 target's own next token; commit each sequence's caches to exactly its accepted text (in `finally`); let each
-proposer and controller adapt.
+proposer adapt, and measure what the step cost (the draft-length policy's input).
 
 Cache rule: a sequence's target slot holds every token of its text except the last one, which is fed at the
 head of the next round, so row 0 of a round's logits scores the first draft token.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.adaptive import DraftLengthController
+from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
@@ -67,6 +67,7 @@ class Engine:
         self.speed_paths = dict(speed_paths or {})
         self._default_in_use = False
         self.last_step = StepTimes()
+        self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
 
     @property
     def methods_available(self) -> tuple[str, ...]:
@@ -145,11 +146,14 @@ class Engine:
         target.trim(0)
         if proposer is not None:
             proposer.begin(prompt_ids, cfg.sampling, generator)
-        controller = DraftLengthController(cfg.num_draft_tokens) if proposer and cfg.adaptive else None
+        # A seeded sampled request drafts a fixed k: its random draws depend on the round shapes, which an
+        # adaptive k would take from timings, and the same seed must give the same text.
+        seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
+        acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
-                        controller=controller, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
+                        acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
                         generator=generator, context=list(prompt_ids))
 
     def close_sequence(self, seq: Sequence) -> None:
@@ -214,7 +218,8 @@ class Engine:
         one whose round failed ends with finish "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
         ks = self._draft_lengths(seqs)
-        stops = [seq.controller.stop_confidence() if seq.controller else 0.0 for seq in seqs]
+        stop = self.draft_policy.stop_confidence(len(seqs))
+        stops = [stop if seq.acceptance else 0.0 for seq in seqs]
         drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
         proposed = time.perf_counter()
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
@@ -229,6 +234,8 @@ class Engine:
             for i, seq in enumerate(seqs):
                 self._commit_caches(seq, ks[i], verdicts.get(i))
         times = StepTimes(proposed - started, verified - proposed)
+        if verdicts:
+            self.draft_policy.costs.observe(len(live), max(ks[i] for i in live), times.draft_s, times.verify_s)
         events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
@@ -236,18 +243,18 @@ class Engine:
         self.last_step = times
         return events
 
-    @staticmethod
-    def _draft_lengths(seqs: list[Sequence]) -> list[int]:
-        """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k
-        (the median of their controllers' choices): a row drafting less would pay for the widest row anyway,
-        and each controller then learns the cost of the widths the batch really runs."""
-        wanted = [seq.controller.choose() if seq.controller else seq.cfg.num_draft_tokens for seq in seqs]
-        adaptive = sorted(k for seq, k in zip(seqs, wanted) if seq.controller)
-        shared = adaptive[len(adaptive) // 2] if adaptive else 0
+    def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
+        the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens."""
+        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance]
+        fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
+        shared = self.draft_policy.choose([seq.acceptance.rate for seq in adaptive],
+                                          max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
+                                          fixed) if adaptive else 0
         return [0 if seq.proposer is None else
-                min(shared if seq.controller else k, seq.cfg.num_draft_tokens, seq.remaining - 1)
-                # drafting past the last token we may emit is wasted work
-                for seq, k in zip(seqs, wanted)]
+                min(shared if seq.acceptance else seq.cfg.num_draft_tokens, seq.cfg.num_draft_tokens,
+                    seq.remaining - 1)  # drafting past the last token we may emit is wasted work
+                for seq in seqs]
 
     def _verify(self, seqs: list[Sequence], drafts: list, live: list[int]) -> dict[int, Verdict]:
         if not live:
@@ -274,8 +281,8 @@ class Engine:
             return [Event(token_id=None, text="", finish_reason="error", stats=seq.stats, error=seq.error)]
         seq.stats.draft_s += times.draft_s
         seq.stats.verify_s += times.verify_s
-        if seq.controller:
-            seq.controller.observe(len(draft), verdict.num_accepted, times.draft_s, times.verify_s)
+        if seq.acceptance:
+            seq.acceptance.observe(len(draft), verdict.num_accepted)
         events = []
         for i, token in enumerate([*draft.token_ids[: verdict.num_accepted], verdict.next_token]):
             seq.context.append(token)

@@ -1,4 +1,4 @@
-"""One sequence's whole state: its text, its slot in the target's cache, its proposer, controller and stats.
+"""One sequence's whole state: its text, its slot in the target's cache, its proposer, acceptance and stats.
 
 The engine keeps no per-sequence state of its own, so any number of sequences can be live on one engine: a
 stream() generator holds one, the server's scheduler holds many and steps them together (Engine.step).
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.adaptive import DraftLengthController
+from draftwise.adaptive import Acceptance
 from draftwise.config import GenerationConfig
 from draftwise.metrics import Stats
 from draftwise.text import TextStream
@@ -22,7 +22,7 @@ class Sequence:
     method: str  # the method this sequence speculates with ("none": the target alone)
     target: object  # its slot of the target's cache (a SlotView, or the backend for the engine's default slot)
     proposer: object | None  # its own proposer, None for "none"
-    controller: DraftLengthController | None
+    acceptance: Acceptance | None  # None: the sequence drafts cfg.num_draft_tokens every round
     text: TextStream
     stats: Stats
     generator: torch.Generator

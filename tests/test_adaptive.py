@@ -10,15 +10,18 @@ import pytest
 import torch
 from conftest import tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import PROBE_EVERY, DraftLengthController, expected_tokens
+from draftwise.adaptive import PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
+from draftwise.config import GenerationConfig
 from draftwise.engine import Engine
 from draftwise.backends.kernels import Int8Linear
 from draftwise.proposers.compact import compact_draft
 
 
-def _feed(controller, rounds, k, accepted, draft_s, verify_s):
+def _feed(policy, acceptance, rounds, k, accepted, draft_s, verify_s, rows=1):
+    """rounds steps of `rows` rows drafting k, each row keeping `accepted`, at the given costs."""
     for _ in range(rounds):
-        controller.observe(k, accepted, draft_s * k, verify_s)
+        acceptance.observe(k, accepted)
+        policy.costs.observe(rows, k, draft_s * k, verify_s)
 
 
 def test_expected_tokens_is_leviathans():
@@ -27,41 +30,90 @@ def test_expected_tokens_is_leviathans():
 
 
 def test_tries_the_full_width_before_anything_is_measured():
-    assert DraftLengthController(k_max=6).choose() == 6
+    assert DraftLengthPolicy().choose([0.5], k_max=6, rows=1) == 6
 
 
 def test_always_accepted_with_flat_verification_drafts_the_most():
-    c = DraftLengthController(k_max=8)
-    _feed(c, 20, 8, 8, draft_s=0.01, verify_s=0.2)
-    c.observe(0, 0, 0.0, 0.2)
-    assert c.acceptance > 0.95
-    assert c.choose() == 8
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _feed(policy, acc, 20, 8, 8, draft_s=0.01, verify_s=0.2)
+    policy.costs.observe(1, 0, 0.0, 0.2)
+    assert acc.rate > 0.95
+    assert policy.choose([acc.rate], k_max=8, rows=1) == 8
 
 
 def test_never_accepted_backs_off_to_plain_steps_but_probes():
     # Lookup in float32: free guesses, but a wide verification costs two plain steps and nothing is kept.
-    c = DraftLengthController(k_max=4)
-    _feed(c, 10, 4, 0, draft_s=0.0, verify_s=0.9)
-    c.observe(0, 0, 0.0, 0.45)
-    choices = [c.choose() for _ in range(2 * PROBE_EVERY)]
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
+    policy.costs.observe(1, 0, 0.0, 0.45)
+    choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(2 * PROBE_EVERY)]
     assert choices.count(0) == 2 * PROBE_EVERY - 2 and choices.count(1) == 2
 
 
 def test_expensive_draft_with_middling_acceptance_drafts_few():
     # c = 0.5 and a = 0.5: one token pays (1.5 / 1.5 = 1 step per token) no better than none; wider is worse.
-    c = DraftLengthController(k_max=8)
+    policy, acc = DraftLengthPolicy(), Acceptance()
     for k in range(0, 9):
-        c.observe(k, k // 2, 0.1 * k, 0.2)
-    assert c.choose() <= 2
+        acc.observe(k, k // 2)
+        policy.costs.observe(1, k, 0.1 * k, 0.2)
+    assert policy.choose([acc.rate], k_max=8, rows=1) <= 2
 
 
 def test_stop_confidence_is_the_cost_ratio_capped():
-    c = DraftLengthController(k_max=4)
-    assert c.stop_confidence() == 0.0
-    _feed(c, 5, 1, 1, draft_s=0.05, verify_s=0.2)
-    assert c.stop_confidence() == pytest.approx(0.25, rel=0.05)
-    _feed(c, 50, 1, 1, draft_s=0.5, verify_s=0.2)
-    assert c.stop_confidence() == 0.5
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    assert policy.stop_confidence(rows=1) == 0.0
+    _feed(policy, acc, 5, 1, 1, draft_s=0.05, verify_s=0.2)
+    assert policy.stop_confidence(rows=1) == pytest.approx(0.25, rel=0.05)
+    _feed(policy, acc, 50, 1, 1, draft_s=0.5, verify_s=0.2)
+    assert policy.stop_confidence(rows=1) == 0.5
+
+
+def _memory_then_compute_bound(policy):
+    """Injected costs of this CPU's shape: a pass costs 0.25 s plus 0.04 s per token past the first (so one
+    row is nearly free to add and a wide pass of many rows is dear); a draft forward 0.08 s plus 0.02 per row."""
+    for rows in (1, 4, 8):
+        for k in range(5):
+            policy.costs.observe(rows, k, (0.08 + 0.02 * rows) * k, 0.25 + 0.04 * (rows * (k + 1) - 1))
+
+
+def test_a_full_batch_turns_speculation_off_and_it_comes_back_as_load_falls():
+    policy = DraftLengthPolicy()
+    _memory_then_compute_bound(policy)
+    # Alone, a 0.7 draft pays: k = 1 gives 1.7 tokens per 0.39 s against 1 per 0.25 s.
+    assert policy.choose([0.7], k_max=4, rows=1) == 1
+    # Eight at once: a plain step gives 8 tokens per 0.53 s; any drafting costs more than it brings.
+    assert policy.choose([0.7] * 8, k_max=4, rows=8) == 0
+    # Load falls again: speculation is back.
+    assert policy.choose([0.7], k_max=4, rows=1) == 1
+
+
+def test_rows_of_unmeasured_batch_sizes_use_the_nearest_measured():
+    policy = DraftLengthPolicy()
+    _memory_then_compute_bound(policy)
+    assert policy.costs.verify(6, 1) == policy.costs.verify(4, 1)
+    assert policy.costs.verify(7, 1) == policy.costs.verify(8, 1)
+    assert policy.choose([0.7] * 7, k_max=4, rows=7) == 0
+
+
+def test_sequences_with_their_own_k_widen_the_pass():
+    policy = DraftLengthPolicy()
+    _memory_then_compute_bound(policy)
+    # A row that drafts 4 regardless makes the pass width 5 anyway: the adaptive rows may as well use it.
+    assert policy.choose([0.9], k_max=4, rows=4, fixed=[4, 4, 4]) == 4
+
+
+def test_the_engine_measures_step_costs_by_batch_size():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    cfg = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    seqs = [eng.open_sequence(tokenizer.encode(p), cfg) for p in ("one two", "three four five")]
+    for seq in seqs:
+        while not seq.prefill_done:
+            eng.prefill(seq)
+    eng.step(seqs)
+    assert 2 in eng.draft_policy.costs._verify_s and eng.draft_policy.costs.verify(2, 5) > 0
+    for seq in seqs:
+        eng.close_sequence(seq)
 
 
 def test_int8_linear_is_close_to_the_float_layer():
