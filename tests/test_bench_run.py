@@ -123,7 +123,10 @@ def test_same_model_draft_is_fully_accepted(tmp_path, prompts_file):
                     models=_models(draft_seed=0))
     rows = {(r["method"], r["category"]): r for r in res["summary"]}
     assert rows[("draft", "all")]["acceptance_rate"] == 1.0
-    assert rows[("draft", "all")]["per_position_acceptance"] == [1.0] * 4
+    # The draft-length policy may draft fewer than 4 (a twin draft costs what the target does); every
+    # position it did draft is accepted.
+    positions = rows[("draft", "all")]["per_position_acceptance"]
+    assert 1 <= len(positions) <= 4 and positions == [1.0] * len(positions)
 
 
 def test_eos_is_ignored_by_every_method(tmp_path, prompts_file):

@@ -24,7 +24,10 @@ def loaded():
     from draftwise.models import resolve
 
     source = resolve(NAME, progress=False)
-    return load_hf(str(source.path), source.gguf_file, progress=False)
+    # float32: identity with transformers' own greedy is the promise there. In bfloat16 (the `auto` dtype on a
+    # CPU with AVX-512 BF16) a verification pass and a one-token step round differently, so a near-tie can go
+    # either way (README, "float32 or bfloat16").
+    return load_hf(str(source.path), source.gguf_file, dtype="float32", progress=False)
 
 
 @functools.lru_cache(maxsize=None)
