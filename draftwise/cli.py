@@ -20,6 +20,7 @@ from draftwise import __version__
 from draftwise.bench.command import add_bench
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
+from draftwise.serve.log_command import add_log
 from draftwise.config import DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(commands, _Formatter)
     add_serve(commands, _Formatter)
     add_loadgen(commands, _Formatter)
+    add_log(commands, _Formatter)
     _add_models(commands)
     return parser
 
@@ -95,8 +97,9 @@ def _add_generate(commands) -> None:
     models.add_argument("--method", choices=METHODS,
                         help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
                              "prompt and text so far), 'hybrid' (lookup where the text's tail matches earlier "
-                             "text, the --draft model elsewhere) or 'none' (the target alone: the baseline) "
-                             "(default: draft when --draft is given, else lookup)")
+                             "text, the --draft model elsewhere), 'skip' (the target itself with some layers skipped, "
+                             "chosen by a short calibration at load; no second model) or 'none' (the target "
+                             "alone: the baseline) (default: draft when --draft is given, else lookup)")
     models.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights dtype at load time: 'auto' is bfloat16 where the hardware computes it "
                              "(AVX-512 BF16, AMX, CUDA) and float32 elsewhere; float32 gives token-for-token "

@@ -12,13 +12,15 @@ head of the next round, so row 0 of a round's logits scores the first draft toke
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
+from draftwise.backends.hf import HFBackend
+from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
@@ -68,11 +70,21 @@ class Engine:
         self._default_in_use = False
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
+        self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
+        # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
+        # text (so len(seq.context) is where the draft starts): the server's proposal log.
+        self.round_observer: Callable[[Sequence, Draft, Verdict, StepTimes], None] | None = None
+        # The server's fallback: a proposer that raises (or, with draft_timeout_s, drafts too slowly) is dropped
+        # and its sequence goes on with the target alone, still exact. Off, a proposer's error ends the request.
+        self.fall_back_on_proposer_error = False
+        self.draft_timeout_s: float | None = None
 
     @property
     def methods_available(self) -> tuple[str, ...]:
-        """The methods a sequence may ask for: the target alone and lookup always, the draft's with a draft."""
-        return ("none", "lookup", *(DRAFT_METHODS if self.method in DRAFT_METHODS else ()))
+        """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
+        draft, skip on an engine built for it (its layer plan is calibrated at load)."""
+        own = DRAFT_METHODS if self.method in DRAFT_METHODS else ("skip",) if self.method == "skip" else ()
+        return ("none", "lookup", *own)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -144,22 +156,55 @@ class Engine:
             target, proposer = self.target.open_slot(), self._new_proposer(method)
         generator = make_generator(cfg.sampling.seed)
         target.trim(0)
+        if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot
+            proposer.bind(target)
         if proposer is not None:
             proposer.begin(prompt_ids, cfg.sampling, generator)
+        reused = self._restore_prompt(target, proposer, prompt_ids)
         # A seeded sampled request drafts a fixed k: its random draws depend on the round shapes, which an
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
-                      speed_paths=self.speed_paths)
+                      speed_paths=self.speed_paths, prompt_cached=reused)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                         acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
-                        generator=generator, context=list(prompt_ids))
+                        generator=generator, context=list(prompt_ids), prefilled=reused)
+
+    # -- the prompt cache --------------------------------------------------------------------------------
+    def enable_prompt_cache(self, max_bytes: int) -> PrefixCache:
+        """Reuse the keys and values of earlier texts for prompts that start the same way, in the target and in
+        the draft model (one byte budget for both; see backends/prefix_cache.py)."""
+        self.prompt_cache = PrefixCache(max_bytes)
+        draft = getattr(getattr(self.proposer, "draft", self.proposer), "backend", None)  # a hybrid's draft model
+        for name, backend in (("target", self.target), ("draft", draft)):
+            if isinstance(backend, HFBackend):
+                backend.prefix_cache, backend.prefix_name = self.prompt_cache, name
+        return self.prompt_cache
+
+    def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> int:
+        """How much of the prompt (of all but its last token) came from the prompt cache: the target's longest
+        cached prefix, and the draft's cache made to hold the same."""
+        if self.prompt_cache is None:
+            return 0
+        reused = target.restore(prompt_ids[:-1])
+        if reused and hasattr(proposer, "restore"):
+            proposer.restore(prompt_ids[:reused])
+        return reused
+
+    def _remember_prompt(self, seq: Sequence) -> None:
+        """Offer a sequence's caches to the prompt cache as it leaves (they hold its text but the last token)."""
+        if self.prompt_cache is None or seq.finish == "error":
+            return
+        seq.target.remember(seq.context[:-1])
+        if hasattr(seq.proposer, "remember"):
+            seq.proposer.remember()
 
     def close_sequence(self, seq: Sequence) -> None:
         """Give the sequence's slots back (once); the engine's own slot and proposer become free for the next."""
         if seq.target is None:
             return
+        self._remember_prompt(seq)
         if seq.target is self.target.default:
             self._default_in_use = False
         else:
@@ -222,6 +267,7 @@ class Engine:
         stops = [stop if seq.acceptance else 0.0 for seq in seqs]
         drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
         proposed = time.perf_counter()
+        too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         verdicts: dict[int, Verdict] = {}
         try:
@@ -233,6 +279,9 @@ class Engine:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
                 self._commit_caches(seq, ks[i], verdicts.get(i))
+            for seq in too_slow:  # their drafts were good, and are used: the next rounds go without
+                self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
+                                                  f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
         if verdicts:
             self.draft_policy.costs.observe(len(live), max(ks[i] for i in live), times.draft_s, times.verify_s)
@@ -242,6 +291,26 @@ class Engine:
             seq.stats.decode_s += times.total_s
         self.last_step = times
         return events
+
+    def _fall_back_where_drafting_failed(self, seqs: list[Sequence], drafts: list, ks: list[int],
+                                         draft_s: float) -> list[Sequence]:
+        """With fallback on: a sequence whose proposer raised takes this round with an empty draft and the rest
+        without a proposer. Returns the sequences that drafted in a step slower than the draft timeout."""
+        if not self.fall_back_on_proposer_error:
+            return []
+        for i, seq in enumerate(seqs):
+            if isinstance(drafts[i], BaseException):
+                self._fall_back(seq, drafts[i])
+                drafts[i], ks[i] = Draft(token_ids=()), 0
+        slow = self.draft_timeout_s is not None and draft_s > self.draft_timeout_s
+        return [seq for seq, k in zip(seqs, ks) if slow and k > 0]
+
+    def _fall_back(self, seq: Sequence, err: BaseException) -> None:
+        """The sequence goes on with the target alone (its proposer's caches were settled by its round)."""
+        if seq.proposer is not self.proposer:
+            seq.proposer.release()
+        seq.proposer, seq.acceptance = None, None
+        seq.stats.fallback = f"{type(err).__name__}: {err}"
 
     def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
@@ -281,6 +350,11 @@ class Engine:
             return [Event(token_id=None, text="", finish_reason="error", stats=seq.stats, error=seq.error)]
         seq.stats.draft_s += times.draft_s
         seq.stats.verify_s += times.verify_s
+        if self.round_observer is not None and draft.token_ids:
+            try:
+                self.round_observer(seq, draft, verdict, times)
+            except Exception:  # a record of the round is never worth the request
+                pass
         if seq.acceptance:
             seq.acceptance.observe(len(draft), verdict.num_accepted)
         events = []

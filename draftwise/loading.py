@@ -9,6 +9,8 @@ from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookup
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM
+from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
+from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
 
@@ -89,12 +91,18 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             if lookup_min_ngram is None:
                 lookup_min_ngram = min(HYBRID_MIN_NGRAM, lookup_max_ngram)
             proposer = HybridProposer(proposer, PromptLookupProposer(lookup_max_ngram, lookup_min_ngram))
+    elif method == "skip":
+        plan = plan_skip(target_model, calibration_ids(tokenizer))
+        proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)
     elif method == "lookup":
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram)
     else:
         proposer = None
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
+    if method == "skip":
+        paths["skip_layers"] = list(plan.skip)
+        paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
     if method in NEEDS_DRAFT:
         paths["draft_kernels"] = kernel_counts(draft_model)
         paths["draft_vocab"] = draft.vocab_size

@@ -22,6 +22,8 @@ class Stats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # time spent decoding (rounds and emission), the caller's time between events excluded
     speed_paths: dict = field(default_factory=dict)  # what load chose: dtype, kernels per model, draft vocabulary
+    prompt_cached: int = 0  # prompt tokens restored from the prompt cache instead of prefilled
+    fallback: str | None = None  # why the proposer was dropped mid-request (the server's fallback), if it was
 
     def observe_draft(self, num_draft: int, num_accepted: int) -> None:
         """Count one verification round: num_draft tokens offered, the first num_accepted kept."""
@@ -97,4 +99,6 @@ class Stats:
             "cost_ratio": self.cost_ratio,
             "predicted_speedup": self.predicted_speedup,
             "speed_paths": self.speed_paths,
+            "prompt_cached": self.prompt_cached,
+            "fallback": self.fallback,
         }

@@ -36,7 +36,7 @@ def engine(arch, method, draft=None):
 
 
 CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None), ("hybrid", "same"),
-         ("hybrid", "unrelated")]
+         ("hybrid", "unrelated"), ("skip", None)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])

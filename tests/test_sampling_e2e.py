@@ -80,7 +80,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5), "lookup": None}[method]
+    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5), "lookup": None, "skip": None}[method]
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
 
 
@@ -88,7 +88,8 @@ def engine(method):
 # after an accepted first one, or the next round's.
 # The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation.
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
-         ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop")]
+         ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
+         ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -106,3 +107,5 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SamplingConfig(temperature=1.0))) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
+    pairs, _, _ = sampled_pairs("skip", "t1", 2)
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
@@ -27,6 +28,8 @@ class HFBackend:
         self._bool_mask = getattr(config, "_attn_implementation", "sdpa") != "eager"
         self.cache = SlotCache()
         self.default = self.open_slot()
+        self.prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
+        self.prefix_name = ""  # this model's name in it ("target", "draft")
 
     @property
     def device(self) -> torch.device:
@@ -62,6 +65,12 @@ class HFBackend:
 
     def trim(self, to_len: int) -> None:
         self.default.trim(to_len)
+
+    def restore(self, token_ids: list[int]) -> int:
+        return self.default.restore(token_ids)
+
+    def remember(self, token_ids: list[int]) -> None:
+        self.default.remember(token_ids)
 
     # -- ragged batches --------------------------------------------------------------------------------
     def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True) -> list[torch.Tensor]:
@@ -141,6 +150,25 @@ class SlotView:
 
     def close(self) -> None:
         self.backend.close_slot(self)
+
+    # -- the prompt cache ------------------------------------------------------------------------------
+    def restore(self, token_ids: list[int]) -> int:
+        """Fill the slot from the prompt cache's longest entry sharing a prefix with token_ids; returns how
+        many positions it now holds (0: nothing cached, the slot is left empty)."""
+        cache = self.backend.prefix_cache
+        self.slot.length = 0
+        if cache is None:
+            return 0
+        entry, length = cache.longest(self.backend.prefix_name, token_ids)
+        if entry is not None:
+            self.backend.cache.load(self.slot, entry.keys, entry.values, length)
+        return length
+
+    def remember(self, token_ids: list[int]) -> None:
+        """Offer the slot's contents, which are token_ids' keys and values, to the prompt cache."""
+        cache = self.backend.prefix_cache
+        if cache is not None and self.slot.length == len(token_ids):
+            cache.put(self.backend.prefix_name, token_ids, *self.backend.cache.export(self.slot, len(token_ids)))
 
 
 def attention_windows(config) -> dict[str | None, int | None]:

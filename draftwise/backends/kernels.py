@@ -98,7 +98,7 @@ def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, 
     device = next(model.parameters()).device
     if device.type != "cpu" or kernels == ("dense",):
         return KernelPlan({key: "dense" for key in linears}, {}, tuple(widths))
-    store = _CalibrationCache(cache)
+    store = CalibrationCache(cache)
     choices, timings = {}, {}
     for key, linear in linears.items():
         entry_key = f"v{RULE_VERSION}|{key}|{','.join(kernels)}|{','.join(map(str, widths))}"
@@ -184,7 +184,7 @@ def _kernel_name(module: nn.Module) -> str | None:
     return {nn.Linear: "dense", OneDNNLinear: "onednn", Int8Linear: "int8"}.get(type(module))
 
 
-class _CalibrationCache:
+class CalibrationCache:
     """One JSON file per machine (CPU model, instruction set, threads, torch version), written atomically."""
 
     def __init__(self, enabled: bool):

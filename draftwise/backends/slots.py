@@ -62,6 +62,24 @@ class SlotCache(Cache):
             last.row = slot.row
             self.slots[slot.row] = last
 
+    # -- copies in and out (the prompt cache) --------------------------------------------------------
+    @torch.inference_mode()
+    def export(self, slot: Slot, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the slot's first `length` positions: per layer keys and values [kv_heads, length, head_dim]."""
+        return ([buf[slot.row, :, :length].clone() for buf in self.keys],
+                [buf[slot.row, :, :length].clone() for buf in self.values])
+
+    @torch.inference_mode()
+    def load(self, slot: Slot, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Make the slot hold the first `length` positions of exported keys and values."""
+        while len(self.keys) < len(keys):
+            self._add_layer(keys[len(self.keys)][None])
+        self._grow(len(self.slots), length)
+        for buffers, saved in ((self.keys, keys), (self.values, values)):
+            for buf, layer in zip(buffers, saved):
+                buf[slot.row, :, :length] = layer[:, :length]
+        slot.length = length
+
     # -- one forward ----------------------------------------------------------------------------------
     def begin_forward(self, slots: list[Slot], width: int, device: torch.device) -> torch.Tensor:
         """Prepare a forward that appends `width` positions (padding included) to each of slots, in order.
@@ -78,7 +96,7 @@ class SlotCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [B, kv_heads, N, head_dim] -> the keys and values to attend to, [B, kv_heads, end, D]."""
-        if layer_idx == len(self.keys):
+        while layer_idx >= len(self.keys):  # a draft that skips layers may reach a later one first
             self._add_layer(key_states)
         out = []
         for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):

@@ -16,7 +16,7 @@ from draftwise.backends.kernels import plan_kernels, with_kernels
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "lookup", "hybrid")  # config.METHODS, in the order the bench reports them
+OURS = ("none", "draft", "lookup", "hybrid", "skip")  # config.METHODS, in the order the bench reports them
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
 NEEDS_DRAFT = ("draft", "hybrid", "hf-assisted")
@@ -44,17 +44,20 @@ class Runners:
         self.num_draft_tokens = num_draft_tokens
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
         self.fast_target = with_kernels(target_model, plan_kernels(target_model))
-        self._engines = {
-            m: Engine.from_models(self.fast_target, tokenizer, draft_model if m in NEEDS_DRAFT else None, method=m)
-            for m in OURS if m not in NEEDS_DRAFT or draft_model is not None
-        }
+        self.tokenizer = tokenizer
+        self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
         self._peer_config = _no_eos_config(target_model.generation_config)
 
     @property
     def draft_in_use(self):
         """The draft model as the 'draft' method runs it (compact), or None without one."""
-        engine = self._engines.get("draft")
-        return engine.proposer.backend.model if engine is not None else None
+        return self.engine("draft").proposer.backend.model if self.draft_model is not None else None
+
+    def engine(self, method: str) -> Engine:
+        if method not in self._engines:
+            draft = self.draft_model if method in NEEDS_DRAFT else None
+            self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method)
+        return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         if method in OURS:
@@ -62,7 +65,7 @@ class Runners:
         return self._run_peer(method, prompt_ids, max_new_tokens)
 
     def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
-        result = self._engines[method].generate(
+        result = self.engine(method).generate(
             prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)

@@ -43,6 +43,16 @@ class DraftModelProposer:
         self.backend.append(token_ids)
         self._cached += token_ids
 
+    def restore(self, token_ids: list[int]) -> None:
+        """Prefill token_ids from the prompt cache where it holds them, by forward passes where it does not."""
+        cached = self.backend.restore(token_ids)
+        self._cached = list(token_ids[:cached])
+        self.extend(token_ids[cached:])
+
+    def remember(self) -> None:
+        """Offer what the cache holds to the prompt cache (when the sequence ends)."""
+        self.backend.remember(self._cached)
+
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         return run_round(self, context, k, stop_confidence)
 

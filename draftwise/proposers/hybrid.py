@@ -92,6 +92,12 @@ class HybridProposer:
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
 
+    def restore(self, token_ids: list[int]) -> None:
+        self.draft.restore(token_ids)
+
+    def remember(self) -> None:
+        self.draft.remember()
+
     def fork(self) -> "HybridProposer":
         return HybridProposer(self.draft.fork(), self.lookup.fork())
 

@@ -24,7 +24,7 @@ from draftwise.serve.protocol import RequestError, parse
 from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 from draftwise.types import Event
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # engine -> OpenAI
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "content_filter": "content_filter"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
 
 
@@ -83,7 +83,8 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
                                    reason="invalid_json") from err
             parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens)
             relay = _Relay(asyncio.get_running_loop())
-            ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink)
+            reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics)
+            ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body)
         except RequestError as err:
             metrics.reject(err.reason)
             return _error(err)
@@ -97,7 +98,6 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
         except DraftwiseError as err:  # the scheduler's own checks (limits, methods): the request's fault
             metrics.reject("invalid_parameter")
             return _error(RequestError(str(err)))
-        reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics)
         if parsed.stream:
             # The background task covers a client that leaves before the stream's first byte: then the generator
             # never starts, and its finally (which cancels) never runs.
@@ -113,6 +113,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
                 reply.token(event)
                 pieces.append(event.text)
             if event is not None:
+                pieces.append(event.text)  # a guard releases its held-back text with the end
                 reply.finish(event)
         finally:
             _cancel_unless_finished(ticket, reply)  # the client went away (or this task was cancelled)
@@ -137,6 +138,8 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             if failure:  # the status line is long gone: say it in the stream, as OpenAI does
                 yield _sse(failure.body())
             else:
+                if event.text:  # a guard releases its held-back text with the end
+                    yield _sse(reply.chunk(event.text, None))
                 yield _sse(reply.chunk("" if not reply.chat else {}, FINISH_REASONS.get(event.finish_reason)))
                 if include_usage:
                     yield _sse(reply.usage_chunk(event))

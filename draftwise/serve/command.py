@@ -72,6 +72,30 @@ def add_serve(commands, formatter) -> None:
     s.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens prefilled per step, so a long prompt does not stall the others "
                         "(default: 128)")
+    g = p.add_argument_group("guard")
+    g.add_argument("--guard", metavar="MODULE:FUNCTION",
+                   help="called as FUNCTION(request_body, text_so_far) before text is streamed; returning "
+                        "'block' or False ends the response with finish_reason content_filter")
+    g.add_argument("--block-regex", metavar="REGEX",
+                   help="a built-in guard: block a response whose text matches REGEX (Python's re)")
+    g.add_argument("--guard-window", type=int, default=64, metavar="CHARS",
+                   help="characters held back before sending, so a blocked phrase of up to CHARS characters "
+                        "is caught before any of it leaves (default: %(default)s)")
+    s.add_argument("--draft-timeout-ms", type=float, metavar="MS",
+                   help="a step whose drafting takes longer puts its sequences on the target alone for the rest "
+                        "of their requests (still exact; counted in draftwise_proposer_fallbacks_total); a "
+                        "proposer that raises always does (default: no limit)")
+    s.add_argument("--proposal-log", metavar="PATH",
+                   help="record every proposed token of every round in this SQLite file, off the hot path "
+                        "(read it with `draftwise log stats PATH`; export training pairs with `draftwise log "
+                        "export`)")
+    s.add_argument("--proposal-log-rows", type=int, default=5_000_000, metavar="N",
+                   help="most rows the proposal log keeps; the oldest go first (default: %(default)s)")
+    s.add_argument("--prompt-cache-mb", type=float, default=1024, metavar="MB",
+                   help="keep the keys and values of finished requests' texts, up to this many MB for target and "
+                        "draft together, and reuse them for prompts that start the same way (a chat's next turn, a "
+                        "shared system prompt); the least recently used go first; 0 turns it off "
+                        "(default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default: 30)")
     p.set_defaults(func=cmd_serve)
@@ -81,16 +105,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from draftwise import Engine
     from draftwise.errors import DraftwiseError
     from draftwise.serve.app import create_app
+    from draftwise.serve.guard import load_guard
     from draftwise.serve.metrics import ServeMetrics
+    from draftwise.serve.proposal_log import ProposalLog
     from draftwise.serve.scheduler import Scheduler
 
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise DraftwiseError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}")
     draft = None if args.draft in (None, "none") else args.draft
+    # A bad guard or log path fails here, before the models load.
+    guard = load_guard(args.guard, args.block_regex, args.guard_window)
+    log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
+    if args.prompt_cache_mb < 0:
+        raise DraftwiseError(f"--prompt-cache-mb must be >= 0 (0 turns the prompt cache off), "
+                             f"got {args.prompt_cache_mb}")
     engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype)
+    if args.prompt_cache_mb:
+        engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
     metrics = ServeMetrics()
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                          prefill_chunk=args.prefill_chunk, metrics=metrics)
+                          prefill_chunk=args.prefill_chunk, metrics=metrics, proposal_log=log,
+                          draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
+                          guard=guard)
     scheduler.start()
     model_id = args.model_id or args.target
     app = create_app(scheduler, model_id, metrics, args.api_key, args.num_draft_tokens, args.drain_timeout)
@@ -101,6 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         scheduler.drain(0 if server.force_exit else args.drain_timeout)  # e.g. the port was taken: stop the loop
+        if log is not None:
+            log.close()
     return 0 if server.started else 1
 
 

@@ -1,6 +1,6 @@
 """`draftwise loadgen`: drive a live server over HTTP at several concurrencies, speculation on and off.
 
-For each concurrency level, each mode (on, off) runs in turn, so that whatever else the machine is doing at the
+For each concurrency level, each mode (on, always, off) runs in turn, so that whatever else the machine is doing at the
 time weighs on both: a warm-up request (not counted), then N streamed requests kept exactly `concurrency` in
 flight. Per (mode, level): aggregate tokens/s (completion tokens over the level's wall time), p50/p95 time to
 first token and time between tokens (gaps between one request's consecutive content chunks: the server sends one
@@ -26,7 +26,9 @@ from urllib.parse import urlparse
 
 from draftwise.errors import DraftwiseError
 
-MODES = ("on", "off")
+# on: the server's default speculation (its draft length adapts to acceptance and load); always: the same method
+# drafting its full k every round (adaptive off); off: the target alone.
+MODES = ("on", "always", "off")
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 ERROR_CHARS = 300  # how much of an error body a record keeps
 
@@ -43,9 +45,11 @@ def add_loadgen(commands, formatter) -> None:
         description=(
             "Stream the bench's prompts to a running draftwise server (or any OpenAI-compatible one), with\n"
             "exactly C requests in flight at each --concurrency C. Within a level, each mode runs in turn: on\n"
-            "(the server's default method, or --method) and off (the extra body field speculation: {method:\n"
-            "none}). Each (mode, level) starts with one warm-up request, not counted, then --requests requests;\n"
-            "a failed request is counted, never retried. Greedy (temperature 0), one chunk per token.\n"
+            "(the server's default method, or --method, its draft length adapting to acceptance and load),\n"
+            "always (the same, drafting its full k every round: speculation {adaptive: false}) and off (the\n"
+            "target alone: speculation {method: none}). Each (mode, level) starts with one warm-up request,\n"
+            "not counted, then --requests requests; a failed request is counted, never retried. Greedy\n"
+            "(temperature 0), one chunk per token.\n"
             "\n"
             "Per (mode, level): aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
             "level's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
@@ -270,8 +274,12 @@ def request_body(model: str, plan: LoadPlan, mode: str) -> dict:
             "stream_options": {"include_usage": True}}
     if mode == "off":
         body["speculation"] = {"method": "none"}
-    elif plan.method:
-        body["speculation"] = {"method": plan.method}
+        return body
+    speculation = {"method": plan.method} if plan.method else {}
+    if mode == "always":
+        speculation["adaptive"] = False
+    if speculation:
+        body["speculation"] = speculation
     return body
 
 

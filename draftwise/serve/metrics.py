@@ -41,6 +41,19 @@ class ServeMetrics:
         self.requests = Counter("draftwise_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
         self.rejected = Counter("draftwise_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
+        self.fallbacks = Counter("draftwise_proposer_fallbacks",
+                                 "Requests put on the target alone because their proposer failed, by reason "
+                                 "(error, timeout)", ["reason"], registry=r)
+        self.guard_blocks = Counter("draftwise_guard_blocks", "Responses the guard ended (content_filter)",
+                                    registry=r)
+        self.log_dropped = Gauge("draftwise_proposal_log_dropped_rows",
+                                 "Proposal log rows dropped because the writer fell behind", registry=r)
+        self.prompt_lookups = Counter("draftwise_prompt_cache_lookups", "Prompts looked up in the prompt cache",
+                                      registry=r)
+        self.prompt_hits = Counter("draftwise_prompt_cache_hits", "Prompts that reused a cached prefix", registry=r)
+        self.prompt_saved = Counter("draftwise_prompt_cache_saved_tokens",
+                                    "Prompt tokens restored from the prompt cache instead of prefilled", registry=r)
+        self.prompt_bytes = Gauge("draftwise_prompt_cache_bytes", "Bytes the prompt cache holds", registry=r)
         self.running = Gauge("draftwise_running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("draftwise_waiting_requests", "Requests waiting to join the batch", registry=r)
 
@@ -63,6 +76,15 @@ class ServeMetrics:
 
     def observe_emitted(self, n: int) -> None:
         self.emitted.inc(n)
+
+    def observe_fallback(self, reason: str) -> None:
+        self.fallbacks.labels(reason).inc()
+
+    def observe_prompt_cache(self, reused_tokens: int) -> None:
+        self.prompt_lookups.inc()
+        if reused_tokens:
+            self.prompt_hits.inc()
+            self.prompt_saved.inc(reused_tokens)
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_s.observe(seconds)

@@ -5,19 +5,26 @@ ones leave, giving their cache slots back. Each loop iteration runs at most one 
 then one step of every sequence that is decoding, so a long prompt delays the others by a chunk, not by its
 whole prefill. The HTTP side never touches the engine: it submits, cancels, and receives events through a
 sink called from this thread.
+
+Around the step, the production loop: a proposer that fails (or drafts past the timeout) leaves its sequence
+on the target alone (Engine's fallback); a guard sees each request's text before it is sent (guard.py); a
+proposal log records every round off the hot path (proposal_log.py).
 """
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from draftwise.config import GenerationConfig
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 from draftwise.sequence import Sequence
+from draftwise.serve.guard import Guard, GuardedText
+from draftwise.serve.proposal_log import ProposalLog, round_rows
 from draftwise.types import Event
 
 
@@ -38,20 +45,36 @@ class Ticket:
     prompt_ids: list[int]
     cfg: GenerationConfig
     sink: Callable[[Event], None]
+    request_id: str = ""
+    arm: str = ""  # the A/B arm it was served by ("" without an experiment)
     submitted_at: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
+    rounds: int = 0  # verified rounds that proposed something (the proposal log's step)
+    fell_back: bool = False  # its proposer failed and it goes on with the target alone
+    guarded: GuardedText | None = None  # its text on the way out, when the server has a guard
     cancelled: bool = False
     done: bool = False
 
 
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_waiting: int = 64, prefill_chunk: int = 128,
-                 metrics=None):
+                 metrics=None, proposal_log: ProposalLog | None = None, draft_timeout_s: float | None = None,
+                 guard: Guard | None = None):
+        """A failing proposer puts its sequence on the target alone (still exact), as does one whose step drafted
+        for longer than draft_timeout_s; counted in metrics and the proposal log."""
         if max_batch < 1 or max_waiting < 0 or prefill_chunk < 1:
             raise DraftwiseError("max_batch and prefill_chunk must be >= 1 and max_waiting >= 0")
+        if draft_timeout_s is not None and draft_timeout_s <= 0:
+            raise DraftwiseError(f"the draft timeout must be > 0, got {draft_timeout_s}")
+        engine.fall_back_on_proposer_error, engine.draft_timeout_s = True, draft_timeout_s
         self.engine = engine
         self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
         self.metrics = metrics
+        self.proposal_log = proposal_log
+        self.guard = guard
+        self._tickets: dict[Sequence, Ticket] = {}  # running sequences' tickets, for the proposal log
+        if proposal_log is not None:
+            engine.round_observer = self._log_round
         self.fault_injector: Callable[[Sequence], None] | None = None  # tests: raise inside one sequence's round
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
@@ -78,7 +101,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="draftwise-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None]) -> Ticket:
+    def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None],
+               request_id: str | None = None, request: dict | None = None) -> Ticket:
         """Queue a request; never blocks. Raises DraftwiseError for a request that cannot run, QueueFull, or
         ShuttingDown."""
         method = cfg.method or self.engine.method
@@ -86,7 +110,9 @@ class Scheduler:
             raise DraftwiseError(f"method {method!r} is not available on this server; choose one of: "
                                  f"{', '.join(self.engine.methods_available)}")
         self.engine.check_limits(len(prompt_ids), cfg)
-        ticket = Ticket(list(prompt_ids), cfg, sink)
+        ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}")
+        if self.guard is not None:
+            ticket.guarded = self.guard.stream(request or {})
         with self._cond:
             if self._draining:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
@@ -154,6 +180,9 @@ class Scheduler:
                 self._fail(ticket, err)
                 continue
             self._running.append(ticket)
+            self._tickets[ticket.seq] = ticket
+            if self.metrics is not None and self.engine.prompt_cache is not None:
+                self.metrics.observe_prompt_cache(ticket.seq.stats.prompt_cached)
 
     def _drop_cancelled(self) -> None:
         for ticket in [t for t in self._running if t.cancelled]:
@@ -197,6 +226,10 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - started
         for ticket in ready:
+            if self.metrics is not None and ticket.seq.stats.fallback and not ticket.fell_back:
+                self.metrics.observe_fallback("timeout" if ticket.seq.stats.fallback.startswith("TimeoutError")
+                                              else "error")
+            ticket.fell_back = bool(ticket.seq.stats.fallback)
             self._deliver(ticket, events[ticket.seq], before[ticket])
         if self.metrics is not None:
             times = self.engine.last_step
@@ -209,6 +242,15 @@ class Scheduler:
             self.metrics.observe_round(ticket.seq.method, stats.proposed - before[0], stats.accepted - before[1])
             self.metrics.observe_emitted(sum(e.token_id is not None for e in events))
         for event in events:
+            if ticket.guarded is not None:
+                released = ticket.guarded.add(event.text, final=event.finish_reason is not None)
+                if released is None:  # nothing of the blocked text leaves: end here
+                    if self.metrics is not None:
+                        self.metrics.guard_blocks.inc()
+                    self._finish(ticket, Event(token_id=None, text="", finish_reason="content_filter",
+                                               stats=ticket.seq.stats))
+                    return
+                event = replace(event, text=released)
             if event.finish_reason is not None:
                 self._finish(ticket, event)
             else:
@@ -225,6 +267,12 @@ class Scheduler:
         ticket.done = True
         if ticket.seq is not None:
             self.engine.close_sequence(ticket.seq)
+            self._tickets.pop(ticket.seq, None)
+            if self.proposal_log is not None and ticket.seq.method != "none":
+                seq = ticket.seq
+                self.proposal_log.record_request(ticket.request_id, ticket.arm, seq.method, seq.prompt_ids,
+                                                 seq.context[len(seq.prompt_ids):], event.finish_reason,
+                                                 seq.stats.fallback)
         with self._cond:
             if ticket in self._running:
                 self._running.remove(ticket)
@@ -236,6 +284,19 @@ class Scheduler:
         except Exception:  # a broken sink is its client's problem; the loop and the others go on
             ticket.cancelled = True
 
+    def _log_round(self, seq: Sequence, draft, verdict, times) -> None:
+        ticket = self._tickets.get(seq)
+        if ticket is None:
+            return
+        ticket.rounds += 1
+        self.proposal_log.record_round(round_rows(
+            ticket.request_id, ticket.arm, ticket.rounds, len(seq.context), seq.method, draft.token_ids,
+            verdict.num_accepted, verdict.next_token, times.draft_s, times.verify_s))
+
     def _report_load(self) -> None:
         if self.metrics is not None:
             self.metrics.set_load(len(self._running), len(self._waiting))
+            if self.proposal_log is not None:
+                self.metrics.log_dropped.set(self.proposal_log.dropped)
+            if self.engine.prompt_cache is not None:
+                self.metrics.prompt_bytes.set(self.engine.prompt_cache.nbytes)

@@ -1,0 +1,138 @@
+"""`draftwise log stats PATH` and `draftwise log export PATH --jsonl OUT`: read a proposal log (proposal_log.py).
+
+stats: acceptance by draft position (the share of tokens proposed at position i that were kept), by method
+and arm, and over time (the log cut into equal spans of rows: a falling rate is drift). export: one JSON line
+per proposed token whose target token is known, {"context": ids, "target": id, ...}, the pairs a distillation
+of the draft trains on. Both read while the server writes (WAL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from draftwise.serve.proposal_log import connect
+
+
+def add_log(commands, formatter) -> None:
+    p = commands.add_parser("log", formatter_class=formatter, help="read a proposal log written by serve --proposal-log",
+                            description="Read the SQLite proposal log that `draftwise serve --proposal-log PATH` "
+                                        "writes (also while the server runs).")
+    sub = p.add_subparsers(dest="log_command", metavar="SUBCOMMAND", required=True)
+    stats = sub.add_parser("stats", formatter_class=formatter, help="acceptance by position, method and arm, time",
+                           description="Acceptance by draft position, by method and arm, and over time (the log "
+                                       "cut into --spans equal spans of rows; a falling rate is drift).")
+    stats.add_argument("path", metavar="PATH")
+    stats.add_argument("--spans", type=int, default=8, metavar="N", help="spans of the over-time table (default: 8)")
+    stats.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    stats.set_defaults(func=cmd_log_stats)
+    export = sub.add_parser("export", formatter_class=formatter, help="write (context, target token) pairs",
+                            description="One JSON line per proposed token whose target token is known: "
+                                        '{"context": [ids], "target": id, "proposed": id, "accepted": bool, '
+                                        '"method": ..., "arm": ...}; the context is the prompt and output up to '
+                                        "that token. Rounds of requests still running are left out.")
+    export.add_argument("path", metavar="PATH")
+    export.add_argument("--jsonl", required=True, metavar="OUT", help="the file to write ('-' for stdout)")
+    export.set_defaults(func=cmd_log_export)
+
+
+def cmd_log_stats(args: argparse.Namespace) -> int:
+    from draftwise.errors import DraftwiseError
+
+    if args.spans < 1:
+        raise DraftwiseError("--spans must be >= 1")
+    stats = log_stats(args.path, args.spans)
+    print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+    return 0
+
+
+def cmd_log_export(args: argparse.Namespace) -> int:
+    out = sys.stdout if args.jsonl == "-" else open(args.jsonl, "w", encoding="utf-8")
+    try:
+        count = export_pairs(args.path, out)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"wrote {count} pairs to {args.jsonl}", file=sys.stderr)
+    return 0
+
+
+def log_stats(path: str | Path, spans: int = 8) -> dict:
+    db = connect(Path(path))
+    try:
+        total, accepted, first, last = db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(accepted), 0), MIN(id), MAX(id) FROM rounds").fetchone()
+        dropped = db.execute("SELECT COALESCE(MAX(value), 0) FROM meta WHERE key = 'dropped'").fetchone()[0]
+        by_position = [_rate_row({"position": p}, n, a) for p, n, a in db.execute(
+            "SELECT position, COUNT(*), SUM(accepted) FROM rounds GROUP BY position ORDER BY position")]
+        by_arm = [_rate_row({"method": m, "arm": arm, "rounds": r, "draft_ms_per_round": 1000 * d,
+                             "verify_ms_per_round": 1000 * v}, n, a) for m, arm, n, a, r, d, v in db.execute(
+            "SELECT method, arm, SUM(n), SUM(a), COUNT(*), AVG(draft_s), AVG(verify_s) FROM "
+            "(SELECT method, arm, COUNT(*) AS n, SUM(accepted) AS a, draft_s, verify_s FROM rounds "
+            " GROUP BY request_id, step) GROUP BY method, arm ORDER BY method, arm")]
+        over_time = []
+        if total:
+            width = max(1, -(-(last - first + 1) // spans))
+            for span, n, a, t0, t1 in db.execute(
+                    "SELECT (id - ?) / ?, COUNT(*), SUM(accepted), MIN(ts), MAX(ts) FROM rounds GROUP BY 1 ORDER BY 1",
+                    (first, width)):
+                over_time.append(_rate_row({"span": span, "from": t0, "to": t1}, n, a))
+        requests, fallbacks = db.execute(
+            "SELECT COUNT(*), COUNT(fallback) FROM requests").fetchone()
+    finally:
+        db.close()
+    return {"path": str(path), "proposed": total, "accepted": accepted, "acceptance": _rate(accepted, total),
+            "requests_finished": requests, "requests_fallen_back": fallbacks, "rows_dropped": dropped, "by_position": by_position,
+            "by_method_and_arm": by_arm, "over_time": over_time}
+
+
+def _rate(accepted: int, proposed: int) -> float | None:
+    return round(accepted / proposed, 4) if proposed else None
+
+
+def _rate_row(head: dict, proposed: int, accepted: int) -> dict:
+    return {**head, "proposed": proposed, "accepted": accepted, "acceptance": _rate(accepted, proposed)}
+
+
+def format_stats(stats: dict) -> str:
+    def pct(value):
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    lines = [f"{stats['path']}: {stats['proposed']} proposed tokens, {stats['accepted']} accepted "
+             f"({pct(stats['acceptance'])}), {stats['requests_finished']} finished requests "
+             f"({stats['requests_fallen_back']} fell back to the target alone), "
+             f"{stats['rows_dropped']} rows dropped", "", "by draft position", "| position | proposed | acceptance |",
+             "|---|---|---|"]
+    lines += [f"| {r['position']} | {r['proposed']} | {pct(r['acceptance'])} |" for r in stats["by_position"]]
+    lines += ["", "by method and arm",
+              "| method | arm | rounds | proposed | acceptance | draft ms/round | verify ms/round |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['arm'] or '-'} | {r['rounds']} | {r['proposed']} | {pct(r['acceptance'])} | "
+              f"{r['draft_ms_per_round']:.1f} | {r['verify_ms_per_round']:.1f} |" for r in stats["by_method_and_arm"]]
+    lines += ["", "over time (equal spans of rows; a falling acceptance is drift)",
+              "| span | seconds from start | proposed | acceptance |", "|---|---|---|---|"]
+    start = stats["over_time"][0]["from"] if stats["over_time"] else 0.0
+    lines += [f"| {r['span']} | {r['from'] - start:.0f}-{r['to'] - start:.0f} | {r['proposed']} | "
+              f"{pct(r['acceptance'])} |" for r in stats["over_time"]]
+    return "\n".join(lines)
+
+
+def export_pairs(path: str | Path, out) -> int:
+    """Write one JSON line per known (context, target token); returns how many."""
+    db = connect(Path(path))
+    count = 0
+    try:
+        for request_id, prompt, output in db.execute("SELECT request_id, prompt_ids, output_ids FROM requests"):
+            text = json.loads(prompt) + json.loads(output)
+            for offset, position, proposed, target, accepted, method, arm in db.execute(
+                    "SELECT offset, position, proposed, target, accepted, method, arm FROM rounds "
+                    "WHERE request_id = ? AND target IS NOT NULL ORDER BY id", (request_id,)):
+                end = offset + position
+                if end > len(text):  # the row outlived its text (a request cut short): nothing to pair
+                    continue
+                out.write(json.dumps({"context": text[:end], "target": target, "proposed": proposed,
+                                      "accepted": bool(accepted), "method": method, "arm": arm}) + "\n")
+                count += 1
+    finally:
+        db.close()
+    return count

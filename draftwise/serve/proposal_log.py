@@ -1,0 +1,139 @@
+"""`--proposal-log PATH`: every proposed token of every round, in SQLite, written off the hot path.
+
+The model thread only puts rows on a bounded queue (never blocks: when the queue is full, the rows are
+dropped and counted, never the request); a writer thread inserts them in batches. The file is in WAL mode,
+so `draftwise log stats` can read it while the server writes. It is bounded: past max_rows, the oldest rows
+go (and the requests that no row refers to any more).
+
+Tables:
+- rounds: one row per proposed token: request id, arm, step (the request's round number), position in the
+  draft, offset (the text's length before the round), proposed token, the target's token there (the draft
+  token where it was kept, the target's own at the first rejected position, NULL after it), accepted (0/1),
+  method, draft and verify seconds of the round's step, time;
+- requests: the prompt and output ids of each finished request, and why its proposer was dropped if it was
+  (the server's fallback), so that `draftwise log export` can give the
+  (context, target token) pairs a later distillation trains the draft on;
+- meta: rows dropped because the disk fell behind.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from draftwise.errors import DraftwiseError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rounds (
+    id INTEGER PRIMARY KEY, ts REAL NOT NULL, request_id TEXT NOT NULL, arm TEXT NOT NULL, step INTEGER NOT NULL,
+    position INTEGER NOT NULL, offset INTEGER NOT NULL, proposed INTEGER NOT NULL, target INTEGER,
+    accepted INTEGER NOT NULL, method TEXT NOT NULL, draft_s REAL NOT NULL, verify_s REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS rounds_request ON rounds (request_id);
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY, ts REAL NOT NULL, arm TEXT NOT NULL, method TEXT NOT NULL,
+    prompt_ids TEXT NOT NULL, output_ids TEXT NOT NULL, finish TEXT, fallback TEXT);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+ROUND_COLUMNS = ("ts", "request_id", "arm", "step", "position", "offset", "proposed", "target", "accepted",
+                 "method", "draft_s", "verify_s")
+DEFAULT_MAX_ROWS = 5_000_000
+DEFAULT_QUEUE = 10_000  # batches of rows (one per round), not rows
+
+
+def round_rows(request_id: str, arm: str, step: int, offset: int, method: str, proposed: tuple[int, ...],
+               num_accepted: int, next_token: int, draft_s: float, verify_s: float) -> list[tuple]:
+    """The rows of one round: the target's token is known up to the first rejection (its own pick there)."""
+    now = time.time()
+    rows = []
+    for position, token in enumerate(proposed):
+        target = token if position < num_accepted else next_token if position == num_accepted else None
+        rows.append((now, request_id, arm, step, position, offset, token, target, int(position < num_accepted),
+                     method, draft_s, verify_s))
+    return rows
+
+
+class ProposalLog:
+    def __init__(self, path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, queue_size: int = DEFAULT_QUEUE):
+        if max_rows < 1 or queue_size < 1:
+            raise DraftwiseError("--proposal-log-rows and the queue size must be >= 1")
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            connect(self.path, create=True).close()  # a bad path fails at start, not in the writer
+        except (OSError, sqlite3.Error) as err:
+            raise DraftwiseError(f"cannot write the proposal log at {self.path}: {err}") from err
+        self.max_rows = max_rows
+        self.dropped = 0  # rows the queue had no room for
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._write_loop, name="draftwise-proposal-log", daemon=True)
+        self._thread.start()
+
+    # -- the model thread: never blocks ---------------------------------------------------------------
+    def record_round(self, rows: list[tuple]) -> None:
+        self._put(("rounds", rows), len(rows))
+
+    def record_request(self, request_id: str, arm: str, method: str, prompt_ids: list[int], output_ids: list[int],
+                       finish: str | None, fallback: str | None = None) -> None:
+        row = (request_id, time.time(), arm, method, json.dumps(prompt_ids), json.dumps(output_ids), finish, fallback)
+        self._put(("requests", [row]), 0)
+
+    def _put(self, item, rows: int) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += rows
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then stop the writer."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # -- the writer thread ----------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        db = connect(self.path)
+        try:
+            while True:
+                batch = [self._queue.get()]
+                while len(batch) < 1000:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = None in batch
+                self._write(db, [item for item in batch if item is not None])
+                if stop:
+                    return
+        finally:
+            db.close()
+
+    def _write(self, db: sqlite3.Connection, items: list) -> None:
+        rounds = [row for kind, rows in items if kind == "rounds" for row in rows]
+        requests = [row for kind, rows in items if kind == "requests" for row in rows]
+        with db:
+            db.executemany(f"INSERT INTO rounds ({', '.join(ROUND_COLUMNS)}) VALUES "
+                           f"({', '.join('?' * len(ROUND_COLUMNS))})", rounds)
+            db.executemany("INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?)", requests)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (self.dropped,))
+            self._rotate(db)
+
+    def _rotate(self, db: sqlite3.Connection) -> None:
+        newest = db.execute("SELECT MAX(id) FROM rounds").fetchone()[0] or 0
+        oldest = db.execute("SELECT MIN(id) FROM rounds").fetchone()[0] or 0
+        if newest - oldest + 1 <= self.max_rows:
+            return
+        db.execute("DELETE FROM rounds WHERE id <= ?", (newest - self.max_rows,))
+        db.execute("DELETE FROM requests WHERE request_id NOT IN (SELECT DISTINCT request_id FROM rounds)")
+
+
+def connect(path: Path, create: bool = False) -> sqlite3.Connection:
+    """A connection in WAL mode (readers never wait on the writer); create=True makes the tables."""
+    if not create and not Path(path).is_file():
+        raise DraftwiseError(f"no proposal log at {path}: give the PATH that `draftwise serve --proposal-log` wrote")
+    db = sqlite3.connect(path, timeout=30)
+    db.execute("PRAGMA journal_mode=WAL")
+    if create:
+        db.executescript(SCHEMA)
+    return db

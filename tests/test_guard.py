@@ -1,0 +1,107 @@
+"""The guard: text is held back by a window, a blocked phrase split across tokens never leaves the server."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import Engine
+from draftwise.errors import DraftwiseError
+from draftwise.serve.app import create_app
+from draftwise.serve.command import serve_in_thread
+from draftwise.serve.guard import Guard, load_guard
+from draftwise.serve.metrics import ServeMetrics
+from draftwise.serve.scheduler import Scheduler
+
+PROMPT = "The quick brown fox"
+TOKENS = 24
+
+
+def block_secrets(request: dict, text: str):
+    """A --guard function for the tests: blocks what the request's "forbid" field names."""
+    return "block" if request.get("forbid") and request["forbid"] in text else "allow"
+
+
+def reference_text() -> str:
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none")
+    return engine.generate(PROMPT, max_new_tokens=TOKENS).text
+
+
+def test_a_phrase_split_across_pieces_is_caught_before_any_of_it_leaves():
+    guarded = Guard(pattern=load_guard(None, r"bad\s+word").pattern, window=12).stream({})
+    sent = []
+    for piece in ["Some ", "fine text ", "and then", " ba", "d w", "ord", " more"]:
+        out = guarded.add(piece)
+        if out is None:
+            break
+        sent.append(out)
+    assert guarded.blocked and "".join(sent) == "Some fine text and"[: len("".join(sent))]
+    assert "b" not in "".join(sent).replace("Some fine text and", "")
+
+
+def test_an_allowed_text_is_released_whole_at_the_end():
+    guarded = Guard(pattern=load_guard(None, "never-there").pattern, window=8).stream({})
+    pieces = ["one ", "two ", "three ", "four"]
+    out = [guarded.add(p) for p in pieces[:-1]] + [guarded.add(pieces[-1], final=True)]
+    assert "".join(out) == "".join(pieces) and out[0] == ""  # the first piece waited for the window
+
+
+@pytest.mark.parametrize("spec,regex,message", [
+    ("no_colon", None, "must be module:function"),
+    ("no_such_module_here:check", None, "cannot import it"),
+    ("test_guard:TOKENS", None, "is not a function"),
+    (None, "([unclosed", "not a valid regular expression"),
+])
+def test_bad_guard_options_say_what_is_wrong(spec, regex, message):
+    with pytest.raises(DraftwiseError, match=message):
+        load_guard(spec, regex)
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
+                                method="draft")
+    metrics = ServeMetrics()
+    guard = load_guard("test_guard:block_secrets", None, window=40)
+    scheduler = Scheduler(engine, prefill_chunk=4, metrics=metrics, guard=guard)
+    scheduler.start()
+    url, stop = serve_in_thread(create_app(scheduler, "tiny", metrics))
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30), metrics
+    stop()
+    scheduler.drain(5)
+
+
+def _ask(client, stream, forbid=None):
+    extra = {"forbid": forbid} if forbid else {}
+    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=stream,
+                                     extra_body=extra)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_blocked_phrase_spanning_tokens_is_never_streamed(guarded_server, stream):
+    client, metrics = guarded_server
+    full = reference_text()
+    phrase = full[len(full) // 3: len(full) // 3 + 12]  # a dozen characters from the middle: several tokens
+    blocks_before = metrics.guard_blocks._value.get()
+    response = _ask(client, stream, forbid=phrase)
+    if stream:
+        chunks = list(response)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        text, finish = response.choices[0].text, [response.choices[0].finish_reason]
+    assert finish == ["content_filter"]
+    start = full.index(phrase)
+    assert full.startswith(text) and len(text) <= start  # nothing from the phrase on left the server
+    assert metrics.guard_blocks._value.get() == blocks_before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_allowed_response_is_the_whole_text(guarded_server, stream):
+    client, _ = guarded_server
+    response = _ask(client, stream, forbid="this phrase is not in the output at all")
+    if stream:
+        text = "".join(c.choices[0].text for c in response if c.choices)
+    else:
+        text = response.choices[0].text
+    assert text == reference_text()[: len(text)] and len(text) > 0

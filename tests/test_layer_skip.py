@@ -1,0 +1,138 @@
+"""Self-speculation by layer skipping: the draft is the target with layers passed over, in the target's own slot.
+
+Exactness through the engine is covered where every method is (test_greedy_identity.py, test_sampling_e2e.py
+run "skip"); here: the skipping itself, the cache rule (the slot never holds more than the text), batches,
+and the calibration that picks the layers.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_tokenizer
+from draftwise import Engine
+from draftwise.config import GenerationConfig
+from draftwise.errors import DraftwiseError
+from draftwise.proposers import skip_calibration
+from draftwise.proposers.layer_skip import SkippingBackend, decoder_layers, skipping
+from draftwise.proposers.skip_calibration import measure_skip, plan_skip, skip_order
+from test_batch import PROMPTS, run_together
+
+LAYERS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def target(arch="llama"):
+    return tiny_model(arch, 0, LAYERS)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, prompt, new_tokens):
+    ids = tiny_tokenizer()(prompt)["input_ids"]
+    out = target(arch).generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def engine(arch="llama"):
+    return Engine.from_models(target(arch), tiny_tokenizer(), method="skip")
+
+
+def greedy(n, **options):
+    return GenerationConfig.from_options(max_new_tokens=n, ignore_eos=True, **options)
+
+
+def test_skipping_passes_over_the_layers_and_puts_them_back():
+    model = target()
+    layers = list(decoder_layers(model))
+    ids = torch.tensor([tiny_tokenizer()(PROMPTS[0])["input_ids"]])
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        with skipping(model, (1, 2)):
+            assert [type(layer).__name__ for layer in decoder_layers(model)][1:3] == ["_PassThrough"] * 2
+            shallow = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert list(decoder_layers(model)) == layers
+    assert not torch.allclose(full, shallow) and torch.equal(full, again)
+
+
+@pytest.mark.parametrize("skip", [(), (0, 1, 2, 3), (1, 1), (4,), (-1,)])
+def test_a_skip_set_that_cannot_draft_is_refused_with_the_allowed_range(skip):
+    backend = engine().target
+    with pytest.raises(DraftwiseError, match="between 0 and 3"):
+        SkippingBackend(backend, skip)
+
+
+def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
+    eng = engine()
+    assert eng.methods_available == ("none", "lookup", "skip")
+    assert eng.speed_paths["skip_layers"] and 0 not in eng.speed_paths["skip_layers"]
+    with pytest.raises(DraftwiseError, match="'draft' is not available"):
+        eng.open_sequence([1, 2, 3], GenerationConfig(method="draft"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+def test_skip_gives_the_targets_greedy_output_with_a_deeper_target(arch):
+    result = engine(arch).generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True, num_draft_tokens=3,
+                                   adaptive=False)
+    assert result.token_ids == reference(arch, PROMPTS[0], 30)
+    assert result.stats.proposed > 0
+
+
+def test_the_slot_holds_exactly_the_text_after_every_round_even_a_failed_one():
+    eng = engine()
+    seq = eng.open_sequence(tiny_tokenizer()(PROMPTS[1])["input_ids"], greedy(12, num_draft_tokens=4, adaptive=False))
+    while not seq.prefill_done:
+        eng.prefill(seq)
+    for _ in range(3):
+        eng.step([seq])
+        assert seq.target.cache_len == len(seq.context) - 1
+    seq.proposer.take = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    eng.step([seq])
+    assert seq.finish == "error" and seq.target.cache_len == len(seq.context) - 1
+    eng.close_sequence(seq)
+
+
+def test_skip_sequences_batched_with_others_each_get_their_own_output():
+    eng = engine()
+    requests = [(PROMPTS[i], greedy(n, method=m)) for i, n, m in
+                [(0, 20, "skip"), (1, 12, "none"), (2, 25, "skip"), (3, 16, "lookup"), (4, 18, "skip")]]
+    seqs = run_together(eng, requests)
+    for (prompt, cfg), seq in zip(requests, seqs):
+        assert seq.context[len(seq.prompt_ids):] == reference("llama", prompt, cfg.max_new_tokens)
+    assert eng.target.open_slots == 1
+
+
+def test_skip_order_never_moves_the_first_layer_nor_the_last_of_a_deep_stack():
+    hidden = torch.randn(1, 3, 8)
+    # Each layer turns the stream by a known amount: layer i adds i-scaled noise... here, by construction.
+    turns = [0.9, 0.1, 0.5, 0.05, 0.3, 0.8]
+    states = [hidden]
+    for turn in turns:
+        states.append(states[-1] + turn * torch.randn(1, 3, 8) * states[-1].norm(dim=-1, keepdim=True))
+    order = skip_order(tuple(states))
+    assert 0 not in order and 5 not in order and sorted(order) == [1, 2, 3, 4]
+    assert order[0] in (1, 3)  # the smallest turns go first
+    assert skip_order(tuple(states[:3])) == [1]  # two layers: only the second may go
+
+
+def test_calibration_tries_several_counts_and_keeps_the_best_rate():
+    ids = tiny_tokenizer()(" ".join(PROMPTS))["input_ids"]
+    plan = measure_skip(target(), ids, k=4)
+    assert len(plan.candidates) >= 2
+    assert all(0.0 <= c["agreement"] <= 1.0 and c["cost"] > 0 for c in plan.candidates)
+    assert list(plan.skip) == max(plan.candidates, key=lambda c: c["rate"])["skip"]
+    assert 0 not in plan.skip and LAYERS - 1 not in plan.skip
+
+
+def test_a_named_models_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
+    model = tiny_model("llama", 0, LAYERS)
+    model.config._name_or_path = "tiny-for-skip-cache"
+    ids = tiny_tokenizer()(PROMPTS[2])["input_ids"]
+    first = plan_skip(model, ids)
+    assert list(tmp_path.glob("calibration/*.json"))
+    monkeypatch.setattr(skip_calibration, "measure_skip", lambda *a, **k: pytest.fail("measured twice"))
+    assert plan_skip(model, ids) == first
