@@ -18,7 +18,8 @@ The target pass pads every row to the widest, so the batch shares one k (DraftLe
 whose summed expected tokens per second is highest. That turns speculation off when a full batch makes wide
 passes dear, and back on as load falls. A shape never measured costs what the nearest measured one does
 (interpolated between widths, the nearest batch size below or above), which is optimism, so that it gets
-tried. When k = 0 wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed.
+tried; a plain step, which nothing narrower bounds, is timed once at each batch size before any k is chosen
+over it. When k = 0 wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -85,6 +86,10 @@ class StepCosts:
     def measured(self) -> bool:
         return bool(self._verify_s)
 
+    def knows(self, rows: int, n: int) -> bool:
+        """Whether a pass of this many rows and this width has been timed."""
+        return n in self._verify_s.get(rows, {})
+
     def verify(self, rows: int, n: int) -> float:
         return interpolate(self._verify_s[nearest(self._verify_s, rows)], n)
 
@@ -116,6 +121,10 @@ class DraftLengthPolicy:
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass."""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
+        if not self.costs.knows(rows, 1):
+            # Unmeasured, a plain step would cost what the nearest measured width does, a wider one, so every
+            # k > 0 would look better than it and the plain step would never be tried: time one first.
+            return 0
         best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed))
         if best == 0:
             self._steps_without_draft += 1
