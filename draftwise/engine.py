@@ -26,6 +26,8 @@ from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.batch import propose_many
+from draftwise.proposers.prompt_lookup import PromptLookupProposer
+from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.text import TextStream
@@ -71,6 +73,7 @@ class Engine:
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
+        self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
         # text (so len(seq.context) is where the draft starts): the server's proposal log.
         self.round_observer: Callable[[Sequence, Draft, Verdict, StepTimes], None] | None = None
@@ -182,6 +185,16 @@ class Engine:
                 backend.prefix_cache, backend.prefix_name = self.prompt_cache, name
         return self.prompt_cache
 
+    # -- the proposal cache ------------------------------------------------------------------------------
+    def enable_proposal_cache(self, max_tokens: int) -> ProposalCache:
+        """Let prompt lookup (method lookup, and hybrid's lookup rounds) propose from the texts of earlier
+        sequences too, the last max_tokens tokens of them (see proposers/proposal_cache.py)."""
+        self.proposal_cache = ProposalCache(max_tokens)
+        lookup = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's lookup
+        if isinstance(lookup, PromptLookupProposer):
+            lookup.corpus = self.proposal_cache
+        return self.proposal_cache
+
     def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> int:
         """How much of the prompt (of all but its last token) came from the prompt cache: the target's longest
         cached prefix, and the draft's cache made to hold the same."""
@@ -205,6 +218,8 @@ class Engine:
         if seq.target is None:
             return
         self._remember_prompt(seq)
+        if self.proposal_cache is not None and seq.finish not in (None, "error"):
+            self.proposal_cache.add(seq.context)
         if seq.target is self.target.default:
             self._default_in_use = False
         else:
@@ -214,7 +229,7 @@ class Engine:
         seq.target = None
 
     def _new_proposer(self, method: str):
-        from draftwise.proposers import HybridProposer, PromptLookupProposer
+        from draftwise.proposers import HybridProposer
         from draftwise.proposers.hybrid import MIN_NGRAM
 
         mine = self.proposer
@@ -223,10 +238,11 @@ class Engine:
         if method == self.method:
             return mine.fork()
         if method == "lookup":
-            return mine.lookup.fork() if self.method == "lookup" else PromptLookupProposer()
+            return mine.lookup.fork() if self.method == "lookup" else PromptLookupProposer(corpus=self.proposal_cache)
         if method == "draft":  # the engine's method is hybrid
             return mine.draft.fork()
-        return HybridProposer(mine.fork(), PromptLookupProposer(min_ngram=MIN_NGRAM))  # hybrid on a draft engine
+        # hybrid on a draft engine
+        return HybridProposer(mine.fork(), PromptLookupProposer(min_ngram=MIN_NGRAM, corpus=self.proposal_cache))
 
     def check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """Raise DraftwiseError when the request cannot fit the context (before anything is allocated)."""

@@ -35,11 +35,14 @@ def prompt(name: str = "loop") -> list[int]:
     the target often agrees with, and takes both its one-hot accept and recover paths.
 
     "mid-loop" ends one token earlier, so its last 3 tokens occurred before: the hybrid's first round
-    is a lookup round, and the next goes to lookup or to the draft model depending on what was sampled."""
+    is a lookup round, and the next goes to lookup or to the draft model depending on what was sampled.
+
+    "start" is the loop's first words alone: its own text matches nothing, so lookup with a proposal cache that
+    holds the loop proposes from there (lookup-corpus)."""
     base = tiny_tokenizer()("The quick brown fox")["input_ids"]
     out = target().generate(torch.tensor([base]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     ids = out[0].tolist()
-    return {"loop": ids, "mid-loop": ids[:-1]}[name]
+    return {"loop": ids, "mid-loop": ids[:-1], "start": base}[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,13 +77,18 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
         pairs.append(tuple(result.token_ids[:2]))
         proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
         rounds.update(getattr(eng.proposer, "rounds", {}))
+        rounds["corpus"] += getattr(eng.proposer, "corpus_rounds", 0)
     return pairs, accepted / max(proposed, 1), rounds
 
 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5), "lookup": None, "skip": None}[method]
+    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5)}.get(method)
+    if method == "lookup-corpus":  # earlier requests' texts (the loop, then each run's own) propose
+        eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
+        eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
+        return eng
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
 
 
@@ -89,7 +97,8 @@ def engine(method):
 # The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation.
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
-         ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop")]
+         ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"),
+         ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -99,6 +108,8 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     assert 0.1 < acceptance < 0.95  # both accepting and rejecting rounds were exercised
     if method == "hybrid":
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
+    if method == "lookup-corpus":
+        assert rounds["corpus"] >= RUNS  # the first round of every run came from another text
 
 
 def test_the_same_check_rejects_the_wrong_distribution():
@@ -109,3 +120,5 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("skip", "t1", 2)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
+    pairs, _, _ = sampled_pairs("lookup-corpus", "t1", 2, "start")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "start")) < 1e-6

@@ -2,6 +2,9 @@
 
 Free to run and strong on input-grounded text (summaries, code edits, RAG), where the output copies
 spans of the prompt. The guess is one-hot, so Draft.q is None.
+
+With a proposal cache (proposal_cache.py, shared by the engine's sequences) the text of earlier requests is
+searched too: the longer of the two matches proposes, the request's own text on a tie (it is the more specific).
 """
 from __future__ import annotations
 
@@ -9,36 +12,50 @@ import torch
 
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
+from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
 
 
 class PromptLookupProposer:
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftwiseError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got min={min_ngram} max={max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.corpus = corpus  # earlier requests' texts, or None
+        self.corpus_rounds = 0  # proposals this sequence took from the corpus
         self._follower: dict[tuple[int, ...], int] = {}  # n-gram -> where its most recent continuation starts
         self._indexed = 0  # context positions already in the index
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self._follower.clear()
         self._indexed = 0
+        self.corpus_rounds = 0
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+        n, guess = self._own_match(context, k)
+        if self.corpus is not None:
+            corpus_n, corpus_guess = self.corpus.match(context, k)
+            if corpus_n > n and corpus_n >= self.min_ngram and corpus_guess:
+                self.corpus_rounds += 1
+                return Draft(token_ids=corpus_guess)
+        return Draft(token_ids=guess)
+
+    def _own_match(self, context: list[int], k: int) -> tuple[int, tuple[int, ...]]:
+        """(n, the tokens after the most recent earlier occurrence of the context's last n) for the longest n."""
         self._index(context)
         # Longer matches first: a longer shared tail predicts the continuation better.
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             start = self._follower.get(tuple(context[-n:]))
             if start is not None:
-                return Draft(token_ids=tuple(context[start : start + k]))
-        return Draft(token_ids=())
+                return n, tuple(context[start : start + k])
+        return 0, ()
 
     def observe(self, num_accepted: int) -> None:
         pass
 
     def fork(self) -> "PromptLookupProposer":
-        return PromptLookupProposer(self.max_ngram, self.min_ngram)
+        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus)
 
     def release(self) -> None:
         pass
