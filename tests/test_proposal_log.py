@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 
 import pytest
 
@@ -12,8 +13,9 @@ from draftwise import Engine
 from draftwise.cli import main
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.metrics import Stats
 from draftwise.serve.log_command import export_pairs, log_stats
-from draftwise.serve.proposal_log import ProposalLog
+from draftwise.serve.proposal_log import ProposalLog, round_rows
 from draftwise.serve.scheduler import Scheduler
 
 PROMPTS = ["The quick brown fox", "def quicksort(arr):\n", "for i in range(10):", "Summaries copy spans of",
@@ -162,6 +164,46 @@ def test_the_target_alone_logs_nothing(tmp_path):
     path = tmp_path / "log.sqlite"
     serve(ProposalLog(path), [(PROMPTS[0], 8)], method="none")
     assert rows(path) == [] and texts(path) == {}
+
+
+def test_an_off_arms_requests_go_with_the_rows_of_their_time(tmp_path):
+    """A request that never proposed has no rows to go with: it stays while the rows of its time do, so the arms
+    kept are compared over the same span."""
+    path = tmp_path / "log.sqlite"
+    log = ProposalLog(path, max_rows=8)  # more than the requests: only the rounds' rows rotate them
+
+    def request(request_id, arm, proposed):
+        if proposed:
+            log.record_round(round_rows(request_id, arm, 1, 1, "draft", (5, 6, 5, 6), 1, 7, 0.0, 0.0))
+        time.sleep(0.01)  # every row's time differs
+        stats = Stats("draft" if proposed else "none", 4, new_tokens=2, proposed=4 * proposed, target_forwards=1)
+        log.record_request(request_id, arm, stats.method, [1], [5, 7], "length", stats=stats)
+        time.sleep(0.01)
+
+    for request_id, arm, proposed in [("old-off", "off", False), ("r1", "k2", True), ("r2", "k2", True),
+                                      ("new-off", "off", False), ("r3", "k2", True)]:
+        request(request_id, arm, proposed)
+    log.close()
+    assert [r["request_id"] for r in rows(path)] == ["r2"] * 4 + ["r3"] * 4  # 12 rows, the newest 8 kept
+    assert set(texts(path)) == {"r2", "new-off", "r3"}
+
+
+def test_a_log_from_before_the_timing_columns_gets_them(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE requests (request_id TEXT PRIMARY KEY, ts REAL NOT NULL, arm TEXT NOT NULL, "
+               "method TEXT NOT NULL, prompt_ids TEXT NOT NULL, output_ids TEXT NOT NULL, finish TEXT, fallback TEXT)")
+    db.execute("INSERT INTO requests VALUES ('old', 0, '', 'draft', '[1]', '[2]', 'length', NULL)")
+    db.commit()
+    db.close()
+    log = ProposalLog(path)
+    log.record_request("new", "", "draft", [1], [2, 3], "length",
+                       stats=Stats("draft", 4, new_tokens=2, target_forwards=1, decode_s=0.5), ttft_s=0.1,
+                       last_token_s=0.3)
+    log.close()
+    [arm] = log_stats(path)["by_arm"]
+    assert arm["requests"] == 2 and arm["mean_accepted_length"] == 2.0 and arm["tokens_per_s"] == 4.0
+    assert arm["ttft_ms"] == pytest.approx(100) and arm["tbt_ms"] == pytest.approx(200)  # the old row: unknown
 
 
 # --- fallback: a failing or slow proposer leaves its request on the target alone, still exact ---------------

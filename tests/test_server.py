@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import Engine
@@ -80,6 +81,7 @@ def test_a_completion_is_the_targets_own_text_with_usage_and_stats(server):
     assert out.usage.completion_tokens == 16 and out.usage.prompt_tokens == prompt_tokens
     stats = out.model_extra["draftwise"]
     assert stats["method"] == "draft" and stats["new_tokens"] == 16 and stats["proposed"] > 0
+    assert stats["arm"] == ""  # no experiment
 
 
 def test_chat_streaming_equals_chat_whole_and_reports_usage(server):
@@ -225,16 +227,21 @@ def test_a_round_that_raises_mid_stream_ends_the_stream_with_an_error_event(serv
 
 
 def metric(url, name, labels=""):
-    text = httpx.get(f"{url}/metrics").text
-    found = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    """A sample's value (0 when absent); labels as '{a="x",b="y"}', in any order (the client may sort them)."""
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == wanted:
+                return sample.value
+    return 0.0
 
 
 def test_metrics_move_by_what_the_requests_produced(server):
     url, scheduler, _ = server
     names = ["draftwise_emitted_tokens_total", "draftwise_proposed_tokens_total", "draftwise_accepted_tokens_total",
              "draftwise_requests_total", "draftwise_rejected_requests_total"]
-    labels = ["", '{method="draft"}', '{method="draft"}', '{finish_reason="length"}', '{reason="invalid_parameter"}']
+    labels = ['{arm=""}', '{method="draft",arm=""}', '{method="draft",arm=""}', '{finish_reason="length",arm=""}',
+              '{reason="invalid_parameter"}']  # refusals have no arm: they were never served
     before = [metric(url, n, l) for n, l in zip(names, labels)]
     outs = [complete(url, p, max_tokens=10) for p in PROMPTS[:3]]
     with pytest.raises(openai.BadRequestError):
@@ -277,11 +284,11 @@ def test_metrics_by_position_passes_and_refusals_by_reason(server):
 
 def test_a_client_that_leaves_is_counted_as_cancelled(server):
     url = server[0]
-    before = metric(url, "draftwise_requests_total", '{finish_reason="cancelled"}')
+    before = metric(url, "draftwise_requests_total", '{finish_reason="cancelled",arm=""}')
     body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
         next(response.iter_lines())
-    wait_until(lambda: metric(url, "draftwise_requests_total", '{finish_reason="cancelled"}') == before + 1)
+    wait_until(lambda: metric(url, "draftwise_requests_total", '{finish_reason="cancelled",arm=""}') == before + 1)
 
 
 def test_a_wrong_or_missing_api_key_is_refused_but_health_is_open():
@@ -358,13 +365,16 @@ def test_loadgen_drives_a_live_server_and_writes_its_table(tmp_path, server):
 
     url = server[0]
     code = main(["loadgen", "--url", url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6",
-                 "--per-category", "1", "--categories", "qa,translation", "--out", str(tmp_path), "--json"])
+                 "--per-category", "1", "--categories", "qa,translation", "--speculation", "on,always,off",
+                 "--out", str(tmp_path), "--json"])
     assert code == 0
     rows = json.loads((tmp_path / "results.json").read_text())["summary"]
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [("on", 1), ("off", 1), ("on", 2), ("off", 2)]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 2) for m in ("on", "always", "off")]
     # EOS may end one early
     assert all(r["failed"] == 0 and 0 < r["tokens"] <= 12 and r["tokens_per_s"] > 0 for r in rows)
-    assert all(r["acceptance"] is not None for r in rows if r["mode"] == "on")
+    # "on" may measure that speculation does not pay on a busy machine and draft nothing; "always" drafts every round
+    assert all(r["acceptance"] is not None for r in rows if r["mode"] == "always")
+    assert all(r["acceptance"] is None for r in rows if r["mode"] == "off")
     assert (tmp_path / "loadgen.png").stat().st_size > 0 and "| on | 2 |" in (tmp_path / "report.md").read_text()
 
 

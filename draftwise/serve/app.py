@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.errors import DraftwiseError
+from draftwise.serve.dashboard import add_dashboard
 from draftwise.serve.metrics import ServeMetrics
 from draftwise.serve.protocol import RequestError, parse
 from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
@@ -29,13 +30,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
-               default_draft_tokens: int = 4, drain_timeout: float = 30.0) -> FastAPI:
+               default_draft_tokens: int = 4, drain_timeout: float = 30.0, experiment=None) -> FastAPI:
     """The ASGI app. On uvicorn's shutdown (lifespan) it drains the scheduler, so an embedded server that stops
-    lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py)."""
+    lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py).
+    experiment: A/B arms (experiment.Experiment) that pick the speculation of requests that leave it out."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        async with app.state.dashboard.sampling():  # the dashboard's history, while the server runs
+            yield
         await asyncio.to_thread(scheduler.drain, drain_timeout)  # a no-op when already drained
 
     app = FastAPI(title="draftwise", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
@@ -81,10 +84,11 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
                                    reason="invalid_json") from err
-            parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens)
+            parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens, experiment)
             relay = _Relay(asyncio.get_running_loop())
-            reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics)
-            ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body)
+            reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics, parsed.arm)
+            ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body,
+                                      arm=parsed.arm)
         except RequestError as err:
             metrics.reject(err.reason)
             return _error(err)
@@ -152,6 +156,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             scheduler.cancel(ticket)
             reply.abandon()
 
+    app.state.dashboard = add_dashboard(app, api, metrics)  # GET /dashboard: live charts of these metrics
     app.include_router(api)
     return app
 
@@ -168,7 +173,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     async def http_error(request: Request, err: StarletteHTTPException):
         reason = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
         message = {404: f"no route {request.url.path}; this server has /v1/models, /v1/completions, "
-                        "/v1/chat/completions, /health and /metrics",
+                        "/v1/chat/completions, /health, /metrics and /dashboard",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(err.status_code, str(err.detail))
         metrics.reject(reason)
         return _error(RequestError(message, status=err.status_code, code=reason), getattr(err, "headers", None))
@@ -204,13 +209,14 @@ class _Relay:
 
 
 class _Reply:
-    """One response's shapes (completion or chat) and its timing metrics."""
+    """One response's shapes (completion or chat) and its timing metrics, labelled with its A/B arm."""
 
-    def __init__(self, chat: bool, model_id: str, prompt_tokens: int, arrived: float, metrics: ServeMetrics):
+    def __init__(self, chat: bool, model_id: str, prompt_tokens: int, arrived: float, metrics: ServeMetrics,
+                 arm: str = ""):
         self.chat, self.model_id, self.prompt_tokens = chat, model_id, prompt_tokens
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.arrived, self.metrics = arrived, metrics
+        self.arrived, self.metrics, self.arm = arrived, metrics, arm
         self.last_token: float | None = None
         self.completion_tokens = 0
         self.closed = False  # the final event is counted (finished or abandoned)
@@ -218,9 +224,9 @@ class _Reply:
     def token(self, event: Event) -> None:
         now = time.perf_counter()
         if self.last_token is None:
-            self.metrics.ttft.observe(now - self.arrived)
+            self.metrics.ttft.labels(self.arm).observe(now - self.arrived)
         else:
-            self.metrics.tbt.observe(now - self.last_token)
+            self.metrics.tbt.labels(self.arm).observe(now - self.last_token)
         self.last_token = now
         self.completion_tokens += 1
 
@@ -230,8 +236,8 @@ class _Reply:
 
     def finish(self, event: Event) -> None:
         self.closed = True
-        self.metrics.e2e.observe(time.perf_counter() - self.arrived)
-        self.metrics.requests.labels(event.finish_reason).inc()
+        self.metrics.e2e.labels(self.arm).observe(time.perf_counter() - self.arrived)
+        self.metrics.requests.labels(event.finish_reason, self.arm).inc()
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -250,7 +256,7 @@ class _Reply:
     def usage_chunk(self, event: Event) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id, "choices": [],
-                "usage": self.usage(), "draftwise": _stats(event)}
+                "usage": self.usage(), "draftwise": _stats(event, self.arm)}
 
     def whole(self, text: str, event: Event) -> dict:
         finish = FINISH_REASONS.get(event.finish_reason)
@@ -261,7 +267,7 @@ class _Reply:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_id, "choices": [choice], "usage": self.usage(),
-                "draftwise": _stats(event)}
+                "draftwise": _stats(event, self.arm)}
 
 
 def _failure(event: Event) -> RequestError | None:
@@ -274,9 +280,9 @@ def _failure(event: Event) -> RequestError | None:
     return None
 
 
-def _stats(event: Event) -> dict | None:
-    """The request's own speculation stats (the extra response field)."""
-    return event.stats.to_dict() if event.stats is not None else None
+def _stats(event: Event, arm: str) -> dict | None:
+    """The request's own speculation stats and A/B arm (the extra response field)."""
+    return {**event.stats.to_dict(), "arm": arm} if event.stats is not None else None
 
 
 def _sse(payload: dict) -> str:

@@ -22,11 +22,11 @@ def add_serve(commands, formatter) -> None:
         help="serve a model over OpenAI's HTTP API, many requests batched into each step",
         description=(
             "An OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions (streaming with\n"
-            "stream: true), /health and /metrics (Prometheus). Every running request is drafted for and verified\n"
-            "in one batched target pass per step; requests join and leave between steps. Greedy output is the\n"
-            "target's own, alone or in a batch. Per request, the extra body field \"speculation\" picks the\n"
-            "method and draft length, or turns speculation off; the response's \"draftwise\" field has the\n"
-            "request's own acceptance stats. SIGTERM or Ctrl-C drains: running requests finish (up to\n"
+            "stream: true), /health, /metrics (Prometheus) and /dashboard (live charts). Every running request is\n"
+            "drafted for and verified in one batched target pass per step; requests join and leave between\n"
+            "steps. Greedy output is the target's own, alone or in a batch. Per request, the extra body field\n"
+            "\"speculation\" picks the method and draft length, or turns speculation off; the response's\n"
+            "\"draftwise\" field has the request's own acceptance stats. SIGTERM or Ctrl-C drains: running requests finish (up to\n"
             "--drain-timeout), new ones get 503; a second signal stops at once."
         ),
         epilog=(
@@ -54,6 +54,11 @@ def add_serve(commands, formatter) -> None:
     m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
                    help=f"most draft tokens per round unless a request says otherwise, 1-{MAX_DRAFT_TOKENS} "
                         "(default: 4)")
+    m.add_argument("--experiment", metavar="ARMS.toml",
+                   help="A/B arms: split the requests that leave out \"speculation\" between speculation settings "
+                        "by weight ([[arm]] tables of name, weight, speculation; `by = \"user\"` gives each value "
+                        "of that request field one arm for good). Metrics, the proposal log and each response's "
+                        "\"draftwise\" field carry the arm; `draftwise log stats` compares them")
     m.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
     m.add_argument("--model-id", help="the model name clients send (default: --target)")
@@ -96,6 +101,10 @@ def add_serve(commands, formatter) -> None:
                         "draft together, and reuse them for prompts that start the same way (a chat's next turn, a "
                         "shared system prompt); the least recently used go first; 0 turns it off "
                         "(default: %(default)s)")
+    s.add_argument("--proposal-cache-tokens", type=int, default=0, metavar="N",
+                   help="let prompt lookup (methods lookup and hybrid) propose from the texts of earlier requests too, "
+                        "the last N tokens of them: templated traffic repeats spans no single prompt holds; 0 turns "
+                        "it off (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default: 30)")
     p.set_defaults(func=cmd_serve)
@@ -105,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from draftwise import Engine
     from draftwise.errors import DraftwiseError
     from draftwise.serve.app import create_app
+    from draftwise.serve.experiment import Experiment
     from draftwise.serve.guard import load_guard
     from draftwise.serve.metrics import ServeMetrics
     from draftwise.serve.proposal_log import ProposalLog
@@ -113,24 +123,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise DraftwiseError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}")
     draft = None if args.draft in (None, "none") else args.draft
-    # A bad guard or log path fails here, before the models load.
+    # A bad guard, arms file or log path fails here, before the models load.
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
+    experiment = Experiment.load(args.experiment) if args.experiment else None
     log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
+    if args.proposal_cache_tokens < 0:
+        raise DraftwiseError(f"--proposal-cache-tokens must be >= 0 (0 turns it off), got {args.proposal_cache_tokens}")
     if args.prompt_cache_mb < 0:
         raise DraftwiseError(f"--prompt-cache-mb must be >= 0 (0 turns the prompt cache off), "
                              f"got {args.prompt_cache_mb}")
     engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype)
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
-    metrics = ServeMetrics()
+    if args.proposal_cache_tokens:
+        engine.enable_proposal_cache(args.proposal_cache_tokens)
+    if experiment is not None:
+        experiment.check(engine.methods_available)  # e.g. an arm of method "draft" on a server without a draft
+    metrics = ServeMetrics(experiment.labels if experiment is not None else ("",))
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting,
                           prefill_chunk=args.prefill_chunk, metrics=metrics, proposal_log=log,
                           draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
                           guard=guard)
     scheduler.start()
     model_id = args.model_id or args.target
-    app = create_app(scheduler, model_id, metrics, args.api_key, args.num_draft_tokens, args.drain_timeout)
+    app = create_app(scheduler, model_id, metrics, args.api_key, args.num_draft_tokens, args.drain_timeout,
+                     experiment)
     print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    if experiment is not None:
+        print(f"draftwise: experiment {args.experiment}: {experiment.describe()}", file=sys.stderr)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
                             args.drain_timeout)
     try:

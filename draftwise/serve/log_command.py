@@ -1,7 +1,9 @@
 """`draftwise log stats PATH` and `draftwise log export PATH --jsonl OUT`: read a proposal log (proposal_log.py).
 
 stats: acceptance by draft position (the share of tokens proposed at position i that were kept), by method
-and arm, and over time (the log cut into equal spans of rows: a falling rate is drift). export: one JSON line
+and arm, over time (the log cut into equal spans of rows: a falling rate is drift), and the A/B arms of
+`serve --experiment` side by side (from the finished requests: acceptance, tokens per target pass, speed,
+latency). export: one JSON line
 per proposed token whose target token is known, {"context": ids, "target": id, ...}, the pairs a distillation
 of the draft trains on. Both read while the server writes (WAL).
 """
@@ -22,7 +24,9 @@ def add_log(commands, formatter) -> None:
     sub = p.add_subparsers(dest="log_command", metavar="SUBCOMMAND", required=True)
     stats = sub.add_parser("stats", formatter_class=formatter, help="acceptance by position, method and arm, time",
                            description="Acceptance by draft position, by method and arm, and over time (the log "
-                                       "cut into --spans equal spans of rows; a falling rate is drift).")
+                                       "cut into --spans equal spans of rows; a falling rate is drift); and the "
+                                       "arms of `serve --experiment` compared: requests, proposed, acceptance, "
+                                       "mean accepted length, tokens/s, time to first token and between tokens.")
     stats.add_argument("path", metavar="PATH")
     stats.add_argument("--spans", type=int, default=8, metavar="N", help="spans of the over-time table (default: 8)")
     stats.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
@@ -80,11 +84,39 @@ def log_stats(path: str | Path, spans: int = 8) -> dict:
                 over_time.append(_rate_row({"span": span, "from": t0, "to": t1}, n, a))
         requests, fallbacks = db.execute(
             "SELECT COUNT(*), COUNT(fallback) FROM requests").fetchone()
+        arms = _by_arm(db)
     finally:
         db.close()
     return {"path": str(path), "proposed": total, "accepted": accepted, "acceptance": _rate(accepted, total),
             "requests_finished": requests, "requests_fallen_back": fallbacks, "rows_dropped": dropped, "by_position": by_position,
-            "by_method_and_arm": by_arm, "over_time": over_time}
+            "by_method_and_arm": by_arm, "over_time": over_time, "by_arm": arms}
+
+
+def _by_arm(db) -> list[dict]:
+    """The arms compared, from their finished requests (the requests table holds every one, also an "off"
+    arm's, which proposes nothing). Tokens/s is over the requests' decoding time; the time between tokens is
+    pooled over every gap (a request's first-to-last token span over its tokens but one)."""
+    rows = []
+    for arm, methods, n, proposed, accepted, tokens, passes, decode_s, ttft_s, span_s, gaps in db.execute(
+            "SELECT arm, GROUP_CONCAT(DISTINCT method), COUNT(*), COALESCE(SUM(proposed), 0), "
+            "COALESCE(SUM(accepted), 0), SUM(new_tokens), SUM(passes), SUM(decode_s), AVG(ttft_s), "
+            "SUM(CASE WHEN new_tokens > 1 AND ttft_s IS NOT NULL THEN last_token_s - ttft_s END), "
+            "SUM(CASE WHEN new_tokens > 1 AND ttft_s IS NOT NULL THEN new_tokens - 1 END) "
+            "FROM requests GROUP BY arm ORDER BY arm"):
+        row = _rate_row({"arm": arm, "methods": sorted(methods.split(",")), "requests": n}, proposed, accepted)
+        row.update(mean_accepted_length=_ratio(tokens, passes), tokens_per_s=_ratio(tokens, decode_s),
+                   ttft_ms=_ms(ttft_s), tbt_ms=_ms(span_s, gaps))
+        rows.append(row)
+    return rows
+
+
+def _ratio(numerator, denominator) -> float | None:
+    """None where either is unknown (NULL: no such requests, or a log from before the column) or it is 0/0."""
+    return round(numerator / denominator, 4) if numerator is not None and denominator else None
+
+
+def _ms(seconds, count=1) -> float | None:
+    return round(1000 * seconds / count, 3) if seconds is not None and count else None
 
 
 def _rate(accepted: int, proposed: int) -> float | None:
@@ -99,6 +131,9 @@ def format_stats(stats: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{100 * value:.1f}%"
 
+    def num(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     lines = [f"{stats['path']}: {stats['proposed']} proposed tokens, {stats['accepted']} accepted "
              f"({pct(stats['acceptance'])}), {stats['requests_finished']} finished requests "
              f"({stats['requests_fallen_back']} fell back to the target alone), "
@@ -109,6 +144,12 @@ def format_stats(stats: dict) -> str:
               "| method | arm | rounds | proposed | acceptance | draft ms/round | verify ms/round |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['arm'] or '-'} | {r['rounds']} | {r['proposed']} | {pct(r['acceptance'])} | "
               f"{r['draft_ms_per_round']:.1f} | {r['verify_ms_per_round']:.1f} |" for r in stats["by_method_and_arm"]]
+    lines += ["", "by arm (finished requests)",
+              "| arm | methods | requests | proposed | acceptance | mean accepted length | tokens/s | TTFT ms | "
+              "TBT ms |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm'] or '-'} | {', '.join(r['methods'])} | {r['requests']} | {r['proposed']} | "
+              f"{pct(r['acceptance'])} | {num(r['mean_accepted_length'], 2)} | {num(r['tokens_per_s'], 1)} | "
+              f"{num(r['ttft_ms'], 1)} | {num(r['tbt_ms'], 1)} |" for r in stats["by_arm"]]
     lines += ["", "over time (equal spans of rows; a falling acceptance is drift)",
               "| span | seconds from start | proposed | acceptance |", "|---|---|---|---|"]
     start = stats["over_time"][0]["from"] if stats["over_time"] else 0.0

@@ -11,18 +11,24 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 class ServeMetrics:
-    def __init__(self):
+    def __init__(self, arms: tuple[str, ...] = ("",)):
+        """Every per-request metric has an `arm` label: the A/B arm that served the request (experiment.py; ""
+        without an experiment). The step-level ones (passes, draft/verify/overhead seconds, batch size, prefill)
+        have none: one batched step serves requests of every arm at once. arms: the labels the arm-only metrics
+        show (at 0) from the start."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.proposed = Counter("draftwise_proposed_tokens", "Draft tokens proposed", ["method"], registry=r)
-        self.accepted = Counter("draftwise_accepted_tokens", "Draft tokens the target kept", ["method"], registry=r)
+        self.proposed = Counter("draftwise_proposed_tokens", "Draft tokens proposed", ["method", "arm"], registry=r)
+        self.accepted = Counter("draftwise_accepted_tokens", "Draft tokens the target kept", ["method", "arm"],
+                                registry=r)
         self.proposed_at = Counter("draftwise_proposed_tokens_by_position",
-                                   "Draft tokens proposed at each draft position (0 = first)", ["position"],
+                                   "Draft tokens proposed at each draft position (0 = first)", ["position", "arm"],
                                    registry=r)
         self.accepted_at = Counter("draftwise_accepted_tokens_by_position",
-                                   "Draft tokens kept at each draft position (0 = first)", ["position"], registry=r)
+                                   "Draft tokens kept at each draft position (0 = first)", ["position", "arm"],
+                                   registry=r)
         self.passes = Counter("draftwise_verification_passes", "Batched target passes (one per step)", registry=r)
-        self.emitted = Counter("draftwise_emitted_tokens", "Tokens sent to clients", registry=r)
+        self.emitted = Counter("draftwise_emitted_tokens", "Tokens sent to clients", ["arm"], registry=r)
         self.draft_s = Histogram("draftwise_draft_seconds", "Drafting time per step", buckets=LATENCY_BUCKETS,
                                  registry=r)
         self.verify_s = Histogram("draftwise_verify_seconds", "Verification time per step (one batched pass)",
@@ -33,19 +39,19 @@ class ServeMetrics:
                                    buckets=LATENCY_BUCKETS, registry=r)
         self.batch = Histogram("draftwise_batch_size", "Sequences per step", buckets=BATCH_BUCKETS, registry=r)
         self.ttft = Histogram("draftwise_time_to_first_token_seconds", "Request arrival to its first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["arm"], buckets=LATENCY_BUCKETS, registry=r)
         self.tbt = Histogram("draftwise_time_between_tokens_seconds", "Gap between a request's consecutive tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             ["arm"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("draftwise_request_seconds", "Request arrival to its last byte",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("draftwise_requests", "Finished requests by finish reason", ["finish_reason"],
+                             ["arm"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("draftwise_requests", "Finished requests by finish reason", ["finish_reason", "arm"],
                                 registry=r)
         self.rejected = Counter("draftwise_rejected_requests", "Requests refused, by reason", ["reason"], registry=r)
         self.fallbacks = Counter("draftwise_proposer_fallbacks",
                                  "Requests put on the target alone because their proposer failed, by reason "
-                                 "(error, timeout)", ["reason"], registry=r)
+                                 "(error, timeout)", ["reason", "arm"], registry=r)
         self.guard_blocks = Counter("draftwise_guard_blocks", "Responses the guard ended (content_filter)",
-                                    registry=r)
+                                    ["arm"], registry=r)
         self.log_dropped = Gauge("draftwise_proposal_log_dropped_rows",
                                  "Proposal log rows dropped because the writer fell behind", registry=r)
         self.prompt_lookups = Counter("draftwise_prompt_cache_lookups", "Prompts looked up in the prompt cache",
@@ -56,6 +62,9 @@ class ServeMetrics:
         self.prompt_bytes = Gauge("draftwise_prompt_cache_bytes", "Bytes the prompt cache holds", registry=r)
         self.running = Gauge("draftwise_running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("draftwise_waiting_requests", "Requests waiting to join the batch", registry=r)
+        for arm in arms:  # shown at 0 before the first request, as unlabelled metrics are
+            for metric in (self.emitted, self.ttft, self.tbt, self.e2e, self.guard_blocks):
+                metric.labels(arm)
 
     # -- called by the scheduler (model thread) ------------------------------------------------------
     def observe_step(self, batch_size: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
@@ -65,20 +74,23 @@ class ServeMetrics:
         self.verify_s.observe(verify_s)
         self.overhead_s.observe(overhead_s)
 
-    def observe_round(self, method: str, num_proposed: int, num_accepted: int) -> None:
+    def observe_round(self, method: str, num_proposed: int, num_accepted: int, arm: str = "") -> None:
         if num_proposed:
-            self.proposed.labels(method).inc(num_proposed)
-            self.accepted.labels(method).inc(num_accepted)
+            self.proposed.labels(method, arm).inc(num_proposed)
+            self.accepted.labels(method, arm).inc(num_accepted)
         for i in range(num_proposed):
-            self.proposed_at.labels(str(i)).inc()
+            self.proposed_at.labels(str(i), arm).inc()
             if i < num_accepted:
-                self.accepted_at.labels(str(i)).inc()
+                self.accepted_at.labels(str(i), arm).inc()
 
-    def observe_emitted(self, n: int) -> None:
-        self.emitted.inc(n)
+    def observe_emitted(self, n: int, arm: str = "") -> None:
+        self.emitted.labels(arm).inc(n)
 
-    def observe_fallback(self, reason: str) -> None:
-        self.fallbacks.labels(reason).inc()
+    def observe_fallback(self, reason: str, arm: str = "") -> None:
+        self.fallbacks.labels(reason, arm).inc()
+
+    def observe_guard_block(self, arm: str = "") -> None:
+        self.guard_blocks.labels(arm).inc()
 
     def observe_prompt_cache(self, reused_tokens: int) -> None:
         self.prompt_lookups.inc()

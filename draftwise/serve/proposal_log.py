@@ -12,7 +12,10 @@ Tables:
   method, draft and verify seconds of the round's step, time;
 - requests: the prompt and output ids of each finished request, and why its proposer was dropped if it was
   (the server's fallback), so that `draftwise log export` can give the
-  (context, target token) pairs a later distillation trains the draft on;
+  (context, target token) pairs a later distillation trains the draft on; and its arm, counts and timing
+  (tokens, target passes, proposed, accepted, decode seconds, seconds from submission to its first and last
+  token), so that `draftwise log stats` can compare A/B arms (experiment.py). Requests served by the target
+  alone are recorded only under an experiment, where an "off" arm is the baseline;
 - meta: rows dropped because the disk fell behind.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 from draftwise.errors import DraftwiseError
+from draftwise.metrics import Stats
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
@@ -37,8 +41,13 @@ CREATE TABLE IF NOT EXISTS requests (
     prompt_ids TEXT NOT NULL, output_ids TEXT NOT NULL, finish TEXT, fallback TEXT);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+# Added to the requests table by connect(), in new logs and in logs written before them (NULL in old rows).
+REQUEST_TIMING = {"new_tokens": "INTEGER", "passes": "INTEGER", "proposed": "INTEGER", "accepted": "INTEGER",
+                  "decode_s": "REAL", "ttft_s": "REAL", "last_token_s": "REAL"}
 ROUND_COLUMNS = ("ts", "request_id", "arm", "step", "position", "offset", "proposed", "target", "accepted",
                  "method", "draft_s", "verify_s")
+REQUEST_COLUMNS = ("request_id", "ts", "arm", "method", "prompt_ids", "output_ids", "finish", "fallback",
+                   *REQUEST_TIMING)
 DEFAULT_MAX_ROWS = 5_000_000
 DEFAULT_QUEUE = 10_000  # batches of rows (one per round), not rows
 
@@ -76,8 +85,13 @@ class ProposalLog:
         self._put(("rounds", rows), len(rows))
 
     def record_request(self, request_id: str, arm: str, method: str, prompt_ids: list[int], output_ids: list[int],
-                       finish: str | None, fallback: str | None = None) -> None:
-        row = (request_id, time.time(), arm, method, json.dumps(prompt_ids), json.dumps(output_ids), finish, fallback)
+                       finish: str | None, fallback: str | None = None, stats: Stats | None = None,
+                       ttft_s: float | None = None, last_token_s: float | None = None) -> None:
+        """ttft_s, last_token_s: seconds from submission to the request's first and last token sent."""
+        counts = ((stats.new_tokens, stats.target_forwards, stats.proposed, stats.accepted, stats.decode_s)
+                  if stats is not None else (None,) * 5)
+        row = (request_id, time.time(), arm, method, json.dumps(prompt_ids), json.dumps(output_ids), finish, fallback,
+               *counts, ttft_s, last_token_s)
         self._put(("requests", [row]), 0)
 
     def _put(self, item, rows: int) -> None:
@@ -115,17 +129,22 @@ class ProposalLog:
         with db:
             db.executemany(f"INSERT INTO rounds ({', '.join(ROUND_COLUMNS)}) VALUES "
                            f"({', '.join('?' * len(ROUND_COLUMNS))})", rounds)
-            db.executemany("INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?)", requests)
+            db.executemany(f"INSERT OR REPLACE INTO requests ({', '.join(REQUEST_COLUMNS)}) VALUES "
+                           f"({', '.join('?' * len(REQUEST_COLUMNS))})", requests)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (self.dropped,))
             self._rotate(db)
 
     def _rotate(self, db: sqlite3.Connection) -> None:
         newest = db.execute("SELECT MAX(id) FROM rounds").fetchone()[0] or 0
         oldest = db.execute("SELECT MIN(id) FROM rounds").fetchone()[0] or 0
-        if newest - oldest + 1 <= self.max_rows:
-            return
-        db.execute("DELETE FROM rounds WHERE id <= ?", (newest - self.max_rows,))
-        db.execute("DELETE FROM requests WHERE request_id NOT IN (SELECT DISTINCT request_id FROM rounds)")
+        if newest - oldest + 1 > self.max_rows:
+            db.execute("DELETE FROM rounds WHERE id <= ?", (newest - self.max_rows,))
+            # A request that proposed goes with its last row; one that never did (an "off" arm) goes with the rows
+            # of its time, so that the arms kept are compared over the same span. (NULL: a row from before.)
+            db.execute("DELETE FROM requests WHERE request_id NOT IN (SELECT DISTINCT request_id FROM rounds) "
+                       "AND (COALESCE(proposed, 1) > 0 OR ts < (SELECT MIN(ts) FROM rounds))")
+        last = db.execute("SELECT MAX(rowid) FROM requests").fetchone()[0] or 0
+        db.execute("DELETE FROM requests WHERE rowid <= ?", (last - self.max_rows,))  # e.g. every arm "off"
 
 
 def connect(path: Path, create: bool = False) -> sqlite3.Connection:
@@ -136,4 +155,15 @@ def connect(path: Path, create: bool = False) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     if create:
         db.executescript(SCHEMA)
+    _add_missing_columns(db)
     return db
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+    if not have:  # not a proposal log: its readers say so
+        return
+    with db:
+        for name, kind in REQUEST_TIMING.items():
+            if name not in have:
+                db.execute(f"ALTER TABLE requests ADD COLUMN {name} {kind}")

@@ -41,10 +41,12 @@ class Parsed:
     cfg: GenerationConfig
     stream: bool
     include_usage: bool
+    arm: str = ""  # the A/B arm that chose its speculation ("" without an experiment)
 
 
-def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4) -> Parsed:
-    """Check an OpenAI completions (chat=False) or chat completions body against what this server can do."""
+def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4, experiment=None) -> Parsed:
+    """Check an OpenAI completions (chat=False) or chat completions body against what this server can do.
+    With an experiment (experiment.py), a request that leaves out `speculation` gets its arm's."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -67,7 +69,8 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                            f"context of {engine.max_context} tokens; at most {room} fit", "max_tokens",
                            code="context_length_exceeded", reason="context_length")
-    spec = _speculation(body.get("speculation"), engine)
+    arm, speculation = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
+    spec = speculation_options(speculation, engine.methods_available)
     options = dict(
         max_new_tokens=max_tokens,
         num_draft_tokens=default_draft_tokens,
@@ -86,7 +89,7 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
         cfg = GenerationConfig.from_options(**options)
     except DraftwiseError as err:
         raise RequestError(str(err)) from err
-    return Parsed(prompt_ids, cfg, stream, bool(stream_options.get("include_usage")))
+    return Parsed(prompt_ids, cfg, stream, bool(stream_options.get("include_usage")), arm)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -135,8 +138,9 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
         raise RequestError(str(err), "messages") from err
 
 
-def _speculation(value, engine) -> dict:
-    """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive}."""
+def speculation_options(value, methods_available) -> dict:
+    """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive}, as
+    GenerationConfig options. Also an experiment's arms (experiment.py), checked the same way."""
     if value is None or value is True or value == "on":
         return {}
     if value is False or value == "off":
@@ -150,9 +154,9 @@ def _speculation(value, engine) -> dict:
                            "num_draft_tokens, adaptive", "speculation")
     out = {}
     if "method" in value:
-        if value["method"] not in engine.methods_available:
+        if value["method"] not in methods_available:
             raise RequestError(f"speculation method {value['method']!r} is not available on this server; choose "
-                               f"one of: {', '.join(engine.methods_available)}", "speculation.method")
+                               f"one of: {', '.join(methods_available)}", "speculation.method")
         out["method"] = value["method"]
     if "num_draft_tokens" in value:
         out["num_draft_tokens"] = _number(value, "num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS, integer=True,

@@ -52,8 +52,18 @@ class Ticket:
     rounds: int = 0  # verified rounds that proposed something (the proposal log's step)
     fell_back: bool = False  # its proposer failed and it goes on with the target alone
     guarded: GuardedText | None = None  # its text on the way out, when the server has a guard
+    first_token_at: float | None = None  # when its first and latest tokens were handed to the HTTP side
+    last_token_at: float | None = None
     cancelled: bool = False
     done: bool = False
+
+    def token_sent(self) -> None:
+        self.last_token_at = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = self.last_token_at
+
+    def since_submitted(self, at: float | None) -> float | None:
+        return None if at is None else at - self.submitted_at
 
 
 class Scheduler:
@@ -102,15 +112,16 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None],
-               request_id: str | None = None, request: dict | None = None) -> Ticket:
-        """Queue a request; never blocks. Raises DraftwiseError for a request that cannot run, QueueFull, or
-        ShuttingDown."""
+               request_id: str | None = None, request: dict | None = None, arm: str = "") -> Ticket:
+        """Queue a request; never blocks. arm: the A/B arm it is served by, for its metrics and log rows.
+        Raises DraftwiseError for a request that cannot run, QueueFull, or ShuttingDown."""
         method = cfg.method or self.engine.method
         if method not in self.engine.methods_available:
             raise DraftwiseError(f"method {method!r} is not available on this server; choose one of: "
                                  f"{', '.join(self.engine.methods_available)}")
         self.engine.check_limits(len(prompt_ids), cfg)
-        ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}")
+        ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}",
+                        arm=arm)
         if self.guard is not None:
             ticket.guarded = self.guard.stream(request or {})
         with self._cond:
@@ -228,7 +239,7 @@ class Scheduler:
         for ticket in ready:
             if self.metrics is not None and ticket.seq.stats.fallback and not ticket.fell_back:
                 self.metrics.observe_fallback("timeout" if ticket.seq.stats.fallback.startswith("TimeoutError")
-                                              else "error")
+                                              else "error", ticket.arm)
             ticket.fell_back = bool(ticket.seq.stats.fallback)
             self._deliver(ticket, events[ticket.seq], before[ticket])
         if self.metrics is not None:
@@ -239,14 +250,15 @@ class Scheduler:
     def _deliver(self, ticket: Ticket, events: list[Event], before: tuple[int, int]) -> None:
         stats = ticket.seq.stats
         if self.metrics is not None and ticket.seq.finish != "error":
-            self.metrics.observe_round(ticket.seq.method, stats.proposed - before[0], stats.accepted - before[1])
-            self.metrics.observe_emitted(sum(e.token_id is not None for e in events))
+            self.metrics.observe_round(ticket.seq.method, stats.proposed - before[0], stats.accepted - before[1],
+                                       ticket.arm)
+            self.metrics.observe_emitted(sum(e.token_id is not None for e in events), ticket.arm)
         for event in events:
             if ticket.guarded is not None:
                 released = ticket.guarded.add(event.text, final=event.finish_reason is not None)
                 if released is None:  # nothing of the blocked text leaves: end here
                     if self.metrics is not None:
-                        self.metrics.guard_blocks.inc()
+                        self.metrics.observe_guard_block(ticket.arm)
                     self._finish(ticket, Event(token_id=None, text="", finish_reason="content_filter",
                                                stats=ticket.seq.stats))
                     return
@@ -254,6 +266,8 @@ class Scheduler:
             if event.finish_reason is not None:
                 self._finish(ticket, event)
             else:
+                if event.token_id is not None:
+                    ticket.token_sent()
                 self._send(ticket, event)
 
     def _fail(self, ticket: Ticket, err: BaseException) -> None:
@@ -268,15 +282,21 @@ class Scheduler:
         if ticket.seq is not None:
             self.engine.close_sequence(ticket.seq)
             self._tickets.pop(ticket.seq, None)
-            if self.proposal_log is not None and ticket.seq.method != "none":
-                seq = ticket.seq
-                self.proposal_log.record_request(ticket.request_id, ticket.arm, seq.method, seq.prompt_ids,
-                                                 seq.context[len(seq.prompt_ids):], event.finish_reason,
-                                                 seq.stats.fallback)
+            # The target alone proposes nothing to learn from; but under an experiment an "off" arm is the
+            # baseline the other arms are compared with (`draftwise log stats`).
+            if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
+                self._log_request(ticket, event)
         with self._cond:
             if ticket in self._running:
                 self._running.remove(ticket)
         self._send(ticket, event)
+
+    def _log_request(self, ticket: Ticket, event: Event) -> None:
+        seq = ticket.seq
+        self.proposal_log.record_request(ticket.request_id, ticket.arm, seq.method, seq.prompt_ids,
+                                         seq.context[len(seq.prompt_ids):], event.finish_reason, seq.stats.fallback,
+                                         stats=seq.stats, ttft_s=ticket.since_submitted(ticket.first_token_at),
+                                         last_token_s=ticket.since_submitted(ticket.last_token_at))
 
     def _send(self, ticket: Ticket, event: Event) -> None:
         try:
