@@ -121,9 +121,10 @@ class DraftLengthPolicy:
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass."""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
-        if not self.costs.knows(rows, 1):
-            # Unmeasured, a plain step would cost what the nearest measured width does, a wider one, so every
-            # k > 0 would look better than it and the plain step would never be tried: time one first.
+        if not self.costs.knows(rows, max(fixed, default=0) + 1):
+            # Unmeasured, the narrowest pass (k = 0 here; rows with their own k keep it wider) would cost what the
+            # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
+            # never be tried: time it first.
             return 0
         best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed))
         if best == 0:

@@ -158,12 +158,16 @@ class Engine:
         else:
             target, proposer = self.target.open_slot(), self._new_proposer(method)
         generator = make_generator(cfg.sampling.seed)
-        target.trim(0)
-        if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot
-            proposer.bind(target)
-        if proposer is not None:
-            proposer.begin(prompt_ids, cfg.sampling, generator)
-        reused = self._restore_prompt(target, proposer, prompt_ids)
+        try:
+            target.trim(0)
+            if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot
+                proposer.bind(target)
+            if proposer is not None:
+                proposer.begin(prompt_ids, cfg.sampling, generator)
+            reused, draft_reused = self._restore_prompt(target, proposer, prompt_ids)
+        except BaseException:  # nothing allocated here may outlive a sequence that never opened
+            self._release(target, proposer)
+            raise
         # A seeded sampled request drafts a fixed k: its random draws depend on the round shapes, which an
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
@@ -172,7 +176,8 @@ class Engine:
                       speed_paths=self.speed_paths, prompt_cached=reused)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                         acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
-                        generator=generator, context=list(prompt_ids), prefilled=reused)
+                        generator=generator, context=list(prompt_ids), prefilled=reused,
+                        draft_prefilled=draft_reused)
 
     # -- the prompt cache --------------------------------------------------------------------------------
     def enable_prompt_cache(self, max_bytes: int) -> PrefixCache:
@@ -195,15 +200,15 @@ class Engine:
             lookup.corpus = self.proposal_cache
         return self.proposal_cache
 
-    def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> int:
-        """How much of the prompt (of all but its last token) came from the prompt cache: the target's longest
-        cached prefix, and the draft's cache made to hold the same."""
+    def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> tuple[int, int]:
+        """How much of the prompt (of all but its last token) came from the prompt cache: (the target's longest
+        cached prefix, the draft's, at most as long). Chunked prefill does the rest of each."""
         if self.prompt_cache is None:
-            return 0
+            return 0, 0
         reused = target.restore(prompt_ids[:-1])
         if reused and hasattr(proposer, "restore"):
-            proposer.restore(prompt_ids[:reused])
-        return reused
+            return reused, proposer.restore(prompt_ids[:reused])
+        return reused, reused
 
     def _remember_prompt(self, seq: Sequence) -> None:
         """Offer a sequence's caches to the prompt cache as it leaves (they hold its text but the last token)."""
@@ -217,16 +222,21 @@ class Engine:
         """Give the sequence's slots back (once); the engine's own slot and proposer become free for the next."""
         if seq.target is None:
             return
-        self._remember_prompt(seq)
-        if self.proposal_cache is not None and seq.finish not in (None, "error"):
-            self.proposal_cache.add(seq.context)
-        if seq.target is self.target.default:
+        try:
+            self._remember_prompt(seq)
+            if self.proposal_cache is not None and seq.finish not in (None, "error"):
+                self.proposal_cache.add(seq.context)
+        finally:  # the caches are offered what they may keep; the slots go back whatever happened there
+            self._release(seq.target, seq.proposer)
+            seq.target = None
+
+    def _release(self, target, proposer) -> None:
+        if target is self.target.default:
             self._default_in_use = False
         else:
-            seq.target.close()
-            if seq.proposer is not None:
-                seq.proposer.release()
-        seq.target = None
+            target.close()
+            if proposer is not None:
+                proposer.release()
 
     def _new_proposer(self, method: str):
         from draftwise.proposers import HybridProposer
@@ -262,15 +272,20 @@ class Engine:
         """Put (up to max_tokens more of) the prompt, all but its last token, into the sequence's caches.
         A server prefills in chunks so a long prompt does not stall the sequences already decoding."""
         started = time.perf_counter()
-        end = len(seq.prompt_ids) - 1
-        if max_tokens is not None:
-            end = min(end, seq.prefilled + max_tokens)
-        chunk = seq.prompt_ids[seq.prefilled : end]
-        seq.target.append(chunk)
-        if seq.proposer is not None and hasattr(seq.proposer, "extend"):
-            seq.proposer.extend(chunk)
-        seq.prefilled = end
+        seq.prefilled = self._prefill_chunk(seq.target.append, seq.prompt_ids, seq.prefilled, max_tokens)
+        extend = getattr(seq.proposer, "extend", None)
+        seq.draft_prefilled = (seq.prefilled if extend is None else
+                               self._prefill_chunk(extend, seq.prompt_ids, seq.draft_prefilled, max_tokens))
         seq.stats.prefill_s += time.perf_counter() - started
+
+    @staticmethod
+    def _prefill_chunk(append, prompt_ids: list[int], done: int, max_tokens: int | None) -> int:
+        """Feed the next chunk (at most max_tokens) of the prompt but its last token to append; returns how far
+        that cache now holds it."""
+        end = len(prompt_ids) - 1 if max_tokens is None else min(len(prompt_ids) - 1, done + max_tokens)
+        if end > done:
+            append(prompt_ids[done:end])
+        return max(done, end)
 
     # -- one round for a batch of sequences --------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> dict[Sequence, list[Event]]:

@@ -27,14 +27,17 @@ class Sequence:
     stats: Stats
     generator: torch.Generator
     context: list[int] = field(default_factory=list)  # prompt + every token emitted so far
-    prefilled: int = 0  # prompt tokens (of all but the last) already in the target's and draft's caches
+    prefilled: int = 0  # prompt tokens (of all but the last) already in the target's cache
+    # ... and in the proposer's own cache (a draft model's): behind `prefilled` when the prompt cache held less for
+    # the draft than for the target; chunked prefill brings it level.
+    draft_prefilled: int = 0
     finish: str | None = None  # set once the sequence has ended
     error: str | None = None  # why, when it ended in an error
     exception: BaseException | None = None  # the error itself
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids) - 1
+        return min(self.prefilled, self.draft_prefilled) >= len(self.prompt_ids) - 1
 
     @property
     def remaining(self) -> int:

@@ -110,6 +110,14 @@ def test_a_plain_step_is_timed_at_a_new_batch_size_before_speculation_is_chosen_
     assert policy.choose([0.95], k_max=4, rows=1) == 4  # alone, speculation pays again
 
 
+def test_with_fixed_rows_the_narrowest_pass_is_the_one_timed_first():
+    # Rows drafting their own k = 2 make every pass at least 3 wide: a width-1 pass can never be timed, and
+    # waiting for one would keep the adaptive rows at k = 0 for good.
+    policy = DraftLengthPolicy()
+    policy.costs.observe(4, 2, 0.1 * 2, 0.3)
+    assert policy.choose([0.9], k_max=4, rows=4, fixed=[2, 2, 2]) > 0
+
+
 def test_sequences_with_their_own_k_widen_the_pass():
     policy = DraftLengthPolicy()
     _memory_then_compute_bound(policy)

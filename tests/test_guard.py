@@ -22,6 +22,13 @@ def block_secrets(request: dict, text: str):
     return "block" if request.get("forbid") and request["forbid"] in text else "allow"
 
 
+def block_secrets_or_raise(request: dict, text: str):
+    """Like block_secrets, but broken for requests that ask it to be."""
+    if request.get("break_guard"):
+        raise ValueError("the guard's backend is down")
+    return block_secrets(request, text)
+
+
 def reference_text() -> str:
     engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none")
     return engine.generate(PROMPT, max_new_tokens=TOKENS).text
@@ -62,7 +69,7 @@ def guarded_server():
     engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
                                 method="draft")
     metrics = ServeMetrics()
-    guard = load_guard("test_guard:block_secrets", None, window=40)
+    guard = load_guard("test_guard:block_secrets_or_raise", None, window=40)
     scheduler = Scheduler(engine, prefill_chunk=4, metrics=metrics, guard=guard)
     scheduler.start()
     url, stop = serve_in_thread(create_app(scheduler, "tiny", metrics))
@@ -105,3 +112,18 @@ def test_an_allowed_response_is_the_whole_text(guarded_server, stream):
     else:
         text = response.choices[0].text
     assert text == reference_text()[: len(text)] and len(text) > 0
+
+
+def test_a_guard_that_raises_ends_only_its_request_and_sends_nothing_it_did_not_pass(guarded_server):
+    client, _ = guarded_server
+    with pytest.raises(openai.InternalServerError, match="the guard raised ValueError"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                  extra_body={"break_guard": True})
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True,
+                                       extra_body={"break_guard": True})
+    pieces = []
+    with pytest.raises(openai.APIError, match="the guard raised"):
+        for chunk in stream:
+            pieces.extend(c.text for c in chunk.choices)
+    assert "".join(pieces) == ""  # the guard passed nothing before it broke, so nothing left
+    assert _ask(client, False).choices[0].text == reference_text()  # the server goes on

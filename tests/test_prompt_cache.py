@@ -77,6 +77,20 @@ def test_a_second_turn_from_the_cache_equals_a_cold_one(method, arch):
     assert second.token_ids == cold.generate(second_prompt, max_new_tokens=16, ignore_eos=True).token_ids
 
 
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_a_turn_that_ended_on_a_stop_string_is_cached_too(method):
+    """A chat's turn ends on EOS or a stop string, with the cache possibly holding draft tokens past it."""
+    warm, cold = engine(method), engine(method, cache_bytes=None)
+    whole = cold.generate(FIRST_TURN, max_new_tokens=24, ignore_eos=True)
+    stop = whole.text[10:14]  # some text the greedy output reaches
+    first = warm.generate(FIRST_TURN, max_new_tokens=24, ignore_eos=True, stop=[stop], num_draft_tokens=8)
+    assert first.finish_reason == "stop"
+    second_prompt = ids(FIRST_TURN) + first.token_ids + ids(NEXT_TURN)
+    second = warm.generate(second_prompt, max_new_tokens=8, ignore_eos=True)
+    assert second.stats.prompt_cached >= len(ids(FIRST_TURN))
+    assert second.token_ids == cold.generate(second_prompt, max_new_tokens=8, ignore_eos=True).token_ids
+
+
 def test_a_repeated_prompt_needs_no_prefill_and_the_draft_cache_matches_the_targets():
     eng = engine("draft")
     prompt = ids(FIRST_TURN)

@@ -97,3 +97,17 @@ def test_without_the_cache_lookup_keeps_nothing_between_requests():
     eng = engine("lookup", tokens=None)
     greedy(TEMPLATE.format(n=1), eng)
     assert eng.proposal_cache is None and eng.proposer.corpus is None
+
+
+def test_a_seeded_sampled_request_repeats_whatever_the_cache_holds():
+    """Its random draws follow the round shapes, so it looks up its own text only."""
+    eng = engine("lookup")
+    prompt = TEMPLATE.format(n=2)
+
+    def sampled():
+        return eng.generate(prompt, max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=11).token_ids
+
+    first = sampled()
+    for n in range(3):
+        greedy(TEMPLATE.format(n=n), eng)  # the cache now holds texts that would change its drafts
+    assert sampled() == first and eng.proposer.corpus_rounds == 0

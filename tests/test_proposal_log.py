@@ -279,3 +279,18 @@ def test_a_step_that_drafts_past_the_timeout_falls_back_and_stays_exact():
     assert stats.proposed > 0 and set(stats.proposed_at) == {1}  # one drafted round, then plain steps
     with pytest.raises(DraftwiseError, match="draft timeout must be > 0"):
         Scheduler(eng, draft_timeout_s=0)
+
+
+def test_a_blocked_response_leaves_no_text_in_the_log(tmp_path):
+    """What the guard stopped is neither exported for training nor kept in the log's rows."""
+    path = tmp_path / "log.sqlite"
+    log = ProposalLog(path)
+    for request_id in ("kept", "blocked"):
+        log.record_round(round_rows(request_id, "", 1, 5, "draft", (7, 8), 1, 9, 0.01, 0.02))
+    log.record_request("kept", "", "draft", [1, 2, 3], [7, 9], "length")
+    log.record_request("blocked", "", "draft", [1, 2, 3], [7, 9], "content_filter")
+    log.close()
+    assert {r["request_id"] for r in rows(path)} == {"kept"}
+    with sqlite3.connect(path) as db:
+        outputs = dict(db.execute("SELECT request_id, output_ids FROM requests"))
+    assert json.loads(outputs["blocked"]) == [] and json.loads(outputs["kept"]) == [7, 9]

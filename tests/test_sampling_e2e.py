@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.config import SamplingConfig
-from draftwise.sampling import logits_to_probs
+from draftwise.sampling import logits_to_probs, make_generator
 from stats_helpers import fit_pvalue
 
 RUNS = 800
@@ -70,10 +72,14 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
     eng = engine(method)
     pairs, proposed, accepted, rounds = [], 0, 0, Counter()
     for seed in range(RUNS):
-        result = eng.generate(
-            prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, ignore_eos=True,
-        )
+        # The proposal cache serves unseeded requests only (a seeded one must repeat whatever the cache holds):
+        # those runs ask for no seed, and get a generator seeded here, so that the test repeats.
+        unseeded = method == "lookup-corpus"
+        with mock.patch("draftwise.engine.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
+            result = eng.generate(
+                prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
+                top_k=cfg.top_k, top_p=cfg.top_p, seed=None if unseeded else seed, ignore_eos=True,
+            )
         pairs.append(tuple(result.token_ids[:2]))
         proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
         rounds.update(getattr(eng.proposer, "rounds", {}))

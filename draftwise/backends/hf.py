@@ -165,10 +165,13 @@ class SlotView:
         return length
 
     def remember(self, token_ids: list[int]) -> None:
-        """Offer the slot's contents, which are token_ids' keys and values, to the prompt cache."""
+        """Offer the slot's first positions, the keys and values of token_ids' first ones, to the prompt cache.
+        The slot may hold fewer (the text's last token) or more (draft tokens kept past an EOS or a stop string
+        that ended the text): its common part with token_ids is what is offered."""
         cache = self.backend.prefix_cache
-        if cache is not None and self.slot.length == len(token_ids):
-            cache.put(self.backend.prefix_name, token_ids, *self.backend.cache.export(self.slot, len(token_ids)))
+        length = min(self.slot.length, len(token_ids))
+        if cache is not None and length:
+            cache.put(self.backend.prefix_name, token_ids[:length], *self.backend.cache.export(self.slot, length))
 
 
 def attention_windows(config) -> dict[str | None, int | None]:

@@ -43,11 +43,12 @@ class DraftModelProposer:
         self.backend.append(token_ids)
         self._cached += token_ids
 
-    def restore(self, token_ids: list[int]) -> None:
-        """Prefill token_ids from the prompt cache where it holds them, by forward passes where it does not."""
+    def restore(self, token_ids: list[int]) -> int:
+        """Fill the cache from the prompt cache's longest entry sharing a prefix with token_ids; returns how many
+        of them it now holds (the engine prefills the rest)."""
         cached = self.backend.restore(token_ids)
         self._cached = list(token_ids[:cached])
-        self.extend(token_ids[cached:])
+        return cached
 
     def remember(self) -> None:
         """Offer what the cache holds to the prompt cache (when the sequence ends)."""

@@ -92,8 +92,8 @@ class HybridProposer:
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
 
-    def restore(self, token_ids: list[int]) -> None:
-        self.draft.restore(token_ids)
+    def restore(self, token_ids: list[int]) -> int:
+        return self.draft.restore(token_ids)
 
     def remember(self) -> None:
         self.draft.remember()

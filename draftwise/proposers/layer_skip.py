@@ -103,8 +103,9 @@ class LayerSkipProposer(DraftModelProposer):
     def extend(self, token_ids: list[int]) -> None:
         """Nothing to prefill: the target's own prefill fills the cache the draft reads."""
 
-    def restore(self, token_ids: list[int]) -> None:
+    def restore(self, token_ids: list[int]) -> int:
         """Nothing to restore: the prompt cache restored the target slot, which is the draft's cache."""
+        return len(token_ids)
 
     def remember(self) -> None:
         """The target slot is offered to the prompt cache by the engine."""

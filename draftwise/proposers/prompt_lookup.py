@@ -24,6 +24,7 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
         self.corpus = corpus  # earlier requests' texts, or None
         self.corpus_rounds = 0  # proposals this sequence took from the corpus
+        self._use_corpus = True
         self._follower: dict[tuple[int, ...], int] = {}  # n-gram -> where its most recent continuation starts
         self._indexed = 0  # context positions already in the index
 
@@ -31,10 +32,13 @@ class PromptLookupProposer:
         self._follower.clear()
         self._indexed = 0
         self.corpus_rounds = 0
+        # A seeded sampled sequence must give the same text every time: its random draws follow the round shapes,
+        # which other requests' texts would change. It looks up its own text only.
+        self._use_corpus = sampling is None or sampling.greedy or sampling.seed is None
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         n, guess = self._own_match(context, k)
-        if self.corpus is not None:
+        if self.corpus is not None and self._use_corpus:
             corpus_n, corpus_guess = self.corpus.match(context, k)
             if corpus_n > n and corpus_n >= self.min_ngram and corpus_guess:
                 self.corpus_rounds += 1

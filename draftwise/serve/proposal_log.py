@@ -88,11 +88,13 @@ class ProposalLog:
                        finish: str | None, fallback: str | None = None, stats: Stats | None = None,
                        ttft_s: float | None = None, last_token_s: float | None = None) -> None:
         """ttft_s, last_token_s: seconds from submission to the request's first and last token sent."""
+        if finish == "content_filter":  # the guard blocked this text: it is neither kept nor trained on
+            output_ids = []
         counts = ((stats.new_tokens, stats.target_forwards, stats.proposed, stats.accepted, stats.decode_s)
                   if stats is not None else (None,) * 5)
         row = (request_id, time.time(), arm, method, json.dumps(prompt_ids), json.dumps(output_ids), finish, fallback,
                *counts, ttft_s, last_token_s)
-        self._put(("requests", [row]), 0)
+        self._put(("requests", [row]), 0)  # `dropped` counts proposed-token rows
 
     def _put(self, item, rows: int) -> None:
         try:
@@ -102,7 +104,10 @@ class ProposalLog:
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop the writer."""
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:  # the writer is gone or hopelessly behind: the daemon thread dies with the process
+            return
         self._thread.join(timeout)
 
     # -- the writer thread ----------------------------------------------------------------------------
@@ -117,7 +122,11 @@ class ProposalLog:
                     except queue.Empty:
                         break
                 stop = None in batch
-                self._write(db, [item for item in batch if item is not None])
+                items = [item for item in batch if item is not None]
+                try:
+                    self._write(db, items)
+                except sqlite3.Error:  # a full disk, a locked file: these rows are lost and counted, not the writer
+                    self.dropped += sum(len(rows) for kind, rows in items if kind == "rounds")
                 if stop:
                     return
         finally:
@@ -131,6 +140,8 @@ class ProposalLog:
                            f"({', '.join('?' * len(ROUND_COLUMNS))})", rounds)
             db.executemany(f"INSERT OR REPLACE INTO requests ({', '.join(REQUEST_COLUMNS)}) VALUES "
                            f"({', '.join('?' * len(REQUEST_COLUMNS))})", requests)
+            blocked = [(row[0],) for row in requests if row[REQUEST_COLUMNS.index("finish")] == "content_filter"]
+            db.executemany("DELETE FROM rounds WHERE request_id = ?", blocked)  # their rows came before: FIFO
             db.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (self.dropped,))
             self._rotate(db)
 

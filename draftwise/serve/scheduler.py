@@ -12,6 +12,7 @@ proposal log records every round off the hot path (proposal_log.py).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -26,6 +27,8 @@ from draftwise.sequence import Sequence
 from draftwise.serve.guard import Guard, GuardedText
 from draftwise.serve.proposal_log import ProposalLog, round_rows
 from draftwise.types import Event
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(DraftwiseError):
@@ -171,9 +174,14 @@ class Scheduler:
                     return
                 self._admit()
             started = time.perf_counter()
-            self._drop_cancelled()
-            self._prefill_one()
-            self._step()
+            try:
+                self._drop_cancelled()
+                self._prefill_one()
+                self._step()
+            except Exception as err:  # a bug of ours: it ends the requests it reached, never the server
+                log.exception("the model loop failed")
+                for ticket in list(self._running):
+                    self._fail(ticket, err)
             self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - started)
             if self._stopping:
                 self._drop_cancelled()
@@ -255,7 +263,11 @@ class Scheduler:
             self.metrics.observe_emitted(sum(e.token_id is not None for e in events), ticket.arm)
         for event in events:
             if ticket.guarded is not None:
-                released = ticket.guarded.add(event.text, final=event.finish_reason is not None)
+                try:
+                    released = ticket.guarded.add(event.text, final=event.finish_reason is not None)
+                except Exception as err:  # a broken guard fails closed: what it has not passed stays here
+                    self._fail(ticket, RuntimeError(f"the guard raised {type(err).__name__}: {err}"))
+                    return
                 if released is None:  # nothing of the blocked text leaves: end here
                     if self.metrics is not None:
                         self.metrics.observe_guard_block(ticket.arm)
@@ -279,17 +291,21 @@ class Scheduler:
         if ticket.done:
             return
         ticket.done = True
-        if ticket.seq is not None:
-            self.engine.close_sequence(ticket.seq)
-            self._tickets.pop(ticket.seq, None)
-            # The target alone proposes nothing to learn from; but under an experiment an "off" arm is the
-            # baseline the other arms are compared with (`draftwise log stats`).
-            if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
-                self._log_request(ticket, event)
-        with self._cond:
-            if ticket in self._running:
-                self._running.remove(ticket)
-        self._send(ticket, event)
+        try:
+            if ticket.seq is not None:
+                self._tickets.pop(ticket.seq, None)
+                self.engine.close_sequence(ticket.seq)
+                # The target alone proposes nothing to learn from; but under an experiment an "off" arm is the
+                # baseline the other arms are compared with (`draftwise log stats`).
+                if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
+                    self._log_request(ticket, event)
+        except Exception:  # the request is answered either way; a failed clean-up must not stop the loop
+            log.exception("cleaning up request %s failed", ticket.request_id)
+        finally:
+            with self._cond:
+                if ticket in self._running:
+                    self._running.remove(ticket)
+            self._send(ticket, event)
 
     def _log_request(self, ticket: Ticket, event: Event) -> None:
         seq = ticket.seq
