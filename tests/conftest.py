@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -71,3 +72,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: 
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
+
+
+class FinalEvents:
+    """A scheduler sink that keeps each request's final event, in the order they end; wait() blocks for one."""
+
+    def __init__(self):
+        self.events = []
+        self._ended = threading.Semaphore(0)
+
+    def sink(self, event) -> None:
+        if event.finish_reason is not None:
+            self.events.append(event)
+            self._ended.release()
+
+    def wait(self, timeout: float = 60) -> bool:
+        return self._ended.acquire(timeout=timeout)

@@ -1,12 +1,11 @@
 """The prompt cache: a prefix already computed is restored, not prefilled, and changes no output."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import FinalEvents, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
@@ -125,19 +124,13 @@ def test_the_servers_metrics_count_lookups_hits_and_saved_tokens():
     eng = engine("draft")
     scheduler = Scheduler(eng, max_batch=2, prefill_chunk=8, metrics=metrics)
     scheduler.start()
-    finals, done = [], threading.Semaphore(0)
-
-    def sink(event):
-        if event.finish_reason is not None:
-            finals.append(event)
-            done.release()
-
+    finals = FinalEvents()
     prompt = ids(FIRST_TURN)
     for _ in range(2):  # one after the other: the second finds the first's text
-        scheduler.submit(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True), sink)
-        assert done.acquire(timeout=60)
+        scheduler.submit(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True), finals.sink)
+        assert finals.wait()
     scheduler.drain(5)
     value = metrics.registry.get_sample_value
     assert value("draftwise_prompt_cache_lookups_total") == 2 and value("draftwise_prompt_cache_hits_total") == 1
-    assert value("draftwise_prompt_cache_saved_tokens_total") == finals[1].stats.prompt_cached == len(prompt) - 1
+    assert value("draftwise_prompt_cache_saved_tokens_total") == finals.events[1].stats.prompt_cached == len(prompt) - 1
     assert value("draftwise_prompt_cache_bytes") == eng.prompt_cache.nbytes > 0

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import FinalEvents, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.cli import main
 from draftwise.config import GenerationConfig
@@ -263,18 +263,12 @@ def test_a_step_that_drafts_past_the_timeout_falls_back_and_stays_exact():
     eng = engine()
     scheduler = Scheduler(eng, max_batch=2, prefill_chunk=8, draft_timeout_s=1e-9)  # every draft is too slow
     scheduler.start()
-    finals, done = [], threading.Semaphore(0)
-
-    def sink(event):
-        if event.finish_reason is not None:
-            finals.append(event)
-            done.release()
-
+    finals = FinalEvents()
     scheduler.submit(tiny_tokenizer()(PROMPTS[0])["input_ids"], GenerationConfig(max_new_tokens=12, ignore_eos=True, adaptive=False),
-                     sink)
-    assert done.acquire(timeout=60)
+                     finals.sink)
+    assert finals.wait()
     scheduler.drain(5)
-    stats = finals[0].stats
+    stats = finals.events[0].stats
     assert stats.fallback.startswith("TimeoutError") and stats.new_tokens == 12
     assert stats.proposed > 0 and set(stats.proposed_at) == {1}  # one drafted round, then plain steps
     with pytest.raises(DraftwiseError, match="draft timeout must be > 0"):
