@@ -16,10 +16,12 @@ A row drafting k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Levi
 `rows` sequences that all draft k costs k * draft(rows) + verify(rows, k + 1) seconds; k = 0 is a plain step.
 The target pass pads every row to the widest, so the batch shares one k (DraftLengthPolicy.choose): the one
 whose summed expected tokens per second is highest. That turns speculation off when a full batch makes wide
-passes dear, and back on as load falls. A shape never measured costs what the nearest measured one does
-(interpolated between widths, the nearest batch size below or above), which is optimism, so that it gets
-tried; a plain step, which nothing narrower bounds, is timed once at each batch size before any k is chosen
-over it. When k = 0 wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed.
+passes dear, and back on as load falls. A plain step, which nothing narrower bounds, is timed once at each
+batch size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain
+step times the width's price over a plain step at the nearest batch size that measured it (without one, what
+the nearest measured shape costs, interpolated between widths: optimism, so that it gets tried). When k = 0
+wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed; `wants_drafting` says whether
+it won without the probe, and the engine fills lagging draft caches only when it did not.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -91,7 +93,17 @@ class StepCosts:
         return n in self._verify_s.get(rows, {})
 
     def verify(self, rows: int, n: int) -> float:
-        return interpolate(self._verify_s[nearest(self._verify_s, rows)], n)
+        near = self._verify_s[nearest(self._verify_s, rows)]
+        if n in near:
+            return near[n]
+        # An unmeasured width at a batch size whose plain step is known: that step times what the width costs
+        # over a plain step at the nearest batch size that measured both, so that a batch size only just reached
+        # (a row joined) inherits its neighbour's verdict on drafting instead of finding every width free.
+        shaped = [r for r, widths in self._verify_s.items() if 1 in widths and len(widths) > 1]
+        if 1 in near and shaped:
+            ref = self._verify_s[nearest(shaped, rows)]
+            return near[1] * interpolate(ref, n) / ref[1]
+        return interpolate(near, n)
 
     def draft(self, rows: int) -> float:
         return self._draft_s[nearest(self._draft_s, rows)] if self._draft_s else 0.0
@@ -114,6 +126,8 @@ class DraftLengthPolicy:
     measured costs of steps of that many rows."""
 
     costs: StepCosts = field(default_factory=StepCosts)
+    # Whether the last choice found that drafting pays (a probe aside): the engine fills lagging drafts only then.
+    wants_drafting: bool = True
     _steps_without_draft: int = 0
 
     def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = ()) -> int:
@@ -127,6 +141,7 @@ class DraftLengthPolicy:
             # never be tried: time it first.
             return 0
         best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed))
+        self.wants_drafting = best > 0
         if best == 0:
             self._steps_without_draft += 1
             if self._steps_without_draft % PROBE_EVERY == 0:

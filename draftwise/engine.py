@@ -36,6 +36,10 @@ from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
 DRAFT_METHODS = ("draft", "hybrid")  # the methods that need a draft model
+# A draft at most this many tokens behind its text catches up in its round's first draft forward; one further
+# behind sits rounds out (k = 0) while it catches up in prefill-sized chunks (Engine.catch_up_draft), since in a
+# batched draft forward every row pays for the widest one.
+MAX_DRAFT_LAG = 16
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class Engine:
         # and its sequence goes on with the target alone, still exact. Off, a proposer's error ends the request.
         self.fall_back_on_proposer_error = False
         self.draft_timeout_s: float | None = None
+        # Whether the policy's last choice was to speculate: then adaptive sequences' drafts are caught up.
+        self.draft_wanted = True
 
     @property
     def methods_available(self) -> tuple[str, ...]:
@@ -136,7 +142,10 @@ class Engine:
         try:
             while not seq.prefill_done:
                 self.prefill(seq)
+            self.catch_up_draft(seq)  # alone, there is no batch to spare the draft's prefill for
             while seq.finish is None:
+                if self.wants_catch_up(seq):
+                    self.catch_up_draft(seq)
                 events = self.step([seq])[seq]
                 if seq.finish == "error":
                     raise seq.exception
@@ -164,7 +173,7 @@ class Engine:
                 proposer.bind(target)
             if proposer is not None:
                 proposer.begin(prompt_ids, cfg.sampling, generator)
-            reused, draft_reused = self._restore_prompt(target, proposer, prompt_ids)
+            reused = self._restore_prompt(target, proposer, prompt_ids)
         except BaseException:  # nothing allocated here may outlive a sequence that never opened
             self._release(target, proposer)
             raise
@@ -176,8 +185,7 @@ class Engine:
                       speed_paths=self.speed_paths, prompt_cached=reused)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                         acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
-                        generator=generator, context=list(prompt_ids), prefilled=reused,
-                        draft_prefilled=draft_reused)
+                        generator=generator, context=list(prompt_ids), prefilled=reused)
 
     # -- the prompt cache --------------------------------------------------------------------------------
     def enable_prompt_cache(self, max_bytes: int) -> PrefixCache:
@@ -200,15 +208,15 @@ class Engine:
             lookup.corpus = self.proposal_cache
         return self.proposal_cache
 
-    def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> tuple[int, int]:
-        """How much of the prompt (of all but its last token) came from the prompt cache: (the target's longest
-        cached prefix, the draft's, at most as long). Chunked prefill does the rest of each."""
+    def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> int:
+        """How much of the prompt (of all but its last token) the target got from the prompt cache; the draft gets
+        what the cache holds of that prefix for it. Chunked prefill (and the draft's catch-up) does the rest."""
         if self.prompt_cache is None:
-            return 0, 0
+            return 0
         reused = target.restore(prompt_ids[:-1])
         if reused and hasattr(proposer, "restore"):
-            return reused, proposer.restore(prompt_ids[:reused])
-        return reused, reused
+            proposer.restore(prompt_ids[:reused])
+        return reused
 
     def _remember_prompt(self, seq: Sequence) -> None:
         """Offer a sequence's caches to the prompt cache as it leaves (they hold its text but the last token)."""
@@ -269,23 +277,35 @@ class Engine:
 
     # -- prefill -----------------------------------------------------------------------------------------
     def prefill(self, seq: Sequence, max_tokens: int | None = None) -> None:
-        """Put (up to max_tokens more of) the prompt, all but its last token, into the sequence's caches.
-        A server prefills in chunks so a long prompt does not stall the sequences already decoding."""
+        """Put (up to max_tokens more of) the prompt, all but its last token, into the target's cache; once it is
+        there, into the draft's, for a sequence that drafts a fixed k (see Sequence.prefill_done). A server
+        prefills in chunks so a long prompt does not stall the sequences already decoding."""
         started = time.perf_counter()
-        seq.prefilled = self._prefill_chunk(seq.target.append, seq.prompt_ids, seq.prefilled, max_tokens)
-        extend = getattr(seq.proposer, "extend", None)
-        seq.draft_prefilled = (seq.prefilled if extend is None else
-                               self._prefill_chunk(extend, seq.prompt_ids, seq.draft_prefilled, max_tokens))
+        done = seq.prefilled
+        end = len(seq.prompt_ids) - 1 if max_tokens is None else min(len(seq.prompt_ids) - 1, done + max_tokens)
+        if end > done:
+            seq.target.append(seq.prompt_ids[done:end])
+            seq.prefilled = end
+        elif seq.acceptance is None:
+            self.catch_up_draft(seq, max_tokens)
         seq.stats.prefill_s += time.perf_counter() - started
 
-    @staticmethod
-    def _prefill_chunk(append, prompt_ids: list[int], done: int, max_tokens: int | None) -> int:
-        """Feed the next chunk (at most max_tokens) of the prompt but its last token to append; returns how far
-        that cache now holds it."""
-        end = len(prompt_ids) - 1 if max_tokens is None else min(len(prompt_ids) - 1, done + max_tokens)
-        if end > done:
-            append(prompt_ids[done:end])
-        return max(done, end)
+    def wants_catch_up(self, seq: Sequence) -> bool:
+        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step."""
+        return self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
+
+    def catch_up_draft(self, seq: Sequence, max_tokens: int | None = None) -> None:
+        """Feed (up to max_tokens of) the text the sequence's draft cache lacks, all but the last token."""
+        behind = seq.draft_behind
+        if not behind:
+            return
+        start = len(seq.context) - 1 - behind
+        try:
+            seq.proposer.extend(seq.context[start: start + min(behind, max_tokens or behind)])
+        except Exception as err:  # a failing draft is the proposer's fault: with fallback on, the target goes on
+            if not self.fall_back_on_proposer_error:
+                raise
+            self._fall_back(seq, err)
 
     # -- one round for a batch of sequences --------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> dict[Sequence, list[Event]]:
@@ -351,7 +371,10 @@ class Engine:
         shared = self.draft_policy.choose([seq.acceptance.rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
                                           fixed) if adaptive else 0
-        return [0 if seq.proposer is None else
+        if adaptive:
+            self.draft_wanted = self.draft_policy.wants_drafting
+        # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
+        return [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
                 min(shared if seq.acceptance else seq.cfg.num_draft_tokens, seq.cfg.num_draft_tokens,
                     seq.remaining - 1)  # drafting past the last token we may emit is wasted work
                 for seq in seqs]

@@ -28,16 +28,22 @@ class Sequence:
     generator: torch.Generator
     context: list[int] = field(default_factory=list)  # prompt + every token emitted so far
     prefilled: int = 0  # prompt tokens (of all but the last) already in the target's cache
-    # ... and in the proposer's own cache (a draft model's): behind `prefilled` when the prompt cache held less for
-    # the draft than for the target; chunked prefill brings it level.
-    draft_prefilled: int = 0
     finish: str | None = None  # set once the sequence has ended
     error: str | None = None  # why, when it ended in an error
     exception: BaseException | None = None  # the error itself
 
     @property
+    def draft_behind(self) -> int:
+        """Tokens of the text (but its last) missing from the proposer's own cache (a draft model's); 0 without one."""
+        behind = getattr(self.proposer, "behind", None)
+        return 0 if behind is None else behind(self.context)
+
+    @property
     def prefill_done(self) -> bool:
-        return min(self.prefilled, self.draft_prefilled) >= len(self.prompt_ids) - 1
+        """The target holds the prompt but its last token; so does the draft of a sequence drafting a fixed k. An
+        adaptive sequence's draft is filled only once speculation pays (Engine.wants_catch_up): under load it may
+        never be, and its prefill would be wasted."""
+        return self.prefilled >= len(self.prompt_ids) - 1 and (self.acceptance is not None or not self.draft_behind)
 
     @property
     def remaining(self) -> int:

@@ -12,7 +12,7 @@ from conftest import tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
 from draftwise.config import GenerationConfig
-from draftwise.engine import Engine
+from draftwise.engine import MAX_DRAFT_LAG, Engine
 from draftwise.backends.kernels import Int8Linear
 from draftwise.proposers.compact import compact_draft
 
@@ -95,6 +95,28 @@ def test_rows_of_unmeasured_batch_sizes_use_the_nearest_measured():
     assert policy.choose([0.7] * 7, k_max=4, rows=7) == 0
 
 
+def test_a_new_batch_size_prices_wide_passes_as_its_neighbour_does():
+    # Eight rows were measured at every width (a wide pass is dear there); seven rows only at a plain step, as
+    # when a request leaves a full batch. Seven rows' wide passes cost its plain step times eight rows' ratio,
+    # not its plain step alone (which would make every width look free and fill every draft to try one).
+    policy = DraftLengthPolicy()
+    _memory_then_compute_bound(policy)
+    policy.costs.observe(7, 0, 0.0, 0.5)
+    ratio = policy.costs.verify(8, 5) / policy.costs.verify(8, 1)
+    assert policy.costs.verify(7, 5) == pytest.approx(0.5 * ratio)
+    assert policy.choose([0.7] * 7, k_max=4, rows=7) == 0 and not policy.wants_drafting
+
+
+def test_wants_drafting_ignores_the_probe():
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
+    policy.costs.observe(1, 0, 0.0, 0.45)
+    for _ in range(PROBE_EVERY):
+        k = policy.choose([acc.rate], k_max=4, rows=1)
+        assert not policy.wants_drafting
+    assert k == 1  # the probe drafts one token, though drafting does not pay
+
+
 def test_a_plain_step_is_timed_at_a_new_batch_size_before_speculation_is_chosen_over_it():
     # Only wide passes of 8 rows were timed (say, while another workload drafted): a plain step of 8 rows would
     # be costed as a wide one, and k = 0 would never win. It is tried once, and then it wins on its measured cost.
@@ -172,3 +194,58 @@ def test_compact_draft_gives_the_targets_greedy_output(draft_vocab):
         if draft_vocab == 200 else eng.proposer.token_ids is None
     # A twin draft, even in int8, agrees with its target on most tokens.
     assert result.stats.acceptance_rate > (0.2 if draft_vocab == 200 else 0.7)
+
+
+def _opened(eng, tokenizer, prompts, cfg):
+    seqs = [eng.open_sequence(tokenizer.encode(p), cfg) for p in prompts]
+    for seq in seqs:
+        while not seq.prefill_done:
+            eng.prefill(seq)
+    return seqs
+
+
+def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    plain = Engine.from_models(target, tokenizer, method="none")
+    prompts = ("The quick brown fox jumps over the lazy dog.", "for i in range(10):\n    print(i * i)")
+    cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    expected = [plain.generate(p, max_new_tokens=32, ignore_eos=True).token_ids for p in prompts]
+    # Injected costs: at two rows a plain step gives 2 tokens per 0.1 s and no draft can beat it.
+    for k in range(5):
+        eng.draft_policy.costs.observe(2, k, 1.0 * k, 0.1 + 0.5 * k)
+    seqs = _opened(eng, tokenizer, prompts, cfg)
+    assert all(seq.draft_behind == len(seq.prompt_ids) - 1 for seq in seqs)  # the target alone was prefilled
+    for _ in range(10):
+        eng.step(seqs)
+    assert not eng.draft_wanted and not any(eng.wants_catch_up(seq) for seq in seqs)
+    assert all(seq.stats.proposed == 0 and seq.draft_behind > MAX_DRAFT_LAG for seq in seqs)
+    # Drafting pays now (as when the load fell): the drafts catch up in chunks, then draft.
+    for k in range(5):
+        for _ in range(40):
+            eng.draft_policy.costs.observe(2, k, 0.001 * k, 0.1)
+    eng.step(seqs)
+    assert eng.draft_wanted and all(eng.wants_catch_up(seq) for seq in seqs)
+    for seq in seqs:
+        while eng.wants_catch_up(seq):
+            eng.catch_up_draft(seq, max_tokens=4)
+        assert seq.draft_behind <= MAX_DRAFT_LAG
+    while any(seq.finish is None for seq in seqs):
+        eng.step([seq for seq in seqs if seq.finish is None])
+    assert all(seq.stats.proposed > 0 for seq in seqs)
+    assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == expected
+    for seq in seqs:
+        eng.close_sequence(seq)
+
+
+def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    cfg = GenerationConfig(max_new_tokens=4, ignore_eos=True, adaptive=False)
+    seq = eng.open_sequence(tokenizer.encode("The quick brown fox jumps over the lazy dog."), cfg)
+    eng.prefill(seq, 3)
+    assert not seq.prefill_done
+    while not seq.prefill_done:
+        eng.prefill(seq, 3)
+    assert seq.draft_behind == 0
+    eng.close_sequence(seq)

@@ -43,6 +43,12 @@ class DraftModelProposer:
         self.backend.append(token_ids)
         self._cached += token_ids
 
+    def behind(self, context: list[int]) -> int:
+        """Tokens of the text (but its last, which every round feeds) that the cache does not hold yet: a
+        sequence that went rounds without drafting (k = 0) lets its draft fall behind, and catches it up with
+        extend() or in its next round's first forward."""
+        return max(0, len(context) - 1 - len(self._cached))
+
     def restore(self, token_ids: list[int]) -> int:
         """Fill the cache from the prompt cache's longest entry sharing a prefix with token_ids; returns how many
         of them it now holds (the engine prefills the rest)."""

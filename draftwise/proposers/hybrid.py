@@ -92,6 +92,9 @@ class HybridProposer:
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
 
+    def behind(self, context: list[int]) -> int:
+        return self.draft.behind(context)
+
     def restore(self, token_ids: list[int]) -> int:
         return self.draft.restore(token_ids)
 

@@ -103,6 +103,10 @@ class LayerSkipProposer(DraftModelProposer):
     def extend(self, token_ids: list[int]) -> None:
         """Nothing to prefill: the target's own prefill fills the cache the draft reads."""
 
+    def behind(self, context: list[int]) -> int:
+        """Never: the draft's cache is the target slot, which always holds the text."""
+        return 0
+
     def restore(self, token_ids: list[int]) -> int:
         """Nothing to restore: the prompt cache restored the target slot, which is the draft's cache."""
         return len(token_ids)

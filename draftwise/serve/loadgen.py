@@ -65,8 +65,9 @@ def add_loadgen(commands, formatter) -> None:
             "  draftwise loadgen --url http://127.0.0.1:8000 --speculation off --categories summarization\n"
             "  draftwise loadgen --url http://127.0.0.1:8000 --method lookup --no-chat --json\n"
             "\n"
-            "a run sends about (levels x modes x (requests + 1)) requests; the default sends 4 levels x 2 modes\n"
-            "with 4, 4, 8 and 16 requests, so start small with --concurrency 1,2 --max-tokens 16."
+            "a run sends about (levels x modes x (requests + 1)) requests; by default every level sends each\n"
+            "selected prompt once (28 with --per-category 4), so start small with --per-category 1\n"
+            "--concurrency 1,2 --max-tokens 16."
         ),
     )
     server = p.add_argument_group("server")
@@ -85,8 +86,9 @@ def add_loadgen(commands, formatter) -> None:
     work.add_argument("--method", metavar="NAME",
                       help="in mode on, ask for this speculation method (default: the server's own)")
     work.add_argument("--requests", type=int, metavar="N",
-                      help="requests per mode and level, raised to the concurrency where below it "
-                           "(default: 2 x concurrency, at least 4)")
+                      help="requests per mode and level, the same prompts at every level so that levels "
+                           "compare, raised to the concurrency where below it (default: one per prompt, "
+                           "at least the largest concurrency)")
     work.add_argument("--max-tokens", type=int, default=64, metavar="N",
                       help="max_tokens of every request (default: %(default)s)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
@@ -125,8 +127,9 @@ class LoadPlan:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     def count(self, level: int) -> int:
-        """Requests at this level: fewer than the concurrency would never reach it."""
-        return max(self.requests, level) if self.requests else max(4, 2 * level)
+        """Requests at this level. Every level sends the same ones (prompts cycled in order), so that a ratio
+        between levels compares load, not prompt mixes; fewer than the concurrency would never reach it."""
+        return max(self.requests or max(len(self.prompts), *self.levels), level)
 
 
 def plan_from_args(args: argparse.Namespace) -> LoadPlan:

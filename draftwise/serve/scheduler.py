@@ -111,8 +111,14 @@ class Scheduler:
         return self._draining
 
     def start(self) -> None:
+        """Run the model loop in a thread of its own (tests, and a server embedded in another program)."""
         self._thread = threading.Thread(target=self._loop, name="draftwise-scheduler", daemon=True)
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the model loop on this thread until drain() stops it. `draftwise serve` runs it on the thread that
+        loaded the models: a second thread running torch costs every forward time (see serve/command.py)."""
+        self._loop()
 
     def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None],
                request_id: str | None = None, request: dict | None = None, arm: str = "") -> Ticket:
@@ -209,12 +215,17 @@ class Scheduler:
                                        stats=ticket.seq.stats if ticket.seq else None))
 
     def _prefill_one(self) -> None:
-        ticket = next((t for t in self._running if not t.seq.prefill_done), None)
+        """One chunk: of a newcomer's prompt, else of a lagging draft's text once speculation pays again."""
+        ticket = (next((t for t in self._running if not t.seq.prefill_done), None)
+                  or next((t for t in self._running if self.engine.wants_catch_up(t.seq)), None))
         if ticket is None:
             return
         started = time.perf_counter()
         try:
-            self.engine.prefill(ticket.seq, self.prefill_chunk)
+            if ticket.seq.prefill_done:
+                self.engine.catch_up_draft(ticket.seq, self.prefill_chunk)
+            else:
+                self.engine.prefill(ticket.seq, self.prefill_chunk)
         except Exception as err:
             self._fail(ticket, err)
             return
