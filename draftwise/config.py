@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "lookup", "none", "hybrid", "skip")
+METHODS = ("draft", "lookup", "lookup-tree", "none", "hybrid", "skip")
+TREE_BRANCHES = 3  # lookup-tree: earlier occurrences whose continuations become the tree's branches
 MAX_DRAFT_TOKENS = 64
 # The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"

@@ -21,7 +21,7 @@ from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import GenerationConfig
+from draftwise.config import TREE_BRANCHES, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -34,6 +34,7 @@ from draftwise.text import TextStream
 from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
+from draftwise.verify.tree import TreeLayout
 
 DRAFT_METHODS = ("draft", "hybrid")  # the methods that need a draft model
 # A draft at most this many tokens behind its text catches up in its round's first draft forward; one further
@@ -93,7 +94,7 @@ class Engine:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, skip on an engine built for it (its layer plan is calibrated at load)."""
         own = DRAFT_METHODS if self.method in DRAFT_METHODS else ("skip",) if self.method == "skip" else ()
-        return ("none", "lookup", *own)
+        return ("none", "lookup", "lookup-tree", *own)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -255,8 +256,9 @@ class Engine:
             return None
         if method == self.method:
             return mine.fork()
-        if method == "lookup":
-            return mine.lookup.fork() if self.method == "lookup" else PromptLookupProposer(corpus=self.proposal_cache)
+        if method in ("lookup", "lookup-tree"):
+            return PromptLookupProposer(corpus=self.proposal_cache,
+                                        branches=TREE_BRANCHES if method == "lookup-tree" else 1)
         if method == "draft":  # the engine's method is hybrid
             return mine.draft.fork()
         # hybrid on a draft engine
@@ -383,7 +385,8 @@ class Engine:
         if not live:
             return {}
         rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
-        logits = torch.cat(self.target.forward_batch(rows))  # [T + B, vocab]
+        trees = [None if drafts[i].parents is None else TreeLayout.of(drafts[i].parents) for i in live]
+        logits = torch.cat(self.target.forward_batch(rows, trees=trees))  # [T + B, vocab]
         batch = DraftBatch.of([drafts[i] for i in live])
         found = verify_batch(batch, logits, [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
         return dict(zip(live, found))
@@ -393,6 +396,8 @@ class Engine:
         """Both caches hold exactly the accepted text, even when the round failed."""
         base = len(seq.context) - 1
         kept = verdict.num_accepted if verdict else 0
+        if verdict is not None and verdict.path is not None and list(verdict.path) != list(range(kept)):
+            seq.target.keep(base + 1, [base + 1 + node for node in verdict.path])  # a tree's path, into place
         seq.target.trim(base + 1 + kept if verdict else base)
         if k > 0:
             seq.proposer.observe(kept)
@@ -410,9 +415,9 @@ class Engine:
             except Exception:  # a record of the round is never worth the request
                 pass
         if seq.acceptance:
-            seq.acceptance.observe(len(draft), verdict.num_accepted)
+            seq.acceptance.observe(draft.depth, verdict.num_accepted)
         events = []
-        for i, token in enumerate([*draft.token_ids[: verdict.num_accepted], verdict.next_token]):
+        for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
             seq.context.append(token)
             seq.stats.new_tokens += 1
             piece = seq.text.add(token)
@@ -423,7 +428,7 @@ class Engine:
             if seq.finish is not None:
                 break
         # Draft tokens cut off by an end (EOS, stop, length) were never kept.
-        seq.stats.observe_draft(len(draft), min(verdict.num_accepted, len(events)))
+        seq.stats.observe_draft(draft.depth, min(verdict.num_accepted, len(events)), nodes=len(draft))
         if seq.finish is not None:
             events.append(Event(token_id=None, text="", finish_reason=seq.finish, stats=seq.stats))
         return events

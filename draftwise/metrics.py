@@ -12,6 +12,7 @@ class Stats:
     new_tokens: int = 0
     proposed: int = 0
     accepted: int = 0
+    nodes: int = 0  # draft tokens scored: `proposed` for chains; for a token tree every node, its depth in `proposed`
     rounds: int = 0
     target_forwards: int = 0  # decode passes of the target (prefill apart)
     proposed_at: list[int] = field(default_factory=list)  # [k]: rounds that offered a token at position i
@@ -25,11 +26,13 @@ class Stats:
     prompt_cached: int = 0  # prompt tokens restored from the prompt cache instead of prefilled
     fallback: str | None = None  # why the proposer was dropped mid-request (the server's fallback), if it was
 
-    def observe_draft(self, num_draft: int, num_accepted: int) -> None:
-        """Count one verification round: num_draft tokens offered, the first num_accepted kept."""
+    def observe_draft(self, num_draft: int, num_accepted: int, nodes: int | None = None) -> None:
+        """Count one verification round: num_draft tokens offered, the first num_accepted kept. A tree offers
+        num_draft positions (its depth, so acceptance reads by depth) with `nodes` tokens in all."""
         self.rounds += 1
         self.target_forwards += 1
         self.proposed += num_draft
+        self.nodes += num_draft if nodes is None else nodes
         self.accepted += num_accepted
         grow = num_draft - len(self.proposed_at)
         if grow > 0:
@@ -85,6 +88,7 @@ class Stats:
             "new_tokens": self.new_tokens,
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "nodes": self.nodes,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "per_position_acceptance": self.per_position_acceptance,

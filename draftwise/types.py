@@ -12,17 +12,44 @@ from draftwise.metrics import Stats
 class Draft:
     """What a proposer guesses for the next positions.
 
-    A chain today: token_ids[i] is the guess for position i after the context. q[i] is the
-    distribution it was drawn from, [n, vocab]; q is None for a one-hot guess (prompt lookup)
-    or in greedy mode. A tree draft will add its own paths beside these fields; consumers read
-    only `token_ids`/`q` through the verifier, so a chain is not baked into what they import.
+    A chain: token_ids[i] is the guess for position i after the context. q[i] is the distribution it was
+    drawn from, [n, vocab]; q is None for a one-hot guess (prompt lookup) or in greedy mode.
+
+    A tree (parents set): token_ids[i] is node i's token and parents[i] its parent node, -1 for the root (the
+    text's last token); parents come before children. Its guesses are one-hot (see verify/tree.py).
     """
 
     token_ids: tuple[int, ...]
     q: torch.Tensor | None = None  # [n, vocab] float32, or None for one-hot guesses
+    parents: tuple[int, ...] | None = None  # a tree's shape; None for a chain
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def depth(self) -> int:
+        """Positions past the context the draft reaches: its length for a chain, its deepest node for a tree."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return max(depth, default=0)
+
+    def as_chain(self, verdict: "Verdict") -> tuple[int, ...]:
+        """The guesses along the verdict's path: a chain's tokens; for a tree its kept path, then the first
+        child where the path stopped (the tree's leading guess there), as a chain would have offered them."""
+        if self.parents is None:
+            return self.token_ids
+        last = verdict.path[-1] if verdict.path else -1
+        after = next((node for node, parent in enumerate(self.parents) if parent == last), None)
+        return tuple(self.accepted(verdict)) + (() if after is None else (self.token_ids[after],))
+
+    def accepted(self, verdict: "Verdict") -> list[int]:
+        """The draft tokens the verdict keeps, in text order."""
+        if verdict.path is not None:
+            return [self.token_ids[node] for node in verdict.path]
+        return list(self.token_ids[: verdict.num_accepted])
 
 
 @dataclass(frozen=True)
@@ -31,6 +58,7 @@ class Verdict:
 
     num_accepted: int
     next_token: int  # recovered (after a rejection) or bonus (after full acceptance)
+    path: tuple[int, ...] | None = None  # for a tree: the kept nodes, root's child first
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,24 @@ def test_trim_then_forward_again_gives_the_same_logits(arch):
     assert torch.equal(first[2:].argmax(-1), again.argmax(-1))
 
 
+def test_closing_a_slot_keeps_the_others_when_the_last_never_ran_a_forward():
+    # A lazily filled draft's slot may be opened after the buffers last grew, and closed without ever running:
+    # freeing an earlier slot moves it down, and the slots that did run keep their keys and values.
+    backend = HFBackend(tiny_model("llama", 0))
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    used = backend.open_slot()
+    used.prefill(ids[:6])
+    expected = used.forward(ids[6:8])
+    used.trim(6)
+    idle = [backend.open_slot() for _ in range(3)]  # rows past the buffers' rows
+    backend.default.close()
+    idle[0].close()
+    assert [s.row for s in backend.cache.slots] == list(range(len(backend.cache.slots)))
+    assert torch.allclose(used.forward(ids[6:8]), expected, atol=1e-5)
+    idle[2].prefill(ids[:3])  # a moved, never-run slot works once it runs
+    assert idle[2].cache_len == 3
+
+
 def test_cached_logits_match_a_full_forward():
     model = tiny_model("llama", 0)
     backend = HFBackend(model)

@@ -35,7 +35,8 @@ def engine(arch, method, draft=None):
                               compact_draft=False)
 
 
-CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None), ("hybrid", "same"),
+CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None), ("lookup-tree", None),
+         ("hybrid", "same"),
          ("hybrid", "unrelated"), ("skip", None)]
 
 

@@ -67,7 +67,7 @@ def test_a_skip_set_that_cannot_draft_is_refused_with_the_allowed_range(skip):
 
 def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
     eng = engine()
-    assert eng.methods_available == ("none", "lookup", "skip")
+    assert eng.methods_available == ("none", "lookup", "lookup-tree", "skip")
     assert eng.speed_paths["skip_layers"] and 0 not in eng.speed_paths["skip_layers"]
     with pytest.raises(DraftwiseError, match="'draft' is not available"):
         eng.open_sequence([1, 2, 3], GenerationConfig(method="draft"))

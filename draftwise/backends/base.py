@@ -26,3 +26,8 @@ class Backend(Protocol):
     def trim(self, to_len: int) -> None:
         """Drop cached positions from to_len on, so the cache holds exactly the first to_len tokens."""
         ...
+
+    def keep(self, start: int, sources: list[int]) -> None:
+        """Move the cached positions `sources` (ascending) to start, start + 1, ...: a token tree's kept path,
+        written where a chain would have put it. Trim after it."""
+        ...

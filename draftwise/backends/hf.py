@@ -66,6 +66,9 @@ class HFBackend:
     def trim(self, to_len: int) -> None:
         self.default.trim(to_len)
 
+    def keep(self, start: int, sources: list[int]) -> None:
+        self.default.keep(start, sources)
+
     def restore(self, token_ids: list[int]) -> int:
         return self.default.restore(token_ids)
 
@@ -73,9 +76,14 @@ class HFBackend:
         self.default.remember(token_ids)
 
     # -- ragged batches --------------------------------------------------------------------------------
-    def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True) -> list[torch.Tensor]:
+    def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True,
+                      trees: list | None = None) -> list[torch.Tensor]:
         """Append each row's new ids to its slot; return float32 logits [n_i, vocab] per row (empty when not
-        logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded."""
+        logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded.
+
+        trees: per row, None or the TreeLayout of its ids (a root and a token tree, verify/tree.py): the row's
+        positions are written in order, but each token's position id is its depth past the root and it
+        attends to the cache and its own ancestors only."""
         slots = [view.slot for view, _ in rows]
         lengths = [len(ids) for _, ids in rows]
         width = max(lengths)
@@ -83,7 +91,8 @@ class HFBackend:
             if slot.length + n > self.max_context:
                 raise DraftwiseError(
                     f"sequence of {slot.length + n} tokens exceeds the model's context of {self.max_context}")
-        out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1)
+        out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1,
+                        trees=trees or [None] * len(rows))
         for slot, n in zip(slots, lengths):
             slot.length += n
         if not logits:
@@ -91,19 +100,25 @@ class HFBackend:
         return [out[i, :n].float() for i, n in enumerate(lengths)]  # [n_i, vocab] each
 
     @torch.inference_mode()
-    def _run(self, slots: list[Slot], ids: list[list[int]], width: int, logits_to_keep: int) -> torch.Tensor:
+    def _run(self, slots: list[Slot], ids: list[list[int]], width: int, logits_to_keep: int,
+             trees: list) -> torch.Tensor:
         device = self.device
         padded = [row + [row[-1]] * (width - len(row)) for row in ids]  # padding lands past each row's length
         input_ids = torch.tensor(padded, dtype=torch.long, device=device)  # [B, N]
-        positions = self.cache.begin_forward(slots, width, device)  # [B, N]
+        positions = self.cache.begin_forward(slots, width, device)  # [B, N] where each row's tokens are written
         end = int(positions[:, -1].max()) + 1
+        position_ids = positions.clone() if any(t is not None for t in trees) else positions
+        for row, tree in enumerate(trees):
+            if tree is not None:  # a token's position id is the root's plus its depth
+                position_ids[row, : len(tree.depth)] = positions[row, 0] + torch.tensor(tree.depth, device=device)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                         attention_mask=self._masks(positions, end), position_ids=positions,
+                         attention_mask=self._masks(positions, end, trees), position_ids=position_ids,
                          logits_to_keep=logits_to_keep)
         return out.logits  # [B, logits_to_keep, vocab]
 
-    def _masks(self, positions: torch.Tensor, end: int):
-        """Row i, query t sees keys [0, position] (the last `window` of them on sliding layers): [B, 1, N, end]."""
+    def _masks(self, positions: torch.Tensor, end: int, trees: list):
+        """Row i, query t sees keys [0, position] (the last `window` of them on sliding layers): [B, 1, N, end].
+        A tree row's tokens see, of the row's new positions, only their ancestors and themselves."""
         keys = torch.arange(end, device=positions.device)  # [end]
         query = positions[:, None, :, None]  # [B, 1, N, 1]
         masks = {}
@@ -111,6 +126,10 @@ class HFBackend:
             visible = keys <= query
             if window:
                 visible &= keys > query - window
+            for row, tree in enumerate(trees):
+                if tree is not None:
+                    n, start = len(tree.depth), int(positions[row, 0])
+                    visible[row, 0, :n, start : start + n] &= tree.visible.to(visible.device)
             masks[layer_type] = visible if self._bool_mask else _additive(visible, self.dtype)
         return masks.get(None, masks)  # one mask for every layer, or one per layer type
 
@@ -147,6 +166,9 @@ class SlotView:
 
     def trim(self, to_len: int) -> None:
         self.slot.length = min(self.slot.length, to_len)
+
+    def keep(self, start: int, sources: list[int]) -> None:
+        self.backend.cache.keep(self.slot, start, sources)
 
     def close(self) -> None:
         self.backend.close_slot(self)

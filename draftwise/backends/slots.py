@@ -56,9 +56,12 @@ class SlotCache(Cache):
         slot.open = False
         last = self.slots.pop()
         if last is not slot:
-            for buffers in (self.keys, self.values):
-                for buf in buffers:
-                    buf[slot.row, :, : last.length] = buf[last.row, :, : last.length]
+            # A slot that never ran a forward (a lazily filled draft's) may have no row in the buffers yet, and
+            # has nothing to move; the handles are re-pointed either way.
+            if last.length:
+                for buffers in (self.keys, self.values):
+                    for buf in buffers:
+                        buf[slot.row, :, : last.length] = buf[last.row, :, : last.length]
             last.row = slot.row
             self.slots[slot.row] = last
 
@@ -79,6 +82,15 @@ class SlotCache(Cache):
             for buf, layer in zip(buffers, saved):
                 buf[slot.row, :, :length] = layer[:, :length]
         slot.length = length
+
+    @torch.inference_mode()
+    def keep(self, slot: Slot, start: int, sources: list[int]) -> None:
+        """Move the slot's positions `sources` to start, start + 1, ... (the gather copies first, so they may
+        overlap): a token tree's kept path, moved to where a chain's would be."""
+        index = torch.tensor(sources)
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                buf[slot.row, :, start : start + len(sources)] = buf[slot.row, :, index]
 
     # -- one forward ----------------------------------------------------------------------------------
     def begin_forward(self, slots: list[Slot], width: int, device: torch.device) -> torch.Tensor:

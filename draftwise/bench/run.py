@@ -30,7 +30,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
-DEFAULT_METHODS = ("none", "draft", "lookup", "hybrid", "skip", "hf-plain", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = ("none", "draft", "lookup", "lookup-tree", "hybrid", "skip", "hf-plain", "hf-assisted", "hf-lookup")
 WARMUP_TOKENS = 8
 
 

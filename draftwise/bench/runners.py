@@ -16,7 +16,7 @@ from draftwise.backends.kernels import plan_kernels, with_kernels
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "lookup", "hybrid", "skip")  # config.METHODS, in the order the bench reports them
+OURS = ("none", "draft", "lookup", "lookup-tree", "hybrid", "skip")  # config.METHODS, in the order the bench reports them
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
 NEEDS_DRAFT = ("draft", "hybrid", "hf-assisted")

@@ -5,27 +5,37 @@ spans of the prompt. The guess is one-hot, so Draft.q is None.
 
 With a proposal cache (proposal_cache.py, shared by the engine's sequences) the text of earlier requests is
 searched too: the longer of the two matches proposes, the request's own text on a tie (it is the more specific).
+
+With branches > 1 (method lookup-tree) the guess is a token tree: the continuations of the last `branches`
+earlier occurrences of the matched tail, merged where they agree; within the round's budget of k nodes, the
+nodes that most occurrences share come first (then the shallower, then the more recent), so a tree is never
+wider than the chain the draft-length policy chose.
 """
 from __future__ import annotations
 
 import torch
 
 from draftwise.config import SamplingConfig
+from draftwise.verify.tree import chain_parents
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
 
 
 class PromptLookupProposer:
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None,
+                 branches: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftwiseError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got min={min_ngram} max={max_ngram}")
+        if branches < 1:
+            raise DraftwiseError(f"lookup branches must be >= 1, got {branches}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.branches = branches
         self.corpus = corpus  # earlier requests' texts, or None
         self.corpus_rounds = 0  # proposals this sequence took from the corpus
         self._use_corpus = True
-        self._follower: dict[tuple[int, ...], int] = {}  # n-gram -> where its most recent continuation starts
+        self._follower: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start, oldest first
         self._indexed = 0  # context positions already in the index
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
@@ -37,29 +47,32 @@ class PromptLookupProposer:
         self._use_corpus = sampling is None or sampling.greedy or sampling.seed is None
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
-        n, guess = self._own_match(context, k)
+        n, starts = self._own_match(context)
         if self.corpus is not None and self._use_corpus:
             corpus_n, corpus_guess = self.corpus.match(context, k)
             if corpus_n > n and corpus_n >= self.min_ngram and corpus_guess:
                 self.corpus_rounds += 1
                 return Draft(token_ids=corpus_guess)
-        return Draft(token_ids=guess)
+        if not starts:
+            return Draft(token_ids=())
+        return token_tree([tuple(context[s : s + k]) for s in reversed(starts[-self.branches:])], k)
 
-    def _own_match(self, context: list[int], k: int) -> tuple[int, tuple[int, ...]]:
-        """(n, the tokens after the most recent earlier occurrence of the context's last n) for the longest n."""
+    def _own_match(self, context: list[int]) -> tuple[int, list[int]]:
+        """(n, where the continuations of the earlier occurrences of the context's last n tokens start, oldest
+        first) for the longest n that occurred before."""
         self._index(context)
         # Longer matches first: a longer shared tail predicts the continuation better.
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            start = self._follower.get(tuple(context[-n:]))
-            if start is not None:
-                return n, tuple(context[start : start + k])
-        return 0, ()
+            starts = self._follower.get(tuple(context[-n:]))
+            if starts:
+                return n, starts
+        return 0, []
 
     def observe(self, num_accepted: int) -> None:
         pass
 
     def fork(self) -> "PromptLookupProposer":
-        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus)
+        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus, self.branches)
 
     def release(self) -> None:
         pass
@@ -71,5 +84,22 @@ class PromptLookupProposer:
             self._indexed = 0
         for follower in range(max(self._indexed, 1), len(context)):
             for n in range(self.min_ngram, min(self.max_ngram, follower) + 1):
-                self._follower[tuple(context[follower - n : follower])] = follower
+                self._follower.setdefault(tuple(context[follower - n : follower]), []).append(follower)
         self._indexed = max(self._indexed, len(context))
+
+
+def token_tree(continuations: list[tuple[int, ...]], budget: int) -> Draft:
+    """The continuations (most recent first) merged into one tree of at most `budget` nodes; a chain when they
+    agree (or there is one). A node's share is how many continuations pass through it: the most shared come
+    first, then the shallower, then the more recent, and a node's parent always shares at least as many."""
+    nodes: dict[tuple[int, ...], list[int]] = {}  # path from the root -> [share, first seen]
+    for continuation in continuations:
+        for depth in range(1, len(continuation) + 1):
+            entry = nodes.setdefault(continuation[:depth], [0, len(nodes)])
+            entry[0] += 1
+    chosen = sorted(nodes, key=lambda path: (-nodes[path][0], len(path), nodes[path][1]))[:budget]
+    chosen.sort(key=lambda path: (len(path), nodes[path][1]))  # parents before children
+    index = {path: i for i, path in enumerate(chosen)}
+    tokens = tuple(path[-1] for path in chosen)
+    parents = tuple(index.get(path[:-1], -1) for path in chosen)
+    return Draft(token_ids=tokens, parents=None if parents == chain_parents(len(tokens)) else parents)

@@ -337,7 +337,7 @@ class Scheduler:
             return
         ticket.rounds += 1
         self.proposal_log.record_round(round_rows(
-            ticket.request_id, ticket.arm, ticket.rounds, len(seq.context), seq.method, draft.token_ids,
+            ticket.request_id, ticket.arm, ticket.rounds, len(seq.context), seq.method, draft.as_chain(verdict),
             verdict.num_accepted, verdict.next_token, times.draft_s, times.verify_s))
 
     def _report_load(self) -> None:

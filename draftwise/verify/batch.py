@@ -14,6 +14,7 @@ from draftwise.config import SamplingConfig
 from draftwise.sampling import logits_to_probs, sample
 from draftwise.types import Draft, Verdict
 from draftwise.verify.rejection import _residual
+from draftwise.verify.tree import TreeLayout, verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class DraftBatch:
     token_ids: torch.Tensor  # [T] long: every sequence's draft, concatenated
     offsets: tuple[int, ...]  # [B + 1]: sequence b's draft is token_ids[offsets[b] : offsets[b + 1]]
     q: tuple[torch.Tensor | None, ...]  # per sequence [n_b, vocab], None for a one-hot (or greedy) draft
+    parents: tuple[tuple[int, ...] | None, ...] = ()  # per sequence: its tree's shape, None for a chain
 
     @classmethod
     def of(cls, drafts: list[Draft]) -> "DraftBatch":
@@ -28,7 +30,8 @@ class DraftBatch:
         for draft in drafts:
             offsets.append(offsets[-1] + len(draft))
         ids = [t for draft in drafts for t in draft.token_ids]
-        return cls(torch.tensor(ids, dtype=torch.long), tuple(offsets), tuple(d.q for d in drafts))
+        return cls(torch.tensor(ids, dtype=torch.long), tuple(offsets), tuple(d.q for d in drafts),
+                   tuple(d.parents for d in drafts))
 
     def rows(self, b: int) -> slice:
         """Sequence b's rows in the flat logits: one per draft token, plus one after them ([n_b + 1])."""
@@ -42,12 +45,22 @@ def verify_batch(batch: DraftBatch, logits: torch.Tensor, samplings: list[Sampli
     verdicts = []
     for b, (sampling, generator) in enumerate(zip(samplings, generators)):
         draft = batch.token_ids[batch.offsets[b] : batch.offsets[b + 1]]  # [n_b]
-        if sampling.greedy:
+        if batch.parents and batch.parents[b] is not None:
+            verdicts.append(_tree(tuple(draft.tolist()), TreeLayout.of(batch.parents[b]), logits[batch.rows(b)],
+                                  sampling, generator, greedy_ids[batch.rows(b)] if sampling.greedy else None))
+        elif sampling.greedy:
             verdicts.append(_greedy(draft.tolist(), greedy_ids[batch.rows(b)]))
         else:
             p = logits_to_probs(logits[batch.rows(b)], sampling)  # [n_b + 1, vocab]
             verdicts.append(_rejection(draft, batch.q[b], p, generator))
     return verdicts
+
+
+def _tree(draft: tuple[int, ...], layout: TreeLayout, logits: torch.Tensor, sampling: SamplingConfig,
+          generator: torch.Generator, greedy_ids: list[int] | None) -> Verdict:
+    if greedy_ids is not None:
+        return verify_tree_greedy(draft, layout, greedy_ids)
+    return verify_tree_sampled(draft, layout, logits_to_probs(logits, sampling), generator)  # p: [n_b + 1, vocab]
 
 
 def _greedy(draft: list[int], target_ids: list[int]) -> Verdict:

@@ -1,0 +1,191 @@
+"""Token trees: the layout, the greedy and multi-candidate verifiers (with a control that must fail), the tree
+pass of the backend against plain chains, the cache keeping only the kept path, and lookup's trees."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+
+from draftwise import Engine
+from draftwise.backends.hf import HFBackend
+from draftwise.config import SamplingConfig
+from draftwise.proposers.prompt_lookup import PromptLookupProposer, token_tree
+from draftwise.sampling import sample
+from draftwise.types import Draft, Verdict
+from draftwise.verify.batch import DraftBatch, verify_batch
+from draftwise.verify.tree import TreeLayout, chain_parents, verify_tree_greedy, verify_tree_sampled
+from stats_helpers import fit_pvalue
+
+#        root
+#       /    \
+#     n0=3   n1=1
+#     / \      \
+#  n2=4 n3=0   n4=2
+TOKENS, PARENTS = (3, 1, 4, 0, 2), (-1, -1, 0, 0, 1)
+
+
+def gen(seed=0):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_layout_has_depths_children_and_the_ancestor_mask():
+    layout = TreeLayout.of(PARENTS)
+    assert layout.depth == (0, 1, 1, 2, 2, 2) and layout.max_depth == 2
+    assert layout.children == ((1, 2), (3, 4), (5,), (), (), ())
+    assert layout.visible[3].tolist() == [True, True, False, True, False, False]  # n2 sees root, n0, itself
+    assert layout.visible[5].tolist() == [True, False, True, False, False, True]
+    assert Draft(TOKENS, parents=PARENTS).depth == 2 and Draft((5, 6, 7)).depth == 3
+    assert TreeLayout.of(chain_parents(3)).depth == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="parent"):
+        TreeLayout.of((-1, 2, 0))
+
+
+def test_greedy_follows_the_targets_argmax_through_the_tree():
+    layout = TreeLayout.of(PARENTS)
+    # target argmax per pass position: root -> 1 (n1), n1 -> 2 (n4), n4 -> 7
+    assert verify_tree_greedy(TOKENS, layout, [1, 9, 2, 9, 9, 7]) == Verdict(2, 7, path=(1, 4))
+    assert verify_tree_greedy(TOKENS, layout, [3, 0, 9, 9, 5, 9]) == Verdict(2, 5, path=(0, 3))
+    assert verify_tree_greedy(TOKENS, layout, [8, 0, 0, 0, 0, 0]) == Verdict(0, 8, path=())
+    draft = Draft(TOKENS, parents=PARENTS)
+    assert draft.accepted(Verdict(2, 5, path=(0, 3))) == [3, 0]
+    assert draft.as_chain(Verdict(1, 9, path=(0,))) == (3, 4)  # the kept path, then the first child after it
+
+
+P = torch.tensor([  # [6, vocab 5]: the target's p at each pass position
+    [0.2, 0.3, 0.1, 0.25, 0.15],
+    [0.1, 0.1, 0.2, 0.2, 0.4],
+    [0.5, 0.1, 0.1, 0.1, 0.2],
+    [0.2, 0.2, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2],
+])
+
+
+def _first_two(verify, runs=6000):
+    """(first, second) emitted token of many verifications, the second only when the first was kept."""
+    layout, out = TreeLayout.of(PARENTS), []
+    g = gen(1)
+    for _ in range(runs):
+        v = verify(TOKENS, layout, P, g)
+        emitted = [TOKENS[n] for n in v.path] + [v.next_token]
+        out.append(tuple(emitted[:2]) if v.path else (emitted[0], None))
+    return out
+
+
+def _expected_first_two():
+    """The target's own: t1 ~ p[root]; after a kept guess, t2 ~ p at that node (n0 is position 1, n1 position 2);
+    after a token the tree did not guess, no second token is emitted in this round."""
+    table = {}
+    for t1 in range(5):
+        node = {3: 1, 1: 2}.get(t1)
+        if node is None:
+            table[(t1, None)] = float(P[0, t1])
+        else:
+            for t2 in range(5):
+                table[(t1, t2)] = float(P[0, t1] * P[node, t2])
+    return table
+
+
+def test_multi_candidate_sampling_follows_the_target():
+    assert fit_pvalue(_first_two(verify_tree_sampled), _expected_first_two()) > 1e-3
+
+
+def _recovers_from_the_full_p(token_ids, layout, p, generator):
+    """A broken rule: a rejected guess stays possible when the next token is drawn (no residual)."""
+    at, path = 0, []
+    while True:
+        for child in layout.children[at]:
+            if torch.rand(1, generator=generator).item() < float(p[at, token_ids[child - 1]]):
+                path.append(child - 1)
+                at = child
+                break
+        else:
+            return Verdict(len(path), sample(p[at], generator), path=tuple(path))
+
+
+def test_the_same_check_rejects_a_tree_rule_without_the_residual():
+    assert fit_pvalue(_first_two(_recovers_from_the_full_p), _expected_first_two()) < 1e-6
+
+
+def test_the_batch_verifier_gives_the_tree_verdicts():
+    tree, chain = Draft(TOKENS, parents=PARENTS), Draft((2, 2))
+    logits = torch.log(torch.cat([P, P[:3]]) + 1e-9)  # [6 + 3, vocab]
+    greedy = verify_batch(DraftBatch.of([tree, chain]), logits, [SamplingConfig()] * 2, [gen(), gen()])
+    assert greedy[0] == verify_tree_greedy(TOKENS, TreeLayout.of(PARENTS), P.argmax(-1).tolist())
+    sampled = verify_batch(DraftBatch.of([tree]), logits[:6], [SamplingConfig(temperature=1.0)], [gen(5)])
+    assert sampled[0] == verify_tree_sampled(TOKENS, TreeLayout.of(PARENTS), torch.softmax(logits[:6], -1), gen(5))
+
+
+def _backend(seed=0):
+    return HFBackend(tiny_model("llama", seed=seed))
+
+
+def test_a_tree_pass_scores_every_node_as_its_own_chain_would():
+    backend = _backend()
+    context = list(range(10, 30))
+    tree = backend.open_slot()
+    tree.prefill(context[:-1])
+    rows = tree.backend.forward_batch([(tree, [context[-1], *TOKENS])], trees=[TreeLayout.of(PARENTS)])[0]
+    layout = TreeLayout.of(PARENTS)
+    for at in range(len(TOKENS) + 1):
+        path, node = [], at
+        while node:  # the pass positions from the root to `at`
+            path.append(TOKENS[node - 1])
+            node = next(up for up, kids in enumerate(layout.children) if node in kids)
+        chain = backend.open_slot()
+        chain.prefill(context[:-1])
+        expected = chain.forward([context[-1], *reversed(path)])[-1]
+        assert torch.allclose(rows[at], expected, atol=1e-4), at
+        chain.close()
+
+
+def test_keeping_a_path_leaves_the_cache_as_if_the_chain_had_been_fed():
+    backend = _backend()
+    context = list(range(10, 30))
+    tree, chain = backend.open_slot(), backend.open_slot()
+    for slot in (tree, chain):
+        slot.prefill(context[:-1])
+    base = len(context) - 1
+    backend.forward_batch([(tree, [context[-1], *TOKENS])], trees=[TreeLayout.of(PARENTS)])
+    tree.keep(base + 1, [base + 1 + node for node in (1, 4)])  # the path n1 -> n4
+    tree.trim(base + 3)
+    chain.forward([context[-1], TOKENS[1], TOKENS[4]])
+    assert torch.allclose(tree.forward([7])[-1], chain.forward([7])[-1], atol=1e-4)
+
+
+def test_lookup_merges_earlier_continuations_into_a_tree_within_the_budget():
+    merged = token_tree([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9, 9)], budget=4)
+    assert merged == Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1))  # shared nodes first, then the shallower
+    assert token_tree([(1, 2, 3), (1, 2, 3)], budget=4) == Draft((1, 2, 3))  # agreeing continuations: a chain
+    lookup = PromptLookupProposer(max_ngram=1, branches=3)
+    lookup.begin([], SamplingConfig(), gen())
+    draft = lookup.propose([5, 1, 5, 2, 5, 3, 5], k=2)  # "5" was followed by 1, 2 and 3
+    assert sorted(draft.token_ids) == [2, 3] and draft.parents == (-1, -1)  # the two most recent, budget 2
+    assert PromptLookupProposer(max_ngram=1).propose([5, 1, 5, 2, 5, 3, 5], k=2) == Draft((3, 5))
+
+
+def _reference(prompt, n):
+    return Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none").generate(
+        prompt, max_new_tokens=n, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_lookup_tree_gives_the_targets_greedy_output_alone_and_in_a_batch(k):
+    prompts = ["the cat and the dog and the fox and the", "print(i) print(j) print(k) print("]
+    # One-token tails: they recur with different continuations, so trees branch often.
+    eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="lookup-tree", lookup_max_ngram=1)
+    tokenizer = eng.tokenizer
+    cfg_options = dict(max_new_tokens=40, ignore_eos=True, num_draft_tokens=k, adaptive=False)
+    alone = eng.generate(prompts[0], **cfg_options)
+    assert alone.token_ids == _reference(prompts[0], 40)
+    assert alone.stats.nodes > alone.stats.proposed  # some rounds drafted a tree with branches
+    from draftwise.config import GenerationConfig
+    seqs = [eng.open_sequence(tokenizer.encode(p), GenerationConfig.from_options(**cfg_options)) for p in prompts]
+    for seq in seqs:
+        while not seq.prefill_done:
+            eng.prefill(seq)
+    while any(seq.finish is None for seq in seqs):
+        eng.step([seq for seq in seqs if seq.finish is None])
+    assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == [_reference(p, 40) for p in prompts]
+    for seq in seqs:
+        eng.close_sequence(seq)
