@@ -96,7 +96,8 @@ def _add_generate(commands) -> None:
                         help="a small model sharing the target's tokenizer, for --method draft")
     models.add_argument("--method", choices=METHODS,
                         help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
-                             "prompt and text so far), 'hybrid' (lookup where the text's tail matches earlier "
+                             "prompt and text so far), 'lookup-tree' (lookup's last 3 matches as a token tree), "
+                             "'hybrid' (lookup where the text's tail matches earlier "
                              "text, the --draft model elsewhere), 'skip' (the target itself with some layers skipped, "
                              "chosen by a short calibration at load; no second model) or 'none' (the target "
                              "alone: the baseline) (default: draft when --draft is given, else lookup)")
