@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from draftwise.errors import DraftwiseError
 
 METHODS = ("draft", "lookup", "lookup-tree", "none", "hybrid", "skip")
-TREE_BRANCHES = 3  # lookup-tree: earlier occurrences whose continuations become the tree's branches
+# Prompt lookup's methods: how many earlier occurrences' continuations a guess merges (more than one: a token tree).
+LOOKUP_BRANCHES = {"lookup": 1, "lookup-tree": 3}
 MAX_DRAFT_TOKENS = 64
 # The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"

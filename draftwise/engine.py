@@ -21,7 +21,7 @@ from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import TREE_BRANCHES, GenerationConfig
+from draftwise.config import LOOKUP_BRANCHES, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -34,7 +34,6 @@ from draftwise.text import TextStream
 from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
-from draftwise.verify.tree import TreeLayout
 
 DRAFT_METHODS = ("draft", "hybrid")  # the methods that need a draft model
 # A draft at most this many tokens behind its text catches up in its round's first draft forward; one further
@@ -256,9 +255,8 @@ class Engine:
             return None
         if method == self.method:
             return mine.fork()
-        if method in ("lookup", "lookup-tree"):
-            return PromptLookupProposer(corpus=self.proposal_cache,
-                                        branches=TREE_BRANCHES if method == "lookup-tree" else 1)
+        if method in LOOKUP_BRANCHES:
+            return PromptLookupProposer(corpus=self.proposal_cache, branches=LOOKUP_BRANCHES[method])
         if method == "draft":  # the engine's method is hybrid
             return mine.draft.fork()
         # hybrid on a draft engine
@@ -385,8 +383,7 @@ class Engine:
         if not live:
             return {}
         rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
-        trees = [None if drafts[i].parents is None else TreeLayout.of(drafts[i].parents) for i in live]
-        logits = torch.cat(self.target.forward_batch(rows, trees=trees))  # [T + B, vocab]
+        logits = torch.cat(self.target.forward_batch(rows, trees=[drafts[i].layout for i in live]))  # [T + B, vocab]
         batch = DraftBatch.of([drafts[i] for i in live])
         found = verify_batch(batch, logits, [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
         return dict(zip(live, found))

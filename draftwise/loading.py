@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
-from draftwise.config import METHODS, TREE_BRANCHES
+from draftwise.config import LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
@@ -94,10 +94,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     elif method == "skip":
         plan = plan_skip(target_model, calibration_ids(tokenizer))
         proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)
-    elif method in ("lookup", "lookup-tree"):
+    elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
-                                        branches=TREE_BRANCHES if method == "lookup-tree" else 1)
+                                        branches=LOOKUP_BRANCHES[method])
     else:
         proposer = None
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,15 +27,17 @@ class Draft:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @cached_property
+    def layout(self):
+        """A tree's TreeLayout (verify/tree.py), made once for the pass and the verifier; None for a chain."""
+        from draftwise.verify.tree import TreeLayout  # the verifier's module imports this one
+
+        return None if self.parents is None else TreeLayout.of(self.parents)
+
     @property
     def depth(self) -> int:
         """Positions past the context the draft reaches: its length for a chain, its deepest node for a tree."""
-        if self.parents is None:
-            return len(self.token_ids)
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return max(depth, default=0)
+        return len(self.token_ids) if self.layout is None else self.layout.max_depth
 
     def as_chain(self, verdict: "Verdict") -> tuple[int, ...]:
         """The guesses along the verdict's path: a chain's tokens; for a tree its kept path, then the first

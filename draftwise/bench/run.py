@@ -23,14 +23,14 @@ from tqdm import tqdm
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
-from draftwise.bench.runners import NEEDS_DRAFT, Runners, check_methods, measure_roofline
+from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
 from draftwise.config import DTYPES
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
-DEFAULT_METHODS = ("none", "draft", "lookup", "lookup-tree", "hybrid", "skip", "hf-plain", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = METHODS  # every method, ours then transformers
 WARMUP_TOKENS = 8
 
 

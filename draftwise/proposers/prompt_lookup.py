@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from draftwise.config import SamplingConfig
-from draftwise.verify.tree import chain_parents
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
+from draftwise.verify.tree import chain_parents
 
 
 class PromptLookupProposer:

@@ -22,7 +22,7 @@ class DraftBatch:
     token_ids: torch.Tensor  # [T] long: every sequence's draft, concatenated
     offsets: tuple[int, ...]  # [B + 1]: sequence b's draft is token_ids[offsets[b] : offsets[b + 1]]
     q: tuple[torch.Tensor | None, ...]  # per sequence [n_b, vocab], None for a one-hot (or greedy) draft
-    parents: tuple[tuple[int, ...] | None, ...] = ()  # per sequence: its tree's shape, None for a chain
+    layouts: tuple[TreeLayout | None, ...] = ()  # per sequence: its tree's layout, None for a chain
 
     @classmethod
     def of(cls, drafts: list[Draft]) -> "DraftBatch":
@@ -31,7 +31,7 @@ class DraftBatch:
             offsets.append(offsets[-1] + len(draft))
         ids = [t for draft in drafts for t in draft.token_ids]
         return cls(torch.tensor(ids, dtype=torch.long), tuple(offsets), tuple(d.q for d in drafts),
-                   tuple(d.parents for d in drafts))
+                   tuple(d.layout for d in drafts))
 
     def rows(self, b: int) -> slice:
         """Sequence b's rows in the flat logits: one per draft token, plus one after them ([n_b + 1])."""
@@ -45,8 +45,8 @@ def verify_batch(batch: DraftBatch, logits: torch.Tensor, samplings: list[Sampli
     verdicts = []
     for b, (sampling, generator) in enumerate(zip(samplings, generators)):
         draft = batch.token_ids[batch.offsets[b] : batch.offsets[b + 1]]  # [n_b]
-        if batch.parents and batch.parents[b] is not None:
-            verdicts.append(_tree(tuple(draft.tolist()), TreeLayout.of(batch.parents[b]), logits[batch.rows(b)],
+        if batch.layouts and batch.layouts[b] is not None:
+            verdicts.append(_tree(tuple(draft.tolist()), batch.layouts[b], logits[batch.rows(b)],
                                   sampling, generator, greedy_ids[batch.rows(b)] if sampling.greedy else None))
         elif sampling.greedy:
             verdicts.append(_greedy(draft.tolist(), greedy_ids[batch.rows(b)]))
