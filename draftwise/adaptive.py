@@ -108,11 +108,13 @@ class StepCosts:
     def draft(self, rows: int) -> float:
         return self._draft_s[nearest(self._draft_s, rows)] if self._draft_s else 0.0
 
-    def observe(self, rows: int, k: int, draft_s: float, verify_s: float) -> None:
-        """One step of `rows` sequences, the widest drafting k tokens: what drafting and verifying took."""
+    def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+        """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
+        (default k; a tree's depth): what drafting and verifying took."""
         _decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
-        if k > 0:
-            _decay_into(self._draft_s, rows, draft_s / k)
+        steps = k if draft_steps is None else draft_steps
+        if steps > 0:
+            _decay_into(self._draft_s, rows, draft_s / steps)
 
 
 def _decay_into(table: dict[int, float], key: int, value: float) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from draftwise import __version__
 from draftwise.bench.command import add_bench
+from draftwise.head.command import add_train_head
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(commands, _Formatter)
     add_loadgen(commands, _Formatter)
     add_log(commands, _Formatter)
+    add_train_head(commands, _Formatter)
     _add_models(commands)
     return parser
 
@@ -98,9 +100,14 @@ def _add_generate(commands) -> None:
                         help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
                              "prompt and text so far), 'lookup-tree' (lookup's last 3 matches as a token tree), "
                              "'hybrid' (lookup where the text's tail matches earlier "
-                             "text, the --draft model elsewhere), 'skip' (the target itself with some layers skipped, "
-                             "chosen by a short calibration at load; no second model) or 'none' (the target "
+                             "text, the --draft model elsewhere), 'draft-tree' (the --draft model's likeliest "
+                             "continuations as a token tree), 'skip' (the target itself with some layers skipped, "
+                             "chosen by a short calibration at load; no second model), 'head' (a trained feature "
+                             "head, see train-head, drafting token trees) or 'none' (the target "
                              "alone: the baseline) (default: draft when --draft is given, else lookup)")
+    models.add_argument("--head", metavar="DIR",
+                        help="the trained head for --method head (default: where 'draftwise train-head' puts the "
+                             "target's, $DRAFTWISE_HOME/heads/<target name>)")
     models.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights dtype at load time: 'auto' is bfloat16 where the hardware computes it "
                              "(AVX-512 BF16, AMX, CUDA) and float32 elsewhere; float32 gives token-for-token "
@@ -197,6 +204,7 @@ def _load_engine(args: argparse.Namespace):
         dtype=args.dtype,
         progress=progress,
         lookup_max_ngram=args.lookup_ngram,
+        **({"head": args.head} if args.head else {}),
     )
 
 
@@ -233,7 +241,7 @@ def _check_early(options: dict) -> None:
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
-    return args.draft is not None and args.method in (None, "draft", "hybrid")
+    return args.draft is not None and args.method in (None, "draft", "draft-tree", "hybrid")
 
 
 def _dtype_label(name: str) -> str:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "lookup", "lookup-tree", "none", "hybrid", "skip")
+METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "skip", "head")
 # Prompt lookup's methods: how many earlier occurrences' continuations a guess merges (more than one: a token tree).
 LOOKUP_BRANCHES = {"lookup": 1, "lookup-tree": 3}
 MAX_DRAFT_TOKENS = 64

@@ -35,7 +35,7 @@ from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
-DRAFT_METHODS = ("draft", "hybrid")  # the methods that need a draft model
+DRAFT_METHODS = ("draft", "draft-tree", "hybrid")  # the methods that need a draft model
 # A draft at most this many tokens behind its text catches up in its round's first draft forward; one further
 # behind sits rounds out (k = 0) while it catches up in prefill-sized chunks (Engine.catch_up_draft), since in a
 # batched draft forward every row pays for the widest one.
@@ -76,6 +76,8 @@ class Engine:
         self._default_in_use = False
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
+        if hasattr(proposer, "sizing"):  # a tree proposer sizes its trees by the measured verification costs
+            proposer.sizing.costs = self.draft_policy.costs
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
         self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
@@ -92,7 +94,7 @@ class Engine:
     def methods_available(self) -> tuple[str, ...]:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, skip on an engine built for it (its layer plan is calibrated at load)."""
-        own = DRAFT_METHODS if self.method in DRAFT_METHODS else ("skip",) if self.method == "skip" else ()
+        own = DRAFT_METHODS if self.method in DRAFT_METHODS else (self.method,) if self.method in ("skip", "head") else ()
         return ("none", "lookup", "lookup-tree", *own)
 
     @classmethod
@@ -181,6 +183,9 @@ class Engine:
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
+        if hasattr(proposer, "sizing"):  # a tree proposer: a fixed k means a fixed tree size too
+            proposer.sizing.sized_by_cost = acceptance is not None
+            proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
@@ -247,20 +252,29 @@ class Engine:
                 proposer.release()
 
     def _new_proposer(self, method: str):
-        from draftwise.proposers import HybridProposer
+        from draftwise.proposers import DraftModelProposer, HybridProposer
+        from draftwise.proposers.draft_tree import DraftTreeProposer
         from draftwise.proposers.hybrid import MIN_NGRAM
 
-        mine = self.proposer
         if method == "none":
             return None
         if method == self.method:
-            return mine.fork()
+            return self.proposer.fork()
         if method in LOOKUP_BRANCHES:
             return PromptLookupProposer(corpus=self.proposal_cache, branches=LOOKUP_BRANCHES[method])
-        if method == "draft":  # the engine's method is hybrid
-            return mine.draft.fork()
-        # hybrid on a draft engine
-        return HybridProposer(mine.fork(), PromptLookupProposer(min_ngram=MIN_NGRAM, corpus=self.proposal_cache))
+        if method == "draft":
+            return self._on_draft_model(DraftModelProposer)
+        if method == "draft-tree":
+            return self._on_draft_model(DraftTreeProposer)
+        return HybridProposer(self._on_draft_model(DraftModelProposer),
+                              PromptLookupProposer(min_ngram=MIN_NGRAM, corpus=self.proposal_cache))
+
+    def _on_draft_model(self, proposer_cls):
+        """A proposer of another draft method on a new slot of the engine's draft model (a draft engine's methods
+        share the one model: draft, draft-tree and hybrid)."""
+        base = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
+        shared = getattr(base.backend, "backend", base.backend)  # a slot view's model, or the model itself
+        return proposer_cls(shared.open_slot(), base.target_vocab_size, base.token_ids)
 
     def check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """Raise DraftwiseError when the request cannot fit the context (before anything is allocated)."""
@@ -284,7 +298,9 @@ class Engine:
         done = seq.prefilled
         end = len(seq.prompt_ids) - 1 if max_tokens is None else min(len(seq.prompt_ids) - 1, done + max_tokens)
         if end > done:
-            seq.target.append(seq.prompt_ids[done:end])
+            features = seq.target.append(seq.prompt_ids[done:end], hidden=_wants_features(seq.proposer))
+            if features is not None:
+                seq.proposer.add_features(done, features)
             seq.prefilled = end
         elif seq.acceptance is None:
             self.catch_up_draft(seq, max_tokens)
@@ -318,24 +334,29 @@ class Engine:
         stops = [stop if seq.acceptance else 0.0 for seq in seqs]
         drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
         proposed = time.perf_counter()
+        for i, seq in enumerate(seqs):  # a tree may be wider than k: the pass writes a position per node
+            if isinstance(drafts[i], Draft):
+                drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
         too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         verdicts: dict[int, Verdict] = {}
+        features: dict[int, torch.Tensor] = {}
         try:
-            verdicts = self._verify(seqs, drafts, live)
+            verdicts, features = self._verify(seqs, drafts, live)
         except Exception as err:  # the target pass is shared: every sequence in it lost its round
             for i in live:
                 drafts[i] = err
         finally:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
-                self._commit_caches(seq, ks[i], verdicts.get(i))
+                self._commit_caches(seq, ks[i], verdicts.get(i), features.get(i))
             for seq in too_slow:  # their drafts were good, and are used: the next rounds go without
                 self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
-        if verdicts:
-            self.draft_policy.costs.observe(len(live), max(ks[i] for i in live), times.draft_s, times.verify_s)
+        if verdicts:  # the pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps
+            self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
+                                            times.verify_s, draft_steps=max(ks[i] for i in live))
         events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
@@ -379,24 +400,37 @@ class Engine:
                     seq.remaining - 1)  # drafting past the last token we may emit is wasted work
                 for seq in seqs]
 
-    def _verify(self, seqs: list[Sequence], drafts: list, live: list[int]) -> dict[int, Verdict]:
+    def _verify(self, seqs: list[Sequence], drafts: list,
+                live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
+        """Each live sequence's verdict, and for those whose proposer reads the target's features, the pass's
+        features of its row ([n_i, H])."""
         if not live:
-            return {}
+            return {}, {}
         rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
-        logits = torch.cat(self.target.forward_batch(rows, trees=[drafts[i].layout for i in live]))  # [T + B, vocab]
+        trees = [drafts[i].layout for i in live]
+        hidden = any(_wants_features(seqs[i].proposer) for i in live)
+        out = self.target.forward_batch(rows, trees=trees, hidden=hidden)
+        per_row, features = out if hidden else (out, [])
         batch = DraftBatch.of([drafts[i] for i in live])
-        found = verify_batch(batch, logits, [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
-        return dict(zip(live, found))
+        found = verify_batch(batch, torch.cat(per_row),  # [T + B, vocab]
+                             [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
+        return dict(zip(live, found)), dict(zip(live, features))
 
     @staticmethod
-    def _commit_caches(seq: Sequence, k: int, verdict: Verdict | None) -> None:
-        """Both caches hold exactly the accepted text, even when the round failed."""
+    def _commit_caches(seq: Sequence, k: int, verdict: Verdict | None, features: torch.Tensor | None = None) -> None:
+        """Both caches hold exactly the accepted text, even when the round failed. A proposer that reads the
+        target's features gets those of the kept positions (the text's last token and the accepted drafts)."""
         base = len(seq.context) - 1
         kept = verdict.num_accepted if verdict else 0
-        if verdict is not None and verdict.path is not None and list(verdict.path) != list(range(kept)):
-            seq.target.keep(base + 1, [base + 1 + node for node in verdict.path])  # a tree's path, into place
+        path = list(range(kept)) if verdict is None or verdict.path is None else list(verdict.path)
+        if path != list(range(kept)):
+            seq.target.keep(base + 1, [base + 1 + node for node in path])  # a tree's path, into place
         seq.target.trim(base + 1 + kept if verdict else base)
+        if verdict is not None and features is not None and _wants_features(seq.proposer):
+            seq.proposer.add_features(base, features[[0, *(1 + node for node in path)]])  # [kept + 1, H]
         if k > 0:
+            if verdict is not None and hasattr(seq.proposer, "keep_path"):  # a tree drafted in the proposer's cache
+                seq.proposer.keep_path(path)
             seq.proposer.observe(kept)
 
     def _emit(self, seq: Sequence, draft, verdict: Verdict | None, k: int, times: StepTimes) -> list[Event]:
@@ -438,3 +472,8 @@ class Engine:
         if seq.stats.new_tokens >= seq.cfg.max_new_tokens:
             return "length"
         return None
+
+
+def _wants_features(proposer) -> bool:
+    """Whether a proposer drafts from the target's hidden states (the feature head), handed over by the engine."""
+    return getattr(proposer, "wants_features", False)

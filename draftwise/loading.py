@@ -1,6 +1,8 @@
 """Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
 from draftwise.config import LOOKUP_BRANCHES, METHODS
@@ -8,13 +10,15 @@ from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
+from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer
+from draftwise.proposers.feature_head import HeadProposer
 from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM
 from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
 
-NEEDS_DRAFT = ("draft", "hybrid")
+NEEDS_DRAFT = ("draft", "draft-tree", "hybrid")
 
 
 def choose_method(method: str | None, has_draft: bool) -> str:
@@ -28,12 +32,28 @@ def choose_method(method: str | None, has_draft: bool) -> str:
 
 
 def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
-                 dtype: str = "auto", device: str = "cpu", progress: bool = True, **lookup):
-    """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed)."""
+                 dtype: str = "auto", device: str = "cpu", progress: bool = True, head: str | None = None, **lookup):
+    """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed).
+
+    head: the trained head's folder for method "head" (default: where `draftwise train-head` puts the target's)."""
     method = choose_method(method, draft is not None)
+    if method == "head":
+        from draftwise.head.command import head_home
+
+        head = head or str(head_home(target))
+        check_head_folder(head)  # seconds, before the target loads for minutes
     target_model, tokenizer, draft_model = load_models(target, draft if method in NEEDS_DRAFT else None, dtype, device,
                                                        progress)
-    return assemble(engine_cls, target_model, tokenizer, method, draft_model, **lookup)
+    return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
+
+
+def check_head_folder(folder: str) -> None:
+    from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE
+
+    path = Path(folder)
+    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
+        raise DraftwiseError(f"method 'head' needs a trained head; none in {path} ({WEIGHTS_FILE} and {CONFIG_FILE}). "
+                             f"Make one with: draftwise train-head --target MODEL --out {path}")
 
 
 def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
@@ -56,7 +76,7 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
              draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
              compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
-             target_kernels: tuple[str, ...] = EXACT_KERNELS):
+             target_kernels: tuple[str, ...] = EXACT_KERNELS, head: str | None = None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
@@ -68,12 +88,16 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
 
     target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
-    in is left as it is."""
+    in is left as it is.
+
+    head: for method "head", the folder of a head trained for this target (`draftwise train-head`)."""
     method = choose_method(method, draft_model is not None)
     inexact = set(target_kernels) - set(EXACT_KERNELS)
     if inexact or not target_kernels:
         raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
                              f"got {', '.join(target_kernels) or 'none'}")
+    # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
+    proposer = head_proposer(target_model, head) if method == "head" and head is not None else None
     target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
@@ -86,7 +110,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
-        proposer = DraftModelProposer(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
+        from draftwise.proposers.draft_tree import DraftTreeProposer  # noqa: PLC0415 (a module beside this one's)
+
+        proposer_cls = DraftTreeProposer if method == "draft-tree" else DraftModelProposer
+        proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
         if method == "hybrid":
             if lookup_min_ngram is None:
                 lookup_min_ngram = min(HYBRID_MIN_NGRAM, lookup_max_ngram)
@@ -94,17 +121,31 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     elif method == "skip":
         plan = plan_skip(target_model, calibration_ids(tokenizer))
         proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)
+    elif method == "head":
+        if head is None:
+            raise DraftwiseError("method 'head' needs the folder of a trained head (head=DIR; see draftwise train-head)")
     elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
                                         branches=LOOKUP_BRANCHES[method])
-    else:
+    elif method != "head":
         proposer = None
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
     if method == "skip":
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
+    if method == "head":
+        paths["head"] = {"folder": str(head), "parameters": parameter_count(proposer.head),
+                         "readout": len(proposer.readout_ids)}
     if method in NEEDS_DRAFT:
         paths["draft_kernels"] = kernel_counts(draft_model)
         paths["draft_vocab"] = draft.vocab_size
     return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
+
+
+def head_proposer(target_model, folder: str) -> HeadProposer:
+    """The feature head in `folder`, in the target's dtype, reading out through the target's own output layer."""
+    check_head_folder(folder)
+    head, ids = load_head(folder, dtype=target_model.dtype, device=target_model.device)
+    check_fits(head.config, target_model, folder)
+    return HeadProposer(head, readout_layer(target_model, ids), ids, target_model.get_input_embeddings())

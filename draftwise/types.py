@@ -39,6 +39,13 @@ class Draft:
         """Positions past the context the draft reaches: its length for a chain, its deepest node for a tree."""
         return len(self.token_ids) if self.layout is None else self.layout.max_depth
 
+    def prefix(self, n: int) -> "Draft":
+        """The first n tokens (a tree's nodes come parents first, so its first n are a tree too)."""
+        if n >= len(self):
+            return self
+        parents = None if self.parents is None else self.parents[:n]
+        return Draft(self.token_ids[:n], None if self.q is None else self.q[:n], parents)
+
     def as_chain(self, verdict: "Verdict") -> tuple[int, ...]:
         """The guesses along the verdict's path: a chain's tokens; for a tree its kept path, then the first
         child where the path stopped (the tree's leading guess there), as a chain would have offered them."""

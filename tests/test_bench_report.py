@@ -23,7 +23,7 @@ def run(method, category, qid, repeat, decode_s, **fields):
     base = {
         "method": method, "category": category, "question_id": qid, "repeat": repeat, "new_tokens": 10,
         "decode_s": decode_s, "tokens_per_s": 10 / decode_s, "target_forwards": 10, "proposed": None,
-        "accepted": None, "rounds": None, "proposed_at": None, "accepted_at": None, "draft_s": None,
+        "accepted": None, "nodes": None, "rounds": None, "proposed_at": None, "accepted_at": None, "draft_s": None,
         "verify_s": None, "identical": None,
     }
     base.update(fields)
@@ -32,13 +32,13 @@ def run(method, category, qid, repeat, decode_s, **fields):
 
 def coding_draft(qid, repeat, decode_s, identical=True):
     # 4 rounds of k=4: 6 of 16 kept (3, 2, 1, 0 at positions 1..4), 6 + 4 target tokens = 10; 0.6 s drafting
-    return run("draft", "coding", qid, repeat, decode_s, target_forwards=4, proposed=16, accepted=6, rounds=4,
+    return run("draft", "coding", qid, repeat, decode_s, target_forwards=4, proposed=16, accepted=6, nodes=16, rounds=4,
                proposed_at=[4, 4, 4, 4], accepted_at=[3, 2, 1, 0], draft_s=0.6, verify_s=0.2, identical=identical)
 
 
 def summary_draft(repeat):
     # 2 rounds of k=4, everything kept: 8 + 2 = 10 tokens; 0.2 s drafting
-    return run("draft", "summary", 3, repeat, 0.5, target_forwards=2, proposed=8, accepted=8, rounds=2,
+    return run("draft", "summary", 3, repeat, 0.5, target_forwards=2, proposed=8, accepted=8, nodes=8, rounds=2,
                proposed_at=[2, 2, 2, 2], accepted_at=[2, 2, 2, 2], draft_s=0.2, verify_s=0.1, identical=True)
 
 
@@ -224,11 +224,11 @@ def test_report_has_setup_and_tables_with_formatted_cells(tmp_path):
     assert "| draft | 10.0 (2.50x) | 20.0 (4.00x) | 12.0 (2.80x) |" in text
     assert "| hf-plain | 4.0 (1.00x) | 5.0 (1.00x) | 4.3 (1.00x) |" in text
     # table 2
-    assert ("| draft | coding | 2 | 10.0 | 2.50x | 1.50x | 37.5% | 2.50 | 4.00 | 0.250 | 0.79x | 1.89x | 1/2 |"
+    assert ("| draft | coding | 2 | 10.0 | 2.50x | 1.50x | 37.5% | 2.50 | 4.00 | 4.00 | 0.250 | 0.79x | 1.89x | 1/2 |"
             in text)
-    assert "| draft | summary | 1 | 20.0 | 4.00x | 2.00x | 100.0% | 5.00 | 4.00 | 0.250 | 2.50x | 0.80x | 1/1 |" in text
-    assert "| none | all | 3 | 7.5 | 1.75x | 1.00x | - | 1.00 | - | - | - | - | - |" in text
-    assert "| hf-plain | all | 3 | 4.3 | 1.00x | 0.57x | - | 1.00 | - | - | - | - | 3/3 |" in text
+    assert "| draft | summary | 1 | 20.0 | 4.00x | 2.00x | 100.0% | 5.00 | 4.00 | 4.00 | 0.250 | 2.50x | 0.80x | 1/1 |" in text
+    assert "| none | all | 3 | 7.5 | 1.75x | 1.00x | - | 1.00 | - | - | - | - | - | - |" in text
+    assert "| hf-plain | all | 3 | 4.3 | 1.00x | 0.57x | - | 1.00 | - | - | - | - | - | 3/3 |" in text
     # table 3: only draft has per-position acceptance
     assert "| method | pos 1 | pos 2 | pos 3 | pos 4 |" in text
     assert "| draft | 80.0% | 60.0% | 40.0% | 20.0% |" in text

@@ -59,7 +59,7 @@ def test_empty_prompt():
 
 
 def test_unknown_method_and_missing_draft():
-    with pytest.raises(DraftwiseError, match="unknown method 'medusa'; choose one of: draft, lookup, lookup-tree, none"):
+    with pytest.raises(DraftwiseError, match="unknown method 'medusa'; choose one of: draft, draft-tree, lookup, lookup-tree, none"):
         Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="medusa")
     with pytest.raises(DraftwiseError, match="method 'draft' needs a draft model"):
         Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="draft")

@@ -94,7 +94,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = {"draft": sharpened(1.5), "hybrid": sharpened(1.5)}.get(method)
+    draft = {"draft": sharpened(1.5), "draft-tree": sharpened(1.5), "hybrid": sharpened(1.5)}.get(method)
     if method == "lookup-corpus":  # earlier requests' texts (the loop, then each run's own) propose
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
         eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
@@ -109,7 +109,8 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
          ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"),
          ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start"),
-         ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree")]
+         ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
+         ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -124,7 +125,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method == "lookup-corpus":
         assert rounds["corpus"] >= RUNS  # the first round of every run came from another text
-    if method == "lookup-tree":
+    if method in ("lookup-tree", "draft-tree"):  # (draft-tree: its draft hesitates after "mid-loop")
         assert rounds["tree nodes"] >= RUNS  # every run's first round was a tree with two branches
 
 
@@ -140,3 +141,5 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "start")) < 1e-6
     pairs, _, _ = sampled_pairs("lookup-tree", "t1", 3, "tree")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "tree")) < 1e-6
+    pairs, _, _ = sampled_pairs("draft-tree", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6

@@ -1,6 +1,8 @@
 """Hugging Face transformers as a backend: any causal LM, one slot cache shared by many sequences."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -60,8 +62,8 @@ class HFBackend:
     def forward(self, new_token_ids: list[int]) -> torch.Tensor:
         return self.default.forward(new_token_ids)
 
-    def append(self, token_ids: list[int]) -> None:
-        self.default.append(token_ids)
+    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
+        return self.default.append(token_ids, hidden)
 
     def trim(self, to_len: int) -> None:
         self.default.trim(to_len)
@@ -77,13 +79,19 @@ class HFBackend:
 
     # -- ragged batches --------------------------------------------------------------------------------
     def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True,
-                      trees: list | None = None) -> list[torch.Tensor]:
+                      trees: list | None = None, hidden: bool = False):
         """Append each row's new ids to its slot; return float32 logits [n_i, vocab] per row (empty when not
         logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded.
 
+        hidden: also return each row's last hidden states [n_i, H] (after the final norm: what the output layer
+        reads), as (logits per row, hidden states per row), for a proposer that drafts from them.
+
         trees: per row, None or the TreeLayout of its ids (a root and a token tree, verify/tree.py): the row's
         positions are written in order, but each token's position id is its depth past the root and it
-        attends to the cache and its own ancestors only."""
+        attends to the cache and its own ancestors only. A layout longer than the row's ids continues a tree
+        already in the slot (a draft model grows its tree one depth per forward): its first positions, the root
+        among them, are the slot's last ones, and the ids are its last len(ids) positions. Before the tree,
+        the slot holds plain text, which every tree token sees."""
         slots = [view.slot for view, _ in rows]
         lengths = [len(ids) for _, ids in rows]
         width = max(lengths)
@@ -91,13 +99,18 @@ class HFBackend:
             if slot.length + n > self.max_context:
                 raise DraftwiseError(
                     f"sequence of {slot.length + n} tokens exceeds the model's context of {self.max_context}")
-        out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1,
-                        trees=trees or [None] * len(rows))
+        with last_hidden_states(self.model, hidden) as captured:
+            out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1,
+                            trees=trees or [None] * len(rows))
         for slot, n in zip(slots, lengths):
             slot.length += n
         if not logits:
-            return [out.new_empty(0, self.vocab_size) for _ in rows]
-        return [out[i, :n].float() for i, n in enumerate(lengths)]  # [n_i, vocab] each
+            per_row = [out.new_empty(0, self.vocab_size) for _ in rows]
+        else:
+            per_row = [out[i, :n].float() for i, n in enumerate(lengths)]  # [n_i, vocab] each
+        if hidden:
+            return per_row, [captured[0][i, :n] for i, n in enumerate(lengths)]  # [n_i, H] each
+        return per_row
 
     @torch.inference_mode()
     def _run(self, slots: list[Slot], ids: list[list[int]], width: int, logits_to_keep: int,
@@ -108,29 +121,45 @@ class HFBackend:
         positions = self.cache.begin_forward(slots, width, device)  # [B, N] where each row's tokens are written
         end = int(positions[:, -1].max()) + 1
         position_ids = positions.clone() if any(t is not None for t in trees) else positions
+        lengths = [len(row) for row in ids]
         for row, tree in enumerate(trees):
             if tree is not None:  # a token's position id is the root's plus its depth
-                position_ids[row, : len(tree.depth)] = positions[row, 0] + torch.tensor(tree.depth, device=device)
+                n, behind = lengths[row], len(tree.depth) - lengths[row]  # behind: the tree's positions in the slot
+                if not 0 <= behind <= slots[row].length:
+                    raise ValueError(f"a tree of {len(tree.depth)} positions for {n} new ids and a slot of "
+                                     f"{slots[row].length}")
+                root = positions[row, 0] - behind
+                position_ids[row, :n] = root + torch.tensor(tree.depth[behind:], device=device)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                         attention_mask=self._masks(positions, end, trees), position_ids=position_ids,
-                         logits_to_keep=logits_to_keep)
+                         attention_mask=self._masks(positions, end, trees, position_ids, lengths),
+                         position_ids=position_ids, logits_to_keep=logits_to_keep)
         return out.logits  # [B, logits_to_keep, vocab]
 
-    def _masks(self, positions: torch.Tensor, end: int, trees: list):
+    def _masks(self, positions: torch.Tensor, end: int, trees: list, position_ids: torch.Tensor | None = None,
+               lengths: list[int] | None = None):
         """Row i, query t sees keys [0, position] (the last `window` of them on sliding layers): [B, 1, N, end].
-        A tree row's tokens see, of the row's new positions, only their ancestors and themselves."""
+        A tree row's tokens see, of the tree's positions, only their ancestors and themselves; its windows count
+        position ids (a key's depth, not its slot), as the chain through those ancestors would have them.
+
+        position_ids: [B, N] the queries' (positions by default); lengths: each row's new ids (default: a tree's
+        whole layout is new)."""
+        position_ids = positions if position_ids is None else position_ids
         keys = torch.arange(end, device=positions.device)  # [end]
-        query = positions[:, None, :, None]  # [B, 1, N, 1]
+        visible = keys <= positions[:, None, :, None]  # [B, 1, N, end]
+        key_ids = keys.repeat(len(positions), 1)  # [B, end]: each key's position id
+        for row, tree in enumerate(trees):
+            if tree is not None:
+                size = len(tree.depth)
+                n = size if lengths is None else lengths[row]
+                root = int(positions[row, 0]) - (size - n)  # where the tree starts in the slot
+                visible[row, 0, :n, root : root + size] &= tree.visible[size - n :].to(visible.device)
+                key_ids[row, root : root + size] = root + torch.tensor(tree.depth, device=positions.device)
         masks = {}
         for layer_type, window in self._windows.items():
-            visible = keys <= query
-            if window:
-                visible &= keys > query - window
-            for row, tree in enumerate(trees):
-                if tree is not None:
-                    n, start = len(tree.depth), int(positions[row, 0])
-                    visible[row, 0, :n, start : start + n] &= tree.visible.to(visible.device)
-            masks[layer_type] = visible if self._bool_mask else _additive(visible, self.dtype)
+            seen = visible
+            if window:  # [B, 1, N, end]
+                seen = visible & (key_ids[:, None, None, :] > position_ids[:, None, :, None] - window)
+            masks[layer_type] = seen if self._bool_mask else _additive(seen, self.dtype)
         return masks.get(None, masks)  # one mask for every layer, or one per layer type
 
 
@@ -155,11 +184,14 @@ class SlotView:
         self.slot.length = 0
         self.append(token_ids)
 
-    def append(self, token_ids: list[int]) -> None:
-        """Extend the cache with token_ids, no logits: a prefill (or a chunk of one)."""
-        if token_ids:
-            # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
-            self.backend.forward_batch([(self, token_ids)], logits=False)
+    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
+        """Extend the cache with token_ids, no logits: a prefill (or a chunk of one). hidden: return the last
+        hidden states [n, H] too (a feature head drafts from them)."""
+        if not token_ids:
+            return None
+        # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
+        out = self.backend.forward_batch([(self, token_ids)], logits=False, hidden=hidden)
+        return out[1][0] if hidden else None
 
     def forward(self, new_token_ids: list[int]) -> torch.Tensor:
         return self.backend.forward_batch([(self, new_token_ids)])[0]  # [n, vocab]
@@ -194,6 +226,21 @@ class SlotView:
         length = min(self.slot.length, len(token_ids))
         if cache is not None and length:
             cache.put(self.backend.prefix_name, token_ids[:length], *self.backend.cache.export(self.slot, length))
+
+
+@contextmanager
+def last_hidden_states(model, enabled: bool = True):
+    """Within the block, captured[0] is the decoder's last output ([B, N, H], after the final norm)."""
+    captured: list[torch.Tensor] = []
+    if not enabled:
+        yield captured
+        return
+    decoder = model.get_decoder()
+    hook = decoder.register_forward_hook(lambda _m, _args, out: captured.insert(0, out.last_hidden_state))
+    try:
+        yield captured
+    finally:
+        hook.remove()
 
 
 def attention_windows(config) -> dict[str | None, int | None]:

@@ -49,7 +49,8 @@ def add_bench(commands, formatter) -> None:
                              "(default: %(default)s)")
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
-                      help=f"comma-separated, from: {', '.join(METHODS)} (default: %(default)s)")
+                      help=f"comma-separated, from: {', '.join(METHODS)}; 'head' needs a trained head (see "
+                           "draftwise train-head) (default: %(default)s)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
                       help="comma-separated categories, or 'all' (default: %(default)s)")
     work.add_argument("--per-category", type=int, default=3, metavar="N",
@@ -64,6 +65,9 @@ def add_bench(commands, formatter) -> None:
     work.add_argument("-k", "--num-draft-tokens", type=int, default=4, metavar="K",
                       help="draft length for draft, lookup and hf-lookup; hf-assisted keeps transformers' own "
                            "(default: %(default)s)")
+    models.add_argument("--head", metavar="DIR",
+                        help="the trained head for method 'head' (default: where 'draftwise train-head' puts the "
+                             "target's, $DRAFTWISE_HOME/heads/<target name>)")
     work.add_argument("--no-roofline", action="store_true", help="skip the forward-time-per-size measurement")
     out = p.add_argument_group("output")
     # Short enough that "(default: bench-results)" is never wrapped at its hyphen in 80 columns.
@@ -86,7 +90,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         target=args.target, draft=args.draft, methods=split_list(args.methods),
         categories=args.categories, per_category=args.per_category, limit=args.limit, prompts_file=args.prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
-        out=args.out, roofline=not args.no_roofline, progress=not (args.quiet or args.json),
+        out=args.out, roofline=not args.no_roofline, progress=not (args.quiet or args.json), head=args.head,
     )
     return per_dtype(cfg, split_list(args.dtype))
 

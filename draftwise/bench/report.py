@@ -167,7 +167,7 @@ def _table_by_category(summary: list[dict], methods: list[str], categories: list
 def _table_detail(summary: list[dict], methods: list[str], categories: list[str]) -> str:
     header = [
         "method", "category", "prompts", "tok/s", "vs hf-plain", "vs none", "acceptance", "mean accepted length",
-        "k", "c", "predicted", "measured/predicted", "identical",
+        "k", "nodes", "c", "predicted", "measured/predicted", "identical",
     ]
     rows = _rows_by_key(summary)
     body = []
@@ -180,12 +180,13 @@ def _table_detail(summary: list[dict], methods: list[str], categories: list[str]
                 method, category, str(row["prompts"]), fmt_num(row["tokens_per_s"]),
                 fmt_ratio(row["speedup_vs_hf_plain"]), fmt_ratio(row["speedup_vs_none"]),
                 fmt_pct(row["acceptance_rate"]), fmt_num(row["mean_accepted_length"], 2),
-                fmt_num(row["mean_draft_length"], 2), fmt_num(row["cost_ratio"], 3),
+                fmt_num(row["mean_draft_length"], 2), fmt_num(row.get("tree_size"), 2), fmt_num(row["cost_ratio"], 3),
                 fmt_ratio(row["predicted_speedup"]), fmt_ratio(row["measured_over_predicted"]),
                 fmt_identical(row["identical"], row["prompts"]),
             ])
     legend = (
-        "k: draft tokens offered per round; c: seconds per draft token over seconds per plain target step; "
+        "k: draft positions offered per round (a token tree's depth); nodes: draft tokens scored per round (a "
+        "tree's every node; k for a chain); c: seconds per draft position over seconds per plain target step; "
         "predicted: Leviathan et al. (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured acceptance a, k and c; "
         "identical: prompts whose every repeat matched the reference greedy output."
     )

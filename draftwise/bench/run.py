@@ -30,7 +30,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
-DEFAULT_METHODS = METHODS  # every method, ours then transformers
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "head")  # every method but the one that needs a trained head
 WARMUP_TOKENS = 8
 
 
@@ -51,9 +51,20 @@ class BenchConfig:
     out: str = "bench-results"
     roofline: bool = True
     progress: bool = True
+    head: str | None = None  # the trained head for "head"; None: where train-head puts the target's
+
+    @property
+    def head_folder(self) -> str:
+        from draftwise.head.command import head_home
+
+        return self.head or str(head_home(self.target))
 
     def check(self) -> None:
         check_methods(list(self.methods), self.draft is not None)
+        if "head" in self.methods:
+            from draftwise.loading import check_head_folder
+
+            check_head_folder(self.head_folder)
         for name in ("max_new_tokens", "repeats", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise DraftwiseError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -112,7 +123,8 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
 def _bench_pass(cfg: BenchConfig, prompts, models) -> dict:
     """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged."""
     target_model, tokenizer, draft_model = models
-    runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens)
+    runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
+                      head=cfg.head_folder if "head" in cfg.methods else None)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     _warm_up(runners, cfg.methods, encoded[0])

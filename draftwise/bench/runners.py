@@ -16,12 +16,12 @@ from draftwise.backends.kernels import plan_kernels, with_kernels
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "lookup", "lookup-tree", "hybrid", "skip")  # config.METHODS, in the order the bench reports them
+OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "skip", "head")  # config.METHODS, in report order
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
-NEEDS_DRAFT = ("draft", "hybrid", "hf-assisted")
+NEEDS_DRAFT = ("draft", "draft-tree", "hybrid", "hf-assisted")
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
-SPECULATION_FIELDS = ("proposed", "accepted", "rounds", "proposed_at", "accepted_at", "draft_s")
+SPECULATION_FIELDS = ("proposed", "accepted", "nodes", "rounds", "proposed_at", "accepted_at", "draft_s")
 
 
 def check_methods(methods: list[str], has_draft: bool) -> None:
@@ -38,13 +38,15 @@ def check_methods(methods: list[str], has_draft: bool) -> None:
 class Runners:
     """The loaded models, shared by every method so that all of them run on the very same weights."""
 
-    def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4):
+    def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4, head: str | None = None):
+        """head: the trained head's folder, for the method "head"."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
         self.fast_target = with_kernels(target_model, plan_kernels(target_model))
         self.tokenizer = tokenizer
+        self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
         self._peer_config = _no_eos_config(target_model.generation_config)
 
@@ -56,7 +58,8 @@ class Runners:
     def engine(self, method: str) -> Engine:
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
-            self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method)
+            head = {"head": self.head} if method == "head" else {}
+            self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method, **head)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:

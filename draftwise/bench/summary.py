@@ -86,6 +86,11 @@ def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
     return [ratio(kept[i], offered[i]) for i in range(length)]
 
 
+def tree_size(runs: Sequence[dict]) -> float | None:
+    """Draft tokens scored per verification round: a chain's length, every node of a token tree."""
+    return ratio(_fields_sum(runs, "nodes"), _fields_sum(runs, "rounds"))
+
+
 def seconds_per_draft_token(runs: Sequence[dict]) -> float | None:
     return ratio(_fields_sum(runs, "draft_s"), _fields_sum(runs, "proposed"))
 
@@ -135,6 +140,7 @@ def _row(method: str, category: str, runs: list[dict], none_runs: list[dict], ro
         "mean_accepted_length": mean_accepted_length(runs),
         "per_position_acceptance": per_position_acceptance(runs),
         "mean_draft_length": k,
+        "tree_size": tree_size(runs),
         "cost_ratio": c,
         "predicted_speedup": predicted_speedup(a, k, c),
         "measured_over_predicted": None,

@@ -3,7 +3,8 @@
 A proposer that can take part has the round in steps (DraftModelProposer and HybridProposer do):
 start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
 settle() (in `finally`: the cache holds exactly the proposer's tokens); finish() -> Draft. Its `backend` is its
-slot of a shared HFBackend (a SlotView). Any other proposer (prompt lookup) just propose()s.
+slot of a shared HFBackend (a SlotView). Any other proposer (prompt lookup), and one whose class sets
+steps_in_lockstep = False (a draft-model tree: its forwards are not one row each), just propose()s.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def propose_many(proposers: list, contexts: list[list[int]], ks: list[int],
     for i, (proposer, context, k, stop) in enumerate(zip(proposers, contexts, ks, stop_confidences)):
         try:
             # Alone, a proposer runs its own round: no batch to share a forward with.
-            if k > 0 and hasattr(proposer, "pending") and len(proposers) > 1:
+            lockstep = hasattr(proposer, "pending") and getattr(proposer, "steps_in_lockstep", True)
+            if k > 0 and lockstep and len(proposers) > 1:
                 proposer.start(context, k, stop)
                 stepped.append(i)
             else:

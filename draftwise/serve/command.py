@@ -51,6 +51,8 @@ def add_serve(commands, formatter) -> None:
                    help=f"draft model with the target's tokenizer, or 'none' (default: {DEFAULT_DRAFT})")
     m.add_argument("--method", choices=METHODS, help="default speculation method (default: draft with a draft "
                                                      "model, lookup without)")
+    m.add_argument("--head", metavar="DIR",
+                   help="the trained head for --method head (default: $DRAFTWISE_HOME/heads/<target name>)")
     m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
                    help=f"most draft tokens per round unless a request says otherwise, 1-{MAX_DRAFT_TOKENS} "
                         "(default: 4)")
@@ -132,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.prompt_cache_mb < 0:
         raise DraftwiseError(f"--prompt-cache-mb must be >= 0 (0 turns the prompt cache off), "
                              f"got {args.prompt_cache_mb}")
-    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype)
+    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype,
+                                    **({"head": args.head} if args.head else {}))
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
     if args.proposal_cache_tokens:

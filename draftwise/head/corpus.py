@@ -1,0 +1,89 @@
+"""The head's training text: source and documentation of the third-party packages installed beside draftwise.
+
+Why these: they are on every machine that runs draftwise (no download), they mix code with English prose
+(docstrings, READMEs, guides), and nothing we evaluate on is among them. Excluded on purpose: the Python
+standard library (users benchmark code assistants on it), draftwise itself (its package data holds the
+Spec-Bench prompts), and any file that names HumanEval or MBPP. Files are taken round-robin across packages
+in sorted order, so the corpus is the same on every run and no one package dominates it.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+SUFFIXES = (".py", ".md", ".rst", ".txt")
+EXCLUDED_PACKAGES = ("draftwise",)
+EXCLUDED_WORDS = ("humaneval", "mbpp", "spec_bench", "spec-bench")
+MAX_FILE_BYTES = 200_000  # generated tables and vendored blobs teach nothing
+MIN_FILE_BYTES = 400
+MAX_SEQUENCES_PER_FILE = 2  # more files, not longer ones: variety teaches more than one file's tail
+
+
+def package_roots(site_packages: Path | None = None) -> list[Path]:
+    """Each installed top-level package folder, sorted; never the standard library or draftwise."""
+    root = site_packages or Path(sysconfig.get_paths()["purelib"])
+    if not root.is_dir():
+        return []
+    return [path for path in sorted(root.iterdir())
+            if path.is_dir() and not path.name.endswith((".dist-info", ".libs", ".data", "__pycache__"))
+            and not path.name.startswith(("_", ".")) and path.name not in EXCLUDED_PACKAGES]
+
+
+def package_files(root: Path) -> list[Path]:
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        for name in sorted(names):
+            path = Path(folder) / name
+            if path.suffix in SUFFIXES and MIN_FILE_BYTES <= path.stat().st_size <= MAX_FILE_BYTES:
+                found.append(path)
+    # Prose first (guides, READMEs), then code: the target answers in both, and packages hold far more code.
+    return sorted(found, key=lambda path: path.suffix == ".py")
+
+
+def corpus_texts(roots: list[Path]) -> Iterator[tuple[str, str]]:
+    """(a label "package/relative/path", the file's text), round-robin over the packages' files."""
+    queues = [(root, package_files(root)) for root in roots]
+    for i in range(max((len(files) for _, files in queues), default=0)):
+        for root, files in queues:
+            if i >= len(files):
+                continue
+            try:
+                text = files[i].read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if any(word in text.lower() for word in EXCLUDED_WORDS):
+                continue
+            yield f"{root.name}/{files[i].relative_to(root)}", text
+
+
+def training_sequences(tokenizer, seq_len: int, max_tokens: int, roots: list[Path] | None = None,
+                       per_file: int = MAX_SEQUENCES_PER_FILE) -> list[list[int]]:
+    """Token sequences of seq_len tokens (the last of a file may be shorter, at least a quarter of it), at most
+    per_file of them from one file, about max_tokens in all. With a chat template, each file is the assistant's answer to a request for it: the head
+    then learns the target's features where they matter, inside an answer."""
+    sequences, total = [], 0
+    for label, text in corpus_texts(package_roots() if roots is None else roots):
+        ids = _as_answer(tokenizer, label, text)
+        for start in range(0, min(len(ids), per_file * seq_len), seq_len):
+            piece = ids[start : start + seq_len]
+            if len(piece) < seq_len // 4:
+                break
+            sequences.append(piece)
+            total += len(piece)
+            if total >= max_tokens:
+                return sequences
+    return sequences
+
+
+def _as_answer(tokenizer, label: str, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": f"Show me the file {label}."},
+                    {"role": "assistant", "content": text}]
+        try:
+            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        except Exception:  # a template that refuses this shape: the plain text teaches the same
+            pass
+    return tokenizer(text)["input_ids"]

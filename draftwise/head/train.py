@@ -1,0 +1,241 @@
+"""Train a feature head on this CPU: collect the target's features over the corpus, then fit the head to them.
+
+Each training sequence teaches two depths at once (EAGLE-3's "training-time test", shortened to two steps):
+- depth 1: inputs (f_t, x_{t+1}) with the target's true features, as the head sees them for the first draft
+  token of a round; it predicts f_{t+1};
+- depth 2: inputs (its own prediction of f_{t+1}, x_{t+2}), attending to the true inputs before it, as the head
+  sees them one token past the text; it predicts f_{t+2}.
+The loss at each depth is the cross-entropy of the readout against the target's own distribution there (over
+the readout tokens) plus a small feature regression (EAGLE's smooth L1), and the input features get a little
+noise so that the head tolerates its own imperfect predictions.
+
+A held-back share of the sequences (every VAL_EVERY-th) is never trained on; its top-1 and top-3 accuracy
+against the target's own greedy token is reported at the start (chance: the untrained head) and after each
+epoch. A checkpoint (head, optimizer, step) is written every `checkpoint_every` steps and at each epoch's end,
+so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from draftwise.head.answers import answer_prompts, target_answers
+from draftwise.head.corpus import training_sequences
+from draftwise.head.features import collect, load_shards
+from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_head
+from draftwise.hardware import native_bf16
+
+VAL_EVERY = 20  # every 20th sequence is held back for validation
+CHECKPOINT_FILE = "checkpoint.pt"
+REGRESSION_WEIGHT = 0.1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_tokens: int = 60_000  # corpus size, in target tokens
+    seq_len: int = 512
+    epochs: int = 2
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    noise: float = 0.05  # input-feature noise, as a share of the features' RMS
+    intermediate_size: int = 4096  # the head's MLP width (the target's own is wider: cost, not accuracy, sets it)
+    readout: int = 32768  # target tokens the readout covers (plus the special ones)
+    checkpoint_every: int = 100
+    seed: int = 0
+    answers: int = 64  # requests the target answers itself, added to the corpus (answers.py); 16 to a shard
+    answer_tokens: int = 256  # the longest answer
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    top1: float  # depth 1: the head's top token is the target's greedy token
+    top3: float
+    top1_depth2: float  # depth 2, from its own predicted feature
+    tokens: int
+
+    def line(self) -> str:
+        return (f"top-1 {100 * self.top1:.1f}%, top-3 {100 * self.top3:.1f}%, depth-2 top-1 "
+                f"{100 * self.top1_depth2:.1f}% over {self.tokens} tokens")
+
+
+def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
+               sequences: list[list[int]] | None = None, target_name: str = "", log=print) -> dict:
+    """Train a head for target_model and save it under out; returns the training record (also in its config).
+
+    sequences: the token sequences to train on (default: the corpus of corpus.py, cfg.max_tokens of it)."""
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    from_corpus = sequences is None
+    if from_corpus:
+        sequences = own_answers(target_model, tokenizer, cfg, out, progress)
+        sequences += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
+    shards = collect(target_model, sequences, out / "features", progress)
+    data = load_shards(shards)
+    val, train = data[::VAL_EVERY], [s for i, s in enumerate(data) if i % VAL_EVERY]
+    if not train or not val:
+        raise ValueError(f"{len(data)} sequences are too few to train and validate on; give at least {VAL_EVERY + 1}")
+    collected_s = time.perf_counter() - started
+
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids)
+    readout = readout_layer(target_model, ids).float()
+    embed = target_model.get_input_embeddings()
+    head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name)
+    head = FeatureHead(head_cfg)
+    trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train))
+    step = trainer.resume(out / CHECKPOINT_FILE)
+    before = trainer.evaluate(val)
+    log(f"validation before training: {before.line()}")
+    order = random.Random(cfg.seed)
+    history = []
+    with tqdm(total=cfg.epochs * len(train), initial=step, desc="train head", unit="seq", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for epoch in range(cfg.epochs):
+            shuffled = train[:]
+            order.shuffle(shuffled)  # the same order on a resumed run: the generator is replayed from the start
+            for i, sequence in enumerate(shuffled):
+                if epoch * len(train) + i < step:
+                    continue
+                loss = trainer.step(sequence)
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}")
+                if step % cfg.checkpoint_every == 0:
+                    trainer.checkpoint(out / CHECKPOINT_FILE, step)
+            trainer.checkpoint(out / CHECKPOINT_FILE, step)
+            after = trainer.evaluate(val)
+            history.append(asdict(after))
+            log(f"validation after epoch {epoch + 1}: {after.line()}")
+    record = {
+        "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
+                  "of, the third-party package sources and docs installed beside draftwise (draftwise/head/)"
+                  if from_corpus else "given sequences",
+        "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
+        "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
+        "collect_s": round(collected_s, 1), "train_s": round(time.perf_counter() - started - collected_s, 1),
+        "val_before": asdict(before), "val_after": history,
+    }
+    head.config = replace(head_cfg, training=record)
+    save_head(head, ids, out)
+    (out / "training.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[list[int]]:
+    """cfg.answers of the target's own answers (kept in out/answers.json: generating them is the slow part)."""
+    if not cfg.answers:
+        return []
+    path = out / "answers.json"
+    key = {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["sequences"]
+    sequences = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
+                               progress=progress)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"key": key, "sequences": sequences}))
+    partial.replace(path)
+    return sequences
+
+
+class _Trainer:
+    def __init__(self, head: FeatureHead, readout, embed, ids: torch.Tensor, vocab: int, cfg: TrainConfig,
+                 total_steps: int):
+        self.head, self.readout, self.embed, self.cfg = head, readout, embed, cfg
+        self.to_readout = torch.full((vocab,), -1, dtype=torch.long)
+        self.to_readout[ids] = torch.arange(len(ids))  # target id -> readout index (-1: not covered)
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: _lr_scale(s, cfg, total_steps))
+        self.autocast = native_bf16("cpu")  # bfloat16 matmuls only where the CPU computes them natively
+
+    def resume(self, path: Path) -> int:
+        if not path.is_file():
+            return 0
+        state = torch.load(path, weights_only=True)
+        if state["config"] != asdict(self.cfg):
+            return 0  # another run's checkpoint: start over rather than mix two settings
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        return int(state["step"])
+
+    def checkpoint(self, path: Path, step: int) -> None:
+        partial = path.with_suffix(".partial")
+        torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "schedule": self.schedule.state_dict(), "step": step, "config": asdict(self.cfg)}, partial)
+        partial.replace(path)
+
+    def step(self, sequence: dict) -> float:
+        self.head.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss = sum(self._losses(sequence, noise=self.cfg.noise)[0])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optimizer.step()
+        self.schedule.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[dict]) -> Accuracy:
+        self.head.eval()
+        hits = torch.zeros(3)
+        counted = torch.zeros(2)
+        for sequence in sequences:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                _, (logits1, logits2) = self._losses(sequence, noise=0.0)
+            want = sequence["next"]  # [L]: the target's greedy token after each position
+            top = logits1.float().topk(3, dim=-1).indices  # [L - 1, 3]
+            label1 = self.to_readout[want[1:]]  # [L - 1]
+            hits[0] += (top[:, 0] == label1).sum()
+            hits[1] += (top == label1[:, None]).any(-1).sum()
+            counted[0] += len(label1)
+            hits[2] += (logits2.float().argmax(-1) == self.to_readout[want[2:]]).sum()
+            counted[1] += len(want) - 2
+        return Accuracy(float(hits[0] / counted[0]), float(hits[1] / counted[0]), float(hits[2] / counted[1]),
+                        int(counted[0]))
+
+    def _losses(self, sequence: dict, noise: float):
+        """([depth-1 loss, depth-2 loss], (depth-1 logits [L - 1, R], depth-2 logits [L - 2, R]))."""
+        ids, features = sequence["ids"], sequence["features"].float()  # [L], [L, H]
+        length = len(ids)
+        with torch.no_grad():
+            embeddings = self.embed(ids).float()  # [L, H]
+            wanted = torch.softmax(self.readout(features[1:]).float(), dim=-1)  # [L - 1, R] the target's p
+        inputs = features[:-1]
+        if noise:
+            rms = inputs.pow(2).mean().sqrt()
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * rms
+        positions = torch.arange(length - 1)
+        # Depth 1: true features at every position.
+        predicted1, past = self.head(inputs[None], embeddings[1:][None], positions, return_kv=True)  # [1, L-1, H]
+        # Depth 2: position t + 1 reads the head's own f_{t+1}, and sees the true inputs at positions <= t.
+        n = length - 2
+        mask = torch.cat([torch.ones(n, length - 1, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool)], 1)
+        predicted2 = self.head(predicted1[:, :-1], embeddings[2:][None], positions[1:], past=past, mask=mask)
+        losses, logits = [], []
+        for predicted, target_p, target_f in ((predicted1[0], wanted, features[1:]),
+                                              (predicted2[0], wanted[1:], features[2:])):
+            out = self.readout(predicted.float())  # [n, R]
+            cross_entropy = -(target_p * torch.log_softmax(out, dim=-1)).sum(-1).mean()
+            losses.append(cross_entropy + REGRESSION_WEIGHT * F.smooth_l1_loss(predicted.float(), target_f))
+            logits.append(out)
+        return losses, tuple(logits)
+
+
+def _lr_scale(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    done = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))

@@ -1,0 +1,151 @@
+"""A trained feature head drafts token trees (EAGLE-2, Li et al. 2024) from the target's own hidden states.
+
+The head (head/model.py) costs one decoder layer and a readout over the common tokens per forward, a few
+percent of the target, and every forward expands a whole depth of the tree at once.
+
+Features: the engine hands over the target's last hidden state at every text position the target has read
+(add_features: from prefill chunks, and after each round from the verification pass, the kept path's rows).
+The head's cache holds its inputs (f_t, x_{t+1}) for positions whose true feature it has seen; a round feeds
+the positions new since the last, then grows the tree on top with its own predicted features, and trims those
+speculative entries away at the end (settle), so the cache never holds anything but the verified text.
+
+The tree: depth 1 is the `branch` likeliest tokens after the text; each further depth expands the `width`
+likeliest nodes of the one before (likeliness: the product of the head's probabilities along the path, which
+tracks how likely the target is to keep the path), each by its `branch` likeliest tokens. Of every node grown,
+the likeliest `n` form the draft (a parent is always at least as likely as its child, so they form a tree), n
+chosen by the measured costs: one more node is worth its place while the expected tokens per second of the
+round still rise with it, verification of each width priced by what the engine has measured on this machine.
+Every guess is one-hot, so the tree verifier keeps the output exact whatever the head proposes.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftwise.config import SamplingConfig
+from draftwise.head.model import FeatureHead, HeadCache
+from draftwise.proposers.tree_growth import BRANCH, WIDTH, TreeSizing, as_draft
+from draftwise.types import Draft
+
+
+class HeadProposer:
+    wants_features = True  # the engine hands the target's hidden states over (add_features)
+
+    def __init__(self, head: FeatureHead, readout: torch.nn.Linear, readout_ids: torch.Tensor, embed: torch.nn.Module,
+                 sizing: TreeSizing | None = None):
+        self.head, self.readout, self.embed = head, readout, embed
+        self.readout_ids = readout_ids  # [R]: the target id of each readout row
+        self.sizing = sizing or TreeSizing()  # how many grown nodes to offer (tree_growth.py)
+        self.cache = HeadCache()
+        self._fed = 0  # text positions below this have their input in the cache (or were never seen)
+        self._features: torch.Tensor | None = None  # [n, H] true features from position _features_at on
+        self._features_at = 0
+        self._root_feature: torch.Tensor | None = None  # [H] the head's f-hat at the text's last position
+        self._root_logits: torch.Tensor | None = None  # [R] its readout: what follows the text
+
+    # -- the sequence --------------------------------------------------------------------------------------
+    def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self.cache.trim(0)
+        self._fed, self._features, self._features_at = 0, None, 0
+        self._root_feature = self._root_logits = None
+
+    def add_features(self, start: int, features: torch.Tensor) -> None:
+        """The target's features [n, H] at text positions start, start + 1, ... (what it read there)."""
+        if self._features is not None and start == self._features_at + len(self._features):
+            self._features = torch.cat([self._features, features])
+        else:  # a gap (a prompt-cached prefix the target never recomputed): the head goes on from here
+            self._features, self._features_at = features, start
+
+    def observe(self, num_accepted: int) -> None:
+        """Nothing kept here: the verified text's features arrive through add_features."""
+
+    def fork(self) -> "HeadProposer":
+        return HeadProposer(self.head, self.readout, self.readout_ids, self.embed,
+                            TreeSizing(self.sizing.costs, self.sizing.max_nodes))
+
+    def release(self) -> None:
+        pass
+
+    # -- a round -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+        last = len(context) - 1  # the text's last token, at position `last`, heads the next target pass
+        if k < 1 or not self._catch_up(context, last):
+            return Draft(token_ids=())
+        started = time.perf_counter()
+        kept = len(self.cache)
+        try:
+            tokens, parents, scores = self._grow(self._root_logits, last, depth=k)
+        finally:
+            self.cache.trim(kept)  # the speculative entries go; only verified text stays cached
+        self.sizing.time_forwards(time.perf_counter() - started, k)
+        return as_draft(tokens, parents, self.sizing.choose(scores, k))[0]
+
+    def _catch_up(self, context: list[int], last: int) -> bool:
+        """Feed the inputs (f_t, x_{t+1}) of every position t < last not yet fed; False without f_{last - 1}."""
+        if self._features is None or self._features_at + len(self._features) < last:
+            return False
+        start = max(self._fed, self._features_at)
+        if start >= last:
+            return self._root_logits is not None and self._fed == last
+        features = self._features[start - self._features_at : last - self._features_at]  # [n, H]
+        ids = torch.tensor(context[start + 1 : last + 1], device=features.device)  # [n]: x_{t+1}
+        predicted, (keys, values) = self.head(features[None].to(self.head.fuse.weight.dtype), self.embed(ids)[None],
+                                              torch.arange(start, last), past=self.cache.view(), return_kv=True)
+        self.cache.append(keys, values)
+        self._fed = last
+        self._root_feature = predicted[0, -1]  # [H]: f-hat at position last
+        self._root_logits = self.readout(predicted[0, -1:])[0].float()  # [R]: what follows x_last
+        self._features = self._features[last - self._features_at :]  # keep only what is not fed yet
+        self._features_at = last
+        return True
+
+    def _grow(self, root_logits: torch.Tensor, last: int, depth: int):
+        """Grow `depth` levels. Returns (token ids, parents, cumulative log-probabilities), parents first."""
+        tokens, parents, scores, features = [], [], [], []
+        log_p = torch.log_softmax(root_logits, -1)  # [R]
+        top = log_p.topk(BRANCH)
+        for score, index in zip(top.values.tolist(), top.indices.tolist()):
+            tokens.append(int(self.readout_ids[index])); parents.append(-1); scores.append(score)
+            features.append(self._root_feature)
+        frontier = list(range(len(tokens)))
+        speculative: list[int] = []  # node of each speculative cache entry, in cache order
+        for level in range(1, depth):
+            expand = sorted(frontier, key=lambda n: -scores[n])[:WIDTH]
+            log_p, new_entries = self._expand(expand, tokens, parents, features, speculative, last + level)
+            speculative += new_entries
+            frontier = []
+            for row, node in enumerate(expand):
+                top = log_p[row].topk(BRANCH)
+                for score, index in zip(top.values.tolist(), top.indices.tolist()):
+                    frontier.append(len(tokens))
+                    tokens.append(int(self.readout_ids[index])); parents.append(node)
+                    scores.append(scores[node] + score); features.append(self._expanded[row])
+        return tokens, parents, scores
+
+    def _expand(self, nodes: list[int], tokens, parents, features, speculative: list[int], position: int):
+        """One head forward over `nodes` (all at one depth, text position `position`): each reads its parent's
+        predicted feature and its own token, and sees the verified cache and its own ancestors' entries."""
+        fed = len(self.cache) - len(speculative)
+        mask = torch.zeros(len(nodes), len(self.cache) + len(nodes), dtype=torch.bool)  # [N, cached + N]
+        mask[:, :fed] = True
+        for row, node in enumerate(nodes):
+            ancestors = _ancestors(node, parents)
+            mask[row, fed:len(self.cache)] = torch.tensor([n in ancestors for n in speculative], dtype=torch.bool)
+            mask[row, len(self.cache) + row] = True
+        ids = torch.tensor([tokens[n] for n in nodes])  # [N]
+        inputs = torch.stack([features[n] for n in nodes])[None]  # [1, N, H]
+        predicted, (keys, values) = self.head(inputs, self.embed(ids)[None], torch.full((len(nodes),), position - 1),
+                                              past=self.cache.view(), mask=mask, return_kv=True)
+        self.cache.append(keys, values)
+        self._expanded = predicted[0]  # [N, H]: each node's predicted feature, its children's input
+        return torch.log_softmax(self.readout(predicted[0]).float(), -1), list(nodes)  # [N, R]
+
+
+def _ancestors(node: int, parents: list[int]) -> set[int]:
+    found = set()
+    while node >= 0:
+        found.add(node)
+        node = parents[node]
+    return found

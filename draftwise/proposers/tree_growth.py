@@ -1,0 +1,61 @@
+"""What the tree proposers (a draft model's, draft_tree.py; a feature head's, feature_head.py) share: how big a
+grown tree to offer, and how to hand the chosen nodes over as a Draft.
+
+Growth (EAGLE-2, Li et al. 2024): depth 1 is the BRANCH likeliest tokens after the text; each further depth expands
+the WIDTH likeliest frontier nodes, likeliness being the proposer's probability of the whole path (the product
+along it, which tracks how likely the target is to keep the path). Of every node grown, the likeliest n are
+offered: a parent is at least as likely as its child and comes first on a tie, so they form a tree.
+
+n: exactly k for a sequence that drafts a fixed k (a seeded sampled request's random draws follow the round
+shapes, which timings must not move); otherwise the n that maximizes the round's expected tokens per second,
+(1 + the summed path probabilities of the n nodes) / (k draft forwards + a target pass of width n + 1), the pass
+priced by what the engine measured on this machine (StepCosts): the tree widens while a wider pass pays for
+itself and backs off where it stops paying (a CPU that emulates bfloat16 pays for every token of width).
+"""
+from __future__ import annotations
+
+import torch
+
+from draftwise.adaptive import StepCosts
+from draftwise.types import Draft
+from draftwise.verify.tree import chain_parents
+
+BRANCH = 4  # children grown per expanded node
+WIDTH = 4  # nodes expanded per depth (one forward)
+MAX_NODES = 24  # the widest tree offered to the cost model
+DECAY = 0.9  # weight of the past in the measured seconds per forward
+
+
+class TreeSizing:
+    """A tree proposer's sizing state: the engine's costs, whether to follow them, its own forward time."""
+
+    def __init__(self, costs: StepCosts | None = None, max_nodes: int = MAX_NODES):
+        self.costs = costs  # the engine's measured step costs (the engine sets them); None: trees of k nodes
+        self.max_nodes = max_nodes
+        self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
+        self.forward_s: float | None = None  # seconds per proposer forward, measured
+
+    def time_forwards(self, seconds: float, forwards: int) -> None:
+        per = seconds / max(1, forwards)
+        self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
+
+    def choose(self, scores: list[float], k: int) -> list[int]:
+        """The nodes to offer (indices into scores, the cumulative log-probabilities), likeliest first."""
+        order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))  # a parent before its child on a tie
+        if not self.sized_by_cost or self.costs is None or not self.costs.measured or self.forward_s is None:
+            return order[:k]
+        expected = 1.0 + torch.tensor([scores[n] for n in order]).exp().cumsum(0)  # [nodes]: tokens per round
+        draft_s = self.forward_s * k
+        limit = min(len(order), self.max_nodes)
+        rates = [float(expected[n - 1]) / (draft_s + self.costs.verify(1, n + 1)) for n in range(1, limit + 1)]
+        return order[: max(range(limit), key=rates.__getitem__) + 1]
+
+
+def as_draft(tokens: list[int], parents: list[int], chosen: list[int]) -> tuple[Draft, dict[int, int]]:
+    """The chosen nodes (closed under parents; nodes are numbered parents first) as a Draft, a chain when they are
+    one, and each chosen node's index in it."""
+    keep = sorted(chosen)
+    index = {node: i for i, node in enumerate(keep)}
+    new_parents = tuple(-1 if parents[n] < 0 else index[parents[n]] for n in keep)
+    ids = tuple(tokens[n] for n in keep)
+    return Draft(token_ids=ids, parents=None if new_parents == chain_parents(len(ids)) else new_parents), index

@@ -1,0 +1,209 @@
+"""The feature head: training on a tiny model raises validation accuracy above chance, a trained head's token
+trees keep the target's greedy output (alone, in a batch, for several k and architectures) and its sampled
+distribution, the trees are sized by the measured costs, and bad heads are refused with a clear error."""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CORPUS, tiny_model, tiny_tokenizer
+
+from draftwise import Engine
+from draftwise.adaptive import StepCosts
+from draftwise.config import GenerationConfig
+from draftwise.errors import DraftwiseError
+from draftwise.head.answers import target_answers
+from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, load_head
+from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, train_head
+from draftwise.proposers.tree_growth import TreeSizing
+from draftwise.types import Draft
+
+# A request like the training ones (the head learns the target's features inside its answers), not one of them.
+PROMPT = [{"role": "user", "content": "def quicksort(arr):\n    if len(arr) <= 1:"}]
+NEW_TOKENS = 40
+TINY = TrainConfig(seq_len=64, epochs=4, lr=5e-3, warmup_steps=5, intermediate_size=64, readout=300,
+                   checkpoint_every=20)
+
+
+def requests() -> list[list[dict]]:
+    """Pieces of the test corpus's sentences as requests: many different contexts for the tiny target to answer."""
+    texts = sorted({text[start:start + n] for text in CORPUS for start in range(0, len(text) - 20, 3) for n in (12, 30)})
+    return [[{"role": "user", "content": text}] for text in texts if text != PROMPT[0]["content"]]
+
+
+@functools.lru_cache(maxsize=None)
+def answers(arch: str) -> list[list[int]]:
+    return target_answers(tiny_model(arch, 0), tiny_tokenizer(), requests(), max_new_tokens=48, batch_size=32,
+                          progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def trained(arch: str, tmp_root: str) -> tuple[Path, dict]:
+    """A head trained on the tiny target's own greedy answers (what it will draft for)."""
+    out = Path(tmp_root) / arch
+    record = train_head(tiny_model(arch, 0), tiny_tokenizer(), out, TINY, progress=False, sequences=answers(arch),
+                        log=lambda _: None)
+    return out, record
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("heads"))
+    return lambda arch="qwen2": trained(arch, root)
+
+
+def prompt_ids() -> list[int]:
+    return tiny_tokenizer().apply_chat_template(PROMPT, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def reference(arch: str) -> list[int]:
+    """The target's own greedy tokens, from transformers' generate: an independent implementation."""
+    ids = prompt_ids()
+    input_ids = torch.tensor([ids])  # [1, prompt]
+    # An explicit mask: without one, generate masks every pad id, and the chat template holds the pad (<|end|>).
+    out = tiny_model(arch, 0).generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def head_engine(arch: str, folder: Path) -> Engine:
+    return Engine.from_models(tiny_model(arch, 0), tiny_tokenizer(), method="head", head=str(folder))
+
+
+# -- training ----------------------------------------------------------------------------------------------
+def test_training_lifts_validation_accuracy_far_above_chance_and_saves_a_small_head(heads):
+    folder, record = heads()
+    chance = 1 / 300  # the readout covers the tiny vocabulary
+    before, after = record["val_before"], record["val_after"][-1]
+    assert before["top1"] < 5 * chance
+    assert after["top1"] > 0.3 and after["top1"] > 20 * chance
+    assert after["top3"] >= after["top1"] and after["top1_depth2"] > 0.2
+    assert [epoch["top1"] for epoch in record["val_after"]] == sorted(epoch["top1"] for epoch in record["val_after"])
+    assert (folder / WEIGHTS_FILE).is_file() and (folder / CONFIG_FILE).is_file()
+    head, ids = load_head(folder)
+    assert head.config.training["val_after"] == record["val_after"]  # the record travels with the weights
+    assert len(ids) == head.config.readout_size
+    assert not list(folder.glob("*.partial")) and not list((folder / "features").glob("*.partial"))
+
+
+def test_a_second_run_resumes_from_the_checkpoint_and_reuses_the_features(heads, tmp_path):
+    folder, _ = heads()
+    copy = tmp_path / "again"
+    copy.mkdir()
+    (copy / "features").mkdir()
+    for shard in (folder / "features").iterdir():
+        (copy / "features" / shard.name).write_bytes(shard.read_bytes())
+    (copy / CHECKPOINT_FILE).write_bytes((folder / CHECKPOINT_FILE).read_bytes())
+    lines = []
+    record = train_head(tiny_model("qwen2", 0), tiny_tokenizer(), copy, TINY, progress=False,
+                        sequences=answers("qwen2"), log=lines.append)
+    # Every step was done already: no training happened, and the accuracy is the saved head's.
+    assert record["val_after"][-1]["top1"] == pytest.approx(json.loads((folder / "training.json").read_text())
+                                                             ["val_after"][-1]["top1"], abs=1e-6)
+    assert len(list((copy / "features").iterdir())) == len(list((folder / "features").iterdir()))
+
+
+# -- exactness ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_head_trees_keep_the_targets_greedy_output(heads, arch, k):
+    folder, _ = heads(arch)
+    result = head_engine(arch, folder).generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=k,
+                                                ignore_eos=True, adaptive=False)
+    assert result.token_ids == reference(arch)
+    stats = result.stats
+    assert stats.accepted > 0  # the head drafts well enough that trees are really verified, not just offered
+    assert stats.nodes == stats.proposed + (stats.nodes - stats.proposed) >= stats.proposed
+
+
+def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
+    folder, _ = heads()
+    trained_rate = head_engine("qwen2", folder).generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4,
+                                                         ignore_eos=True, adaptive=False).stats.acceptance_rate
+    head, ids = load_head(folder)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.02)
+    from draftwise.head.model import save_head
+
+    save_head(head, ids, tmp_path / "random")
+    random_result = head_engine("qwen2", tmp_path / "random").generate(prompt_ids(), max_new_tokens=NEW_TOKENS,
+                                                                     num_draft_tokens=4, ignore_eos=True, adaptive=False)
+    assert random_result.token_ids == reference("qwen2")  # exact even when nothing is accepted
+    assert trained_rate > 0.3 > random_result.stats.acceptance_rate
+
+
+def test_adaptive_trees_sized_by_cost_keep_the_output(heads):
+    folder, _ = heads()
+    result = head_engine("qwen2", folder).generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=6,
+                                                   ignore_eos=True)
+    assert result.token_ids == reference("qwen2")
+
+
+def test_head_sequences_in_one_batch_each_get_the_targets_output(heads):
+    folder, _ = heads()
+    eng = head_engine("qwen2", folder)
+    tok = tiny_tokenizer()
+    prompts = [prompt_ids(), tok("The quick brown fox")["input_ids"], tok("for i in range(10):\n")["input_ids"]]
+    alone = [eng.generate(p, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False).token_ids
+             for p in prompts]
+    cfg = GenerationConfig.from_options(max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False)
+    seqs = [eng.open_sequence(p, cfg) for p in prompts]
+    try:
+        for seq in seqs:
+            while not seq.prefill_done:
+                eng.prefill(seq)
+        while any(seq.finish is None for seq in seqs):
+            eng.step([seq for seq in seqs if seq.finish is None])
+    finally:
+        for seq in seqs:
+            eng.close_sequence(seq)
+    assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == alone
+
+
+# -- tree size by measured cost ----------------------------------------------------------------------------
+def test_the_tree_grows_while_wider_passes_pay_and_backs_off_when_they_do_not():
+    scores = [-0.1, -0.2, -0.3, -0.5, -0.7, -1.0, -1.5, -2.0, -3.0]  # cumulative log-probabilities
+    flat, steep = StepCosts(), StepCosts()
+    for width in (1, 2, 5, 10):
+        flat.observe(1, width - 1, 0.0, 0.20 + 0.001 * width)  # wide passes cost about one step (native bf16)
+        steep.observe(1, width - 1, 0.0, 0.20 * width)  # each token costs a step (an emulating CPU)
+    sizing = TreeSizing()
+    assert sizing.choose(scores, 3) == [0, 1, 2]  # nothing measured yet: k nodes
+    sizing.time_forwards(0.03, 3)
+    sizing.costs = flat
+    assert len(sizing.choose(scores, 3)) >= 6
+    sizing.costs = steep
+    assert len(sizing.choose(scores, 3)) <= 2
+    sizing.costs, sizing.sized_by_cost = flat, False  # a fixed k: exactly k nodes, whatever the timings
+    assert sizing.choose(scores, 3) == [0, 1, 2]
+
+
+def test_a_tree_is_cut_to_the_room_left_in_the_context():
+    tree = Draft((5, 6, 7, 8), parents=(-1, -1, 0, 2))
+    assert tree.prefix(3) == Draft((5, 6, 7), parents=(-1, -1, 0))
+    assert tree.prefix(9) is tree
+    chain = Draft((5, 6, 7), q=torch.ones(3, 4))
+    assert chain.prefix(2).token_ids == (5, 6) and chain.prefix(2).q.shape == (2, 4)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+def test_method_head_without_a_trained_head_says_how_to_make_one(tmp_path):
+    with pytest.raises(DraftwiseError, match="train-head"):
+        Engine.from_models(tiny_model("qwen2", 0), tiny_tokenizer(), method="head", head=str(tmp_path / "none"))
+    with pytest.raises(DraftwiseError, match="needs the folder of a trained head"):
+        Engine.from_models(tiny_model("qwen2", 0), tiny_tokenizer(), method="head")
+
+
+def test_a_head_for_another_hidden_size_is_refused(heads):
+    folder, _ = heads()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    wider = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=96, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)).eval()
+    with pytest.raises(DraftwiseError, match="hidden size 64"):
+        Engine.from_models(wider, tokenizer, method="head", head=str(folder))
