@@ -76,7 +76,7 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
              draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
              compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
-             target_kernels: tuple[str, ...] = EXACT_KERNELS, head: str | None = None):
+             target_kernels: tuple[str, ...] = EXACT_KERNELS, head: str | None = None, readout_model=None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
@@ -90,14 +90,16 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
     in is left as it is.
 
-    head: for method "head", the folder of a head trained for this target (`draftwise train-head`)."""
+    head: for method "head", the folder of a head trained for this target (`draftwise train-head`);
+    readout_model: the target as loaded, when target_model's output layer was already repacked for a kernel
+    (the head reads its plain weight)."""
     method = choose_method(method, draft_model is not None)
     inexact = set(target_kernels) - set(EXACT_KERNELS)
     if inexact or not target_kernels:
         raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
                              f"got {', '.join(target_kernels) or 'none'}")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
-    proposer = head_proposer(target_model, head) if method == "head" and head is not None else None
+    proposer = head_proposer(readout_model or target_model, head) if method == "head" and head is not None else None
     target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)

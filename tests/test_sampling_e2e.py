@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections import Counter
 from contextlib import nullcontext
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import CORPUS, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.config import SamplingConfig
 from draftwise.sampling import logits_to_probs, make_generator
@@ -99,7 +101,24 @@ def engine(method):
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
         eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
         return eng
+    if method == "head":
+        return Engine.from_models(target(), tiny_tokenizer(), method="head", head=str(trained_head()))
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
+
+
+@functools.lru_cache(maxsize=None)
+def trained_head() -> Path:
+    """A feature head trained for the target on its own greedy answers to pieces of the test corpus."""
+    from draftwise.head.answers import target_answers
+    from draftwise.head.train import TrainConfig, train_head
+
+    texts = sorted({text[start:start + 24] for text in CORPUS for start in range(0, len(text) - 20, 3)})
+    requests = [(f"request {i}", [{"role": "user", "content": text}]) for i, text in enumerate(texts)]
+    pieces = target_answers(target(), tiny_tokenizer(), requests, max_new_tokens=48, batch_size=32, progress=False)
+    out = Path(tempfile.mkdtemp(prefix="draftwise-head-"))
+    train_head(target(), tiny_tokenizer(), out, TrainConfig(seq_len=64, epochs=3, lr=5e-3, warmup_steps=5,
+               intermediate_size=64, readout=300), progress=False, pieces=pieces, log=lambda _: None)
+    return out
 
 
 # k=2: the first two tokens are drafted (accepted or recovered). k=1: the second is the bonus token
@@ -110,7 +129,8 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"),
          ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start"),
          ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
-         ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop")]
+         ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
+         ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -127,6 +147,8 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
         assert rounds["corpus"] >= RUNS  # the first round of every run came from another text
     if method in ("lookup-tree", "draft-tree"):  # (draft-tree: its draft hesitates after "mid-loop")
         assert rounds["tree nodes"] >= RUNS  # every run's first round was a tree with two branches
+    if method == "head" and setting == "t1":  # (at 0.7, after "mid-loop", its confident guesses make chains)
+        assert rounds["tree nodes"] > RUNS // 10  # trees with branches, many times
 
 
 def test_the_same_check_rejects_the_wrong_distribution():
@@ -143,3 +165,5 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "tree")) < 1e-6
     pairs, _, _ = sampled_pairs("draft-tree", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
+    pairs, _, _ = sampled_pairs("head", "t1", 2)
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6

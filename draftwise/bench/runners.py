@@ -58,7 +58,8 @@ class Runners:
     def engine(self, method: str) -> Engine:
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
-            head = {"head": self.head} if method == "head" else {}
+            # The head reads out through the output layer's plain weight, which the fast copy has repacked.
+            head = {"head": self.head, "readout_model": self.target_model} if method == "head" else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method, **head)
         return self._engines[method]
 

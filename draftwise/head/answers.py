@@ -16,7 +16,7 @@ import random
 import torch
 from tqdm import tqdm
 
-from draftwise.head.corpus import corpus_texts, package_roots
+from draftwise.head.corpus import Piece, corpus_texts, package_roots
 
 REQUESTS = (
     "Explain what the following code does, step by step.\n\n{text}",
@@ -30,11 +30,11 @@ LANGUAGES = ("German", "French", "Spanish", "Chinese")
 EXCERPT_CHARS = 700  # long enough to ask about, short enough that answering, not reading, is the cost
 
 
-def answer_prompts(count: int, seed: int = 0, roots=None) -> list[list[dict]]:
-    """count chat requests (one user message each) built from corpus excerpts."""
+def answer_prompts(count: int, seed: int = 0, roots=None) -> list[tuple[str, list[dict]]]:
+    """count (source file, chat request of one user message) built from corpus excerpts."""
     rng = random.Random(seed)
     requests = []
-    for _label, text in corpus_texts(package_roots() if roots is None else roots):
+    for label, text in corpus_texts(package_roots() if roots is None else roots):
         if len(requests) >= count:
             break
         start = rng.randrange(max(1, len(text) - EXCERPT_CHARS))
@@ -42,18 +42,20 @@ def answer_prompts(count: int, seed: int = 0, roots=None) -> list[list[dict]]:
         if len(excerpt) < 200:
             continue
         request = rng.choice(REQUESTS).format(text=excerpt, language=rng.choice(LANGUAGES))
-        requests.append([{"role": "user", "content": request}])
+        requests.append((label, [{"role": "user", "content": request}]))
     return requests
 
 
 @torch.inference_mode()
-def target_answers(model, tokenizer, requests: list[list[dict]], max_new_tokens: int, batch_size: int = 8,
-                   progress: bool = True) -> list[list[int]]:
-    """Each request's chat-templated prompt followed by the target's greedy answer (cut after its end token)."""
-    prompts = [_prompt_ids(tokenizer, messages) for messages in requests]
+def target_answers(model, tokenizer, requests: list[tuple[str, list[dict]]], max_new_tokens: int,
+                   batch_size: int = 8, progress: bool = True) -> list[Piece]:
+    """Each (source, request)'s chat-templated prompt followed by the target's greedy answer (cut after its end
+    token), as a Piece whose answer starts where the prompt ends."""
+    prompts = [_prompt_ids(tokenizer, messages) for _source, messages in requests]
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    out = []
+    out: list[Piece] = []
+    sources = iter(source for source, _messages in requests)
     with tqdm(total=len(prompts), desc="target answers", unit="answer", disable=not progress, dynamic_ncols=True) as bar:
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
@@ -66,7 +68,7 @@ def target_answers(model, tokenizer, requests: list[list[dict]], max_new_tokens:
                                        top_p=None, top_k=None)  # [B, W + new]
             for prompt, row in zip(batch, generated[:, width:].tolist()):
                 end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
-                out.append(prompt + row[:end])
+                out.append(Piece(next(sources), prompt + row[:end], len(prompt)))
             bar.update(len(batch))
     return out
 

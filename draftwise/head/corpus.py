@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
@@ -59,31 +60,44 @@ def corpus_texts(roots: list[Path]) -> Iterator[tuple[str, str]]:
             yield f"{root.name}/{files[i].relative_to(root)}", text
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One training sequence: its token ids, the file it comes from, and where the text to learn starts."""
+
+    source: str  # "package/path": the train/validation split keeps a file's pieces (and answers about it) together
+    ids: list[int]
+    answer_start: int = 0  # the first position of the answer (after a request and its chat template)
+
+
 def training_sequences(tokenizer, seq_len: int, max_tokens: int, roots: list[Path] | None = None,
-                       per_file: int = MAX_SEQUENCES_PER_FILE) -> list[list[int]]:
+                       per_file: int = MAX_SEQUENCES_PER_FILE) -> list[Piece]:
     """Token sequences of seq_len tokens (the last of a file may be shorter, at least a quarter of it), at most
     per_file of them from one file, about max_tokens in all. With a chat template, each file is the assistant's answer to a request for it: the head
     then learns the target's features where they matter, inside an answer."""
-    sequences, total = [], 0
+    pieces, total = [], 0
     for label, text in corpus_texts(package_roots() if roots is None else roots):
-        ids = _as_answer(tokenizer, label, text)
+        ids, answer_start = _as_answer(tokenizer, label, text)
         for start in range(0, min(len(ids), per_file * seq_len), seq_len):
-            piece = ids[start : start + seq_len]
-            if len(piece) < seq_len // 4:
+            chunk = ids[start : start + seq_len]
+            if len(chunk) < seq_len // 4:
                 break
-            sequences.append(piece)
-            total += len(piece)
+            pieces.append(Piece(label, chunk, max(0, answer_start - start)))
+            total += len(chunk)
             if total >= max_tokens:
-                return sequences
-    return sequences
+                return pieces
+    return pieces
 
 
-def _as_answer(tokenizer, label: str, text: str) -> list[int]:
+def _as_answer(tokenizer, label: str, text: str) -> tuple[list[int], int]:
+    """(the file as the assistant's answer to a request for it, where the answer starts)."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"Show me the file {label}."},
-                    {"role": "assistant", "content": text}]
+        request = [{"role": "user", "content": f"Show me the file {label}."}]
         try:
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+            ids = tokenizer.apply_chat_template([*request, {"role": "assistant", "content": text}], tokenize=True,
+                                                return_dict=False)
+            asked = tokenizer.apply_chat_template(request, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False)
+            return list(ids), len(asked)
         except Exception:  # a template that refuses this shape: the plain text teaches the same
             pass
-    return tokenizer(text)["input_ids"]
+    return tokenizer(text)["input_ids"], 0

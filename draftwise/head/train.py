@@ -9,17 +9,20 @@ The loss at each depth is the cross-entropy of the readout against the target's 
 the readout tokens) plus a small feature regression (EAGLE's smooth L1), and the input features get a little
 noise so that the head tolerates its own imperfect predictions.
 
-A held-back share of the sequences (every VAL_EVERY-th) is never trained on; its top-1 and top-3 accuracy
-against the target's own greedy token is reported at the start (chance: the untrained head) and after each
-epoch. A checkpoint (head, optimizer, step) is written every `checkpoint_every` steps and at each epoch's end,
+The sequences of one source file in VAL_EVERY (and the answers about those files) are held back, never
+trained on; their top-1 and top-3 accuracy against the target's own greedy token, over the answers' positions
+only (not the requests or the chat template), is reported at the start (chance: the untrained head) and after
+each epoch. A checkpoint (head, optimizer, step) is written every `checkpoint_every` steps and at each epoch's end,
 so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -28,12 +31,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from draftwise.head.answers import answer_prompts, target_answers
-from draftwise.head.corpus import training_sequences
+from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
 from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_head
 from draftwise.hardware import native_bf16
 
-VAL_EVERY = 20  # every 20th sequence is held back for validation
+VAL_EVERY = 20  # one source file in 20 is held back for validation
 CHECKPOINT_FILE = "checkpoint.pt"
 REGRESSION_WEIGHT = 0.1
 
@@ -67,23 +70,30 @@ class Accuracy:
 
 
 def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
-               sequences: list[list[int]] | None = None, target_name: str = "", log=print) -> dict:
+               pieces: list[Piece] | None = None, target_name: str = "", log=print) -> dict:
     """Train a head for target_model and save it under out; returns the training record (also in its config).
 
-    sequences: the token sequences to train on (default: the corpus of corpus.py, cfg.max_tokens of it)."""
+    pieces: the sequences to train on (default: the target's own answers and the corpus of corpus.py)."""
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
-    from_corpus = sequences is None
+    from_corpus = pieces is None
     if from_corpus:
-        sequences = own_answers(target_model, tokenizer, cfg, out, progress)
-        sequences += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
-    shards = collect(target_model, sequences, out / "features", progress)
+        pieces = own_answers(target_model, tokenizer, cfg, out, progress)
+        pieces += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
+    shards = collect(target_model, [piece.ids for piece in pieces], out / "features", progress)
     data = load_shards(shards)
-    val, train = data[::VAL_EVERY], [s for i, s in enumerate(data) if i % VAL_EVERY]
+    for sequence, piece in zip(data, pieces):
+        sequence["answer_start"] = piece.answer_start
+    # Held back by source file: a file's pieces, and the answers about it, are all on one side of the split.
+    held = [_held_back(piece.source) for piece in pieces]
+    val = [s for s, h in zip(data, held) if h]
+    train = [s for s, h in zip(data, held) if not h]
     if not train or not val:
-        raise ValueError(f"{len(data)} sequences are too few to train and validate on; give at least {VAL_EVERY + 1}")
+        raise ValueError(f"{len(data)} sequences from {len({p.source for p in pieces})} sources cannot be split into "
+                         f"training and validation (1 source in {VAL_EVERY} is held back); give more")
     collected_s = time.perf_counter() - started
+    data_key = hashlib.sha256("".join(path.name for path in shards).encode()).hexdigest()[:16]
 
     vocab = target_model.get_output_embeddings().weight.shape[0]
     ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids)
@@ -91,10 +101,10 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     embed = target_model.get_input_embeddings()
     head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name)
     head = FeatureHead(head_cfg)
-    trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train))
-    step = trainer.resume(out / CHECKPOINT_FILE)
+    trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train), data_key=data_key)
+    resumed = step = trainer.resume(out / CHECKPOINT_FILE)
     before = trainer.evaluate(val)
-    log(f"validation before training: {before.line()}")
+    log(f"validation {'at the checkpoint' if step else 'before training'}: {before.line()}")
     order = random.Random(cfg.seed)
     history = []
     with tqdm(total=cfg.epochs * len(train), initial=step, desc="train head", unit="seq", disable=not progress,
@@ -102,6 +112,8 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         for epoch in range(cfg.epochs):
             shuffled = train[:]
             order.shuffle(shuffled)  # the same order on a resumed run: the generator is replayed from the start
+            if (epoch + 1) * len(train) <= resumed:
+                continue  # finished before the checkpoint: its accuracy was that run's to report
             for i, sequence in enumerate(shuffled):
                 if epoch * len(train) + i < step:
                     continue
@@ -122,7 +134,10 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
         "collect_s": round(collected_s, 1), "train_s": round(time.perf_counter() - started - collected_s, 1),
-        "val_before": asdict(before), "val_after": history,
+        "val_before" if not resumed else "val_at_checkpoint": asdict(before), "val_after": history,
+        "resumed_at_step": resumed,
+        "scored": "validation scores the target's next token at every position of the held-back sequences' "
+                  "answers (the files' text, the target's own answers), never the requests or chat template",
     }
     head.config = replace(head_cfg, training=record)
     save_head(head, ids, out)
@@ -130,7 +145,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     return record
 
 
-def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[list[int]]:
+def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[Piece]:
     """cfg.answers of the target's own answers (kept in out/answers.json: generating them is the slow part)."""
     if not cfg.answers:
         return []
@@ -138,19 +153,25 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
     key = {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed}
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return saved["sequences"]
-    sequences = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
-                               progress=progress)
+        if saved.get("key") == key and "pieces" in saved:
+            return [Piece(**piece) for piece in saved["pieces"]]
+    pieces = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
+                            progress=progress)
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"key": key, "sequences": sequences}))
+    partial.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]}))
     partial.replace(path)
-    return sequences
+    return pieces
+
+
+def _held_back(source: str) -> bool:
+    """One source in VAL_EVERY, by a hash of its name: the same files on every run."""
+    return zlib.crc32(source.encode()) % VAL_EVERY == 0
 
 
 class _Trainer:
     def __init__(self, head: FeatureHead, readout, embed, ids: torch.Tensor, vocab: int, cfg: TrainConfig,
-                 total_steps: int):
+                 total_steps: int, data_key: str = ""):
+        self.data_key = data_key  # which features it trains on: a checkpoint of other data is not resumed
         self.head, self.readout, self.embed, self.cfg = head, readout, embed, cfg
         self.to_readout = torch.full((vocab,), -1, dtype=torch.long)
         self.to_readout[ids] = torch.arange(len(ids))  # target id -> readout index (-1: not covered)
@@ -162,9 +183,10 @@ class _Trainer:
         if not path.is_file():
             return 0
         state = torch.load(path, weights_only=True)
-        if state["config"] != asdict(self.cfg):
-            return 0  # another run's checkpoint: start over rather than mix two settings
+        if state["config"] != asdict(self.cfg) or state.get("data") != self.data_key:
+            return 0  # another run's checkpoint: start over rather than mix two settings or two corpora
         self.head.load_state_dict(state["head"])
+        torch.set_rng_state(state["rng"])  # the input noise goes on as if never interrupted
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         return int(state["step"])
@@ -172,7 +194,8 @@ class _Trainer:
     def checkpoint(self, path: Path, step: int) -> None:
         partial = path.with_suffix(".partial")
         torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "schedule": self.schedule.state_dict(), "step": step, "config": asdict(self.cfg)}, partial)
+                    "schedule": self.schedule.state_dict(), "step": step, "config": asdict(self.cfg),
+                    "data": self.data_key, "rng": torch.get_rng_state()}, partial)
         partial.replace(path)
 
     def step(self, sequence: dict) -> float:
@@ -195,13 +218,17 @@ class _Trainer:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                 _, (logits1, logits2) = self._losses(sequence, noise=0.0)
             want = sequence["next"]  # [L]: the target's greedy token after each position
-            top = logits1.float().topk(3, dim=-1).indices  # [L - 1, 3]
-            label1 = self.to_readout[want[1:]]  # [L - 1]
-            hits[0] += (top[:, 0] == label1).sum()
-            hits[1] += (top == label1[:, None]).any(-1).sum()
-            counted[0] += len(label1)
-            hits[2] += (logits2.float().argmax(-1) == self.to_readout[want[2:]]).sum()
-            counted[1] += len(want) - 2
+            # Position p's label is the token at p + 1: scored from the answer's first token on.
+            scored = torch.arange(len(want)) + 1 >= sequence.get("answer_start", 0)  # [L]
+            top = logits1.float().topk(3, dim=-1).indices  # [L - 1, 3]: row t predicts want[t + 1]
+            label1, keep1 = self.to_readout[want[1:]], scored[1:]  # [L - 1]
+            hits[0] += ((top[:, 0] == label1) & keep1).sum()
+            hits[1] += ((top == label1[:, None]).any(-1) & keep1).sum()
+            counted[0] += keep1.sum()
+            keep2 = scored[2:]
+            hits[2] += ((logits2.float().argmax(-1) == self.to_readout[want[2:]]) & keep2).sum()
+            counted[1] += keep2.sum()
+        counted = counted.clamp(min=1)
         return Accuracy(float(hits[0] / counted[0]), float(hits[1] / counted[0]), float(hits[2] / counted[1]),
                         int(counted[0]))
 

@@ -73,7 +73,7 @@ class HeadProposer:
         last = len(context) - 1  # the text's last token, at position `last`, heads the next target pass
         if k < 1 or not self._catch_up(context, last):
             return Draft(token_ids=())
-        started = time.perf_counter()
+        started = time.perf_counter()  # the tree's forwards only: catch-up grows with the rounds sat out
         kept = len(self.cache)
         try:
             tokens, parents, scores = self._grow(self._root_logits, last, depth=k)
@@ -89,14 +89,16 @@ class HeadProposer:
         start = max(self._fed, self._features_at)
         if start >= last:
             return self._root_logits is not None and self._fed == last
+        device = self.head.fuse.weight.device
         features = self._features[start - self._features_at : last - self._features_at]  # [n, H]
-        ids = torch.tensor(context[start + 1 : last + 1], device=features.device)  # [n]: x_{t+1}
-        predicted, (keys, values) = self.head(features[None].to(self.head.fuse.weight.dtype), self.embed(ids)[None],
-                                              torch.arange(start, last), past=self.cache.view(), return_kv=True)
-        self.cache.append(keys, values)
+        ids = torch.tensor(context[start + 1 : last + 1], device=device)  # [n]: x_{t+1}
+        predicted, (keys, values) = self.head(features[None].to(device, self.head.fuse.weight.dtype),
+                                              self.embed(ids)[None], torch.arange(start, last, device=device),
+                                              past=self.cache.view(), return_kv=True)
+        root_logits = self.readout(predicted[0, -1:])[0].float()  # [R]: what follows x_last
+        self.cache.append(keys, values)  # state changes only once everything it depends on has been computed
         self._fed = last
-        self._root_feature = predicted[0, -1]  # [H]: f-hat at position last
-        self._root_logits = self.readout(predicted[0, -1:])[0].float()  # [R]: what follows x_last
+        self._root_feature, self._root_logits = predicted[0, -1], root_logits  # f-hat at position last, its readout
         self._features = self._features[last - self._features_at :]  # keep only what is not fed yet
         self._features_at = last
         return True
@@ -127,6 +129,7 @@ class HeadProposer:
     def _expand(self, nodes: list[int], tokens, parents, features, speculative: list[int], position: int):
         """One head forward over `nodes` (all at one depth, text position `position`): each reads its parent's
         predicted feature and its own token, and sees the verified cache and its own ancestors' entries."""
+        device = self.head.fuse.weight.device
         fed = len(self.cache) - len(speculative)
         mask = torch.zeros(len(nodes), len(self.cache) + len(nodes), dtype=torch.bool)  # [N, cached + N]
         mask[:, :fed] = True
@@ -134,10 +137,11 @@ class HeadProposer:
             ancestors = _ancestors(node, parents)
             mask[row, fed:len(self.cache)] = torch.tensor([n in ancestors for n in speculative], dtype=torch.bool)
             mask[row, len(self.cache) + row] = True
-        ids = torch.tensor([tokens[n] for n in nodes])  # [N]
+        ids = torch.tensor([tokens[n] for n in nodes], device=device)  # [N]
         inputs = torch.stack([features[n] for n in nodes])[None]  # [1, N, H]
-        predicted, (keys, values) = self.head(inputs, self.embed(ids)[None], torch.full((len(nodes),), position - 1),
-                                              past=self.cache.view(), mask=mask, return_kv=True)
+        positions = torch.full((len(nodes),), position - 1, device=device)  # [N]
+        predicted, (keys, values) = self.head(inputs, self.embed(ids)[None], positions, past=self.cache.view(),
+                                              mask=mask.to(device), return_kv=True)
         self.cache.append(keys, values)
         self._expanded = predicted[0]  # [N, H]: each node's predicted feature, its children's input
         return torch.log_softmax(self.readout(predicted[0]).float(), -1), list(nodes)  # [N, R]
