@@ -4,7 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
-from draftwise.backends.kernels import EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
+from torch import nn
+
+from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
 from draftwise.config import LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
@@ -19,6 +21,7 @@ from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
 
 NEEDS_DRAFT = ("draft", "draft-tree", "hybrid")
+HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
 
 
 def choose_method(method: str | None, has_draft: bool) -> str:
@@ -137,8 +140,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
     if method == "head":
-        paths["head"] = {"folder": str(head), "parameters": parameter_count(proposer.head),
-                         "readout": len(proposer.readout_ids)}
+        paths["head"] = proposer.speed_paths
     if method in NEEDS_DRAFT:
         paths["draft_kernels"] = kernel_counts(draft_model)
         paths["draft_vocab"] = draft.vocab_size
@@ -146,8 +148,18 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
 
 
 def head_proposer(target_model, folder: str) -> HeadProposer:
-    """The feature head in `folder`, in the target's dtype, reading out through the target's own output layer."""
+    """The feature head in `folder`, in the target's dtype, reading out through the target's own output layer.
+
+    The head is a draft: its linears (the readout's too) run on the fastest kernel measured here, int8 included,
+    as the compact draft's do; only acceptance can move."""
     check_head_folder(folder)
     head, ids = load_head(folder, dtype=target_model.dtype, device=target_model.device)
     check_fits(head.config, target_model, folder)
-    return HeadProposer(head, readout_layer(target_model, ids), ids, target_model.get_input_embeddings())
+    parameters = parameter_count(head)  # (a repacked linear keeps its weight as a buffer)
+    head = with_kernels(head, plan_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS))
+    readout = nn.Sequential(readout_layer(target_model, ids))
+    readout = with_kernels(readout, plan_kernels(readout, DRAFT_KERNELS, HEAD_WIDTHS))[0]
+    proposer = HeadProposer(head, readout, ids, target_model.get_input_embeddings())
+    proposer.speed_paths = {"folder": str(folder), "parameters": parameters, "readout": len(ids),
+                            "kernels": kernel_counts(head)}
+    return proposer

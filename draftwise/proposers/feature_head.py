@@ -37,6 +37,7 @@ class HeadProposer:
         self.head, self.readout, self.embed = head, readout, embed
         self.readout_ids = readout_ids  # [R]: the target id of each readout row
         self.sizing = sizing or TreeSizing()  # how many grown nodes to offer (tree_growth.py)
+        self.speed_paths: dict = {}  # what loading chose (folder, parameters, kernels), for the stats
         self.cache = HeadCache()
         self._fed = 0  # text positions below this have their input in the cache (or were never seen)
         self._features: torch.Tensor | None = None  # [n, H] true features from position _features_at on
@@ -89,10 +90,10 @@ class HeadProposer:
         start = max(self._fed, self._features_at)
         if start >= last:
             return self._root_logits is not None and self._fed == last
-        device = self.head.fuse.weight.device
+        device = self.head.input_norm.weight.device
         features = self._features[start - self._features_at : last - self._features_at]  # [n, H]
         ids = torch.tensor(context[start + 1 : last + 1], device=device)  # [n]: x_{t+1}
-        predicted, (keys, values) = self.head(features[None].to(device, self.head.fuse.weight.dtype),
+        predicted, (keys, values) = self.head(features[None].to(device, self.head.input_norm.weight.dtype),
                                               self.embed(ids)[None], torch.arange(start, last, device=device),
                                               past=self.cache.view(), return_kv=True)
         root_logits = self.readout(predicted[0, -1:])[0].float()  # [R]: what follows x_last
@@ -129,7 +130,7 @@ class HeadProposer:
     def _expand(self, nodes: list[int], tokens, parents, features, speculative: list[int], position: int):
         """One head forward over `nodes` (all at one depth, text position `position`): each reads its parent's
         predicted feature and its own token, and sees the verified cache and its own ancestors' entries."""
-        device = self.head.fuse.weight.device
+        device = self.head.input_norm.weight.device
         fed = len(self.cache) - len(speculative)
         mask = torch.zeros(len(nodes), len(self.cache) + len(nodes), dtype=torch.bool)  # [N, cached + N]
         mask[:, :fed] = True
