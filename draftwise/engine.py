@@ -76,8 +76,6 @@ class Engine:
         self._default_in_use = False
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
-        if hasattr(proposer, "sizing"):  # a tree proposer sizes its trees by the measured verification costs
-            proposer.sizing.costs = self.draft_policy.costs
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
         self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the

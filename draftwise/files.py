@@ -1,6 +1,7 @@
-"""Reading the user's files, with errors that say why not."""
+"""Reading the user's files, with errors that say why not; writing ours whole or not at all."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from draftwise.errors import DraftwiseError
@@ -18,3 +19,10 @@ def read_prompt_file(path: Path) -> str:
         raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """write(a partial file beside path), then rename it to path: an interrupted write leaves no half file there."""
+    partial = path.with_name(f".{path.name}.partial")
+    write(partial)
+    partial.replace(path)

@@ -1,18 +1,17 @@
 """Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
 from __future__ import annotations
 
-from pathlib import Path
-
-from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from torch import nn
 
+from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
 from draftwise.config import LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
-from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer
+from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
+from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer
 from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM
 from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
@@ -44,19 +43,10 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
         from draftwise.head.command import head_home
 
         head = head or str(head_home(target))
-        check_head_folder(head)  # seconds, before the target loads for minutes
+        require_head(head)  # an instant, before the target loads for minutes
     target_model, tokenizer, draft_model = load_models(target, draft if method in NEEDS_DRAFT else None, dtype, device,
                                                        progress)
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
-
-
-def check_head_folder(folder: str) -> None:
-    from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE
-
-    path = Path(folder)
-    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        raise DraftwiseError(f"method 'head' needs a trained head; none in {path} ({WEIGHTS_FILE} and {CONFIG_FILE}). "
-                             f"Make one with: draftwise train-head --target MODEL --out {path}")
 
 
 def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
@@ -101,8 +91,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if inexact or not target_kernels:
         raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
                              f"got {', '.join(target_kernels) or 'none'}")
+    if method == "head" and head is None:
+        raise DraftwiseError("method 'head' needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
-    proposer = head_proposer(readout_model or target_model, head) if method == "head" and head is not None else None
+    proposer = head_proposer(readout_model or target_model, head) if method == "head" else None
     target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
@@ -115,8 +107,6 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
-        from draftwise.proposers.draft_tree import DraftTreeProposer  # noqa: PLC0415 (a module beside this one's)
-
         proposer_cls = DraftTreeProposer if method == "draft-tree" else DraftModelProposer
         proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
         if method == "hybrid":
@@ -126,15 +116,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     elif method == "skip":
         plan = plan_skip(target_model, calibration_ids(tokenizer))
         proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)
-    elif method == "head":
-        if head is None:
-            raise DraftwiseError("method 'head' needs the folder of a trained head (head=DIR; see draftwise train-head)")
     elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
                                         branches=LOOKUP_BRANCHES[method])
-    elif method != "head":
-        proposer = None
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
     if method == "skip":
         paths["skip_layers"] = list(plan.skip)
@@ -152,7 +137,6 @@ def head_proposer(target_model, folder: str) -> HeadProposer:
 
     The head is a draft: its linears (the readout's too) run on the fastest kernel measured here, int8 included,
     as the compact draft's do; only acceptance can move."""
-    check_head_folder(folder)
     head, ids = load_head(folder, dtype=target_model.dtype, device=target_model.device)
     check_fits(head.config, target_model, folder)
     parameters = parameter_count(head)  # (a repacked linear keeps its weight as a buffer)

@@ -62,9 +62,9 @@ class BenchConfig:
     def check(self) -> None:
         check_methods(list(self.methods), self.draft is not None)
         if "head" in self.methods:
-            from draftwise.loading import check_head_folder
+            from draftwise.head.model import require_head
 
-            check_head_folder(self.head_folder)
+            require_head(self.head_folder)
         for name in ("max_new_tokens", "repeats", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise DraftwiseError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

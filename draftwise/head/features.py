@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from draftwise.backends.hf import last_hidden_states
+from draftwise.files import write_whole
 
 SHARD_SEQUENCES = 16
 
@@ -48,9 +49,7 @@ def collect(model, sequences: list[list[int]], folder: Path, progress: bool = Tr
                     tensors.update({f"ids.{i}": torch.tensor(ids, dtype=torch.int32), f"features.{i}": features,
                                     f"next.{i}": next_ids})
                     bar.update(len(ids))
-                partial = path.with_suffix(".partial")
-                save_file(tensors, str(partial))
-                partial.replace(path)
+                write_whole(path, lambda p: save_file(tensors, str(p)))
             else:
                 bar.update(sum(map(len, batch)))
             paths.append(path)

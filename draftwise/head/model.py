@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftwise.errors import DraftwiseError
+from draftwise.files import write_whole
 
 WEIGHTS_FILE = "head.safetensors"
 CONFIG_FILE = "head_config.json"
@@ -197,20 +198,23 @@ def save_head(head: FeatureHead, ids: torch.Tensor, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
     tensors["readout_ids"] = ids.cpu()
-    for name, write in ((WEIGHTS_FILE, lambda p: save_file(tensors, str(p))),
-                        (CONFIG_FILE, lambda p: p.write_text(json.dumps(asdict(head.config), indent=2)))):
-        partial = folder / f".{name}.partial"
-        write(partial)
-        partial.replace(folder / name)
+    write_whole(folder / WEIGHTS_FILE, lambda p: save_file(tensors, str(p)))
+    write_whole(folder / CONFIG_FILE, lambda p: p.write_text(json.dumps(asdict(head.config), indent=2)))
+
+
+def require_head(folder: str | Path) -> Path:
+    """The folder, if it holds a trained head (checked in an instant, before a target loads for minutes)."""
+    folder = Path(folder)
+    if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
+        raise DraftwiseError(f"method 'head' needs a trained head; none in {folder} ({WEIGHTS_FILE} and "
+                             f"{CONFIG_FILE}). Make one with: draftwise train-head --target MODEL --out {folder}")
+    return folder
 
 
 def load_head(folder: str | Path, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> tuple[FeatureHead, torch.Tensor]:
     """(the head, its readout ids) from a folder save_head wrote."""
-    folder = Path(folder)
-    if not (folder / WEIGHTS_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
-        raise DraftwiseError(f"no trained head in {folder} (it needs {WEIGHTS_FILE} and {CONFIG_FILE}); "
-                             f"make one with: draftwise train-head --target MODEL --out {folder}")
+    folder = require_head(folder)
     config = HeadConfig(**json.loads((folder / CONFIG_FILE).read_text()))
     tensors = load_file(str(folder / WEIGHTS_FILE))
     ids = tensors.pop("readout_ids")

@@ -34,6 +34,7 @@ from draftwise.head.answers import answer_prompts, target_answers
 from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
 from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_head
+from draftwise.files import write_whole
 from draftwise.hardware import native_bf16
 
 VAL_EVERY = 20  # one source file in 20 is held back for validation
@@ -157,9 +158,7 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
             return [Piece(**piece) for piece in saved["pieces"]]
     pieces = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
                             progress=progress)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]}))
-    partial.replace(path)
+    write_whole(path, lambda p: p.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]})))
     return pieces
 
 
@@ -192,11 +191,10 @@ class _Trainer:
         return int(state["step"])
 
     def checkpoint(self, path: Path, step: int) -> None:
-        partial = path.with_suffix(".partial")
-        torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "schedule": self.schedule.state_dict(), "step": step, "config": asdict(self.cfg),
-                    "data": self.data_key, "rng": torch.get_rng_state()}, partial)
-        partial.replace(path)
+        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "schedule": self.schedule.state_dict(), "step": step, "config": asdict(self.cfg),
+                 "data": self.data_key, "rng": torch.get_rng_state()}
+        write_whole(path, lambda p: torch.save(state, p))
 
     def step(self, sequence: dict) -> float:
         self.head.train()

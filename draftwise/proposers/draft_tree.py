@@ -21,7 +21,6 @@ the chain's last guess; it is fed next round with the bonus token.
 """
 from __future__ import annotations
 
-import math
 import time
 from itertools import takewhile
 
@@ -29,7 +28,7 @@ import torch
 
 from draftwise.backends.base import Backend
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.tree_growth import BRANCH, WIDTH, TreeSizing, as_draft
+from draftwise.proposers.tree_growth import BRANCH, TreeSizing, as_draft, grow
 from draftwise.sampling import logits_to_probs
 from draftwise.types import Draft
 from draftwise.verify.tree import TreeLayout
@@ -64,48 +63,31 @@ class DraftTreeProposer(DraftModelProposer):
             feed = context[len(self._cached) :]  # >= 1 token: the text's last one (the root) is never cached
             root_logits = self.backend.forward(feed)[-1]  # [draft_vocab]: what follows the text
             self._cached += feed
-            tokens, parents, scores, fed, forwards = self._grow(root_logits, k, stop_confidence)
+            tree, fed, forwards = self._grow(root_logits, k, stop_confidence)
             self.sizing.time_forwards(time.perf_counter() - started, forwards)
-            return self._offer(tokens, parents, fed, self.sizing.choose(scores, k))
+            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree.scores, k))
         except BaseException:
             self.backend.trim(len(self._cached))  # whatever happened, nothing ahead of the text stays
             raise
 
     def _grow(self, root_logits: torch.Tensor, depth: int, stop_confidence: float):
-        """Grow up to `depth` levels. Returns (token ids, parents, cumulative log-probabilities, {fed node: cache
-        position}, draft forwards run); nodes are numbered parents first."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []  # log of the draft's probability of the path to the node
-        own: list[float] = []  # the draft's probability of the node's token given its parent
-
-        def add_children(parent: int, log_p: torch.Tensor, ids: torch.Tensor) -> None:
-            base = scores[parent] if parent >= 0 else 0.0
-            for score, token in zip(log_p.tolist(), ids.tolist()):
-                if score > float("-inf"):  # sampling's top-k/top-p left it no chance of being kept
-                    tokens.append(token); parents.append(parent); scores.append(base + score)
-                    own.append(math.exp(score))
-
-        log_p, ids = self._candidates(root_logits[None])  # [1, BRANCH] each
-        add_children(-1, log_p[0], ids[0])
-        frontier = list(range(len(tokens)))
+        """Grow up to `depth` levels (tree_growth.grow). Returns (the tree, {fed node: cache position}, draft forwards
+        run)."""
         spec: list[int] = []  # the node of each speculative cache entry, in cache order (after the text)
-        text_len, forwards = len(self._cached), 1
-        for _ in range(1, depth):
-            # Below the confidence cut, a node's children would build on a doubtful guess (the chain's rule).
-            expand = sorted((n for n in frontier if own[n] >= stop_confidence), key=lambda n: (-scores[n], n))[:WIDTH]
-            if not expand or text_len + len(spec) + len(expand) > self.backend.max_context:
-                break
-            logits = self._expand(expand, tokens, parents, spec)  # [len(expand), draft_vocab]
-            spec += expand
-            forwards += 1
-            log_p, ids = self._candidates(logits)  # [len(expand), BRANCH] each
-            frontier = []
-            for row, node in enumerate(expand):
-                first = len(tokens)
-                add_children(node, log_p[row], ids[row])
-                frontier += range(first, len(tokens))
-        return tokens, parents, scores, {node: text_len + i for i, node in enumerate(spec)}, forwards
+        forwards = [1]  # the root's
+        text_len = len(self._cached)
+
+        def expand(tree, nodes: list[int]):
+            if text_len + len(spec) + len(nodes) > self.backend.max_context:
+                return None
+            logits = self._expand(nodes, tree.tokens, tree.parents, spec)  # [len(nodes), draft_vocab]
+            spec.extend(nodes)
+            forwards[0] += 1
+            return self._candidates(logits)  # [len(nodes), BRANCH] each
+
+        first = [row[0] for row in self._candidates(root_logits[None])]  # [BRANCH] each
+        tree = grow(first, depth, expand, min_step=stop_confidence)  # below it, the chain's rule stops too
+        return tree, {node: text_len + i for i, node in enumerate(spec)}, forwards[0]
 
     def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], spec: list[int]) -> torch.Tensor:
         """One draft forward feeding `nodes` (one depth): each sees the text and its own ancestors, which earlier

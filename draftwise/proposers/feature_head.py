@@ -25,7 +25,7 @@ import torch
 
 from draftwise.config import SamplingConfig
 from draftwise.head.model import FeatureHead, HeadCache
-from draftwise.proposers.tree_growth import BRANCH, WIDTH, TreeSizing, as_draft
+from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, grow
 from draftwise.types import Draft
 
 
@@ -77,11 +77,11 @@ class HeadProposer:
         started = time.perf_counter()  # the tree's forwards only: catch-up grows with the rounds sat out
         kept = len(self.cache)
         try:
-            tokens, parents, scores = self._grow(self._root_logits, last, depth=k)
+            tree = self._grow(last, depth=k)
         finally:
             self.cache.trim(kept)  # the speculative entries go; only verified text stays cached
         self.sizing.time_forwards(time.perf_counter() - started, k)
-        return as_draft(tokens, parents, self.sizing.choose(scores, k))[0]
+        return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree.scores, k))[0]
 
     def _catch_up(self, context: list[int], last: int) -> bool:
         """Feed the inputs (f_t, x_{t+1}) of every position t < last not yet fed; False without f_{last - 1}."""
@@ -104,48 +104,47 @@ class HeadProposer:
         self._features_at = last
         return True
 
-    def _grow(self, root_logits: torch.Tensor, last: int, depth: int):
-        """Grow `depth` levels. Returns (token ids, parents, cumulative log-probabilities), parents first."""
-        tokens, parents, scores, features = [], [], [], []
-        log_p = torch.log_softmax(root_logits, -1)  # [R]
-        top = log_p.topk(BRANCH)
-        for score, index in zip(top.values.tolist(), top.indices.tolist()):
-            tokens.append(int(self.readout_ids[index])); parents.append(-1); scores.append(score)
-            features.append(self._root_feature)
-        frontier = list(range(len(tokens)))
-        speculative: list[int] = []  # node of each speculative cache entry, in cache order
-        for level in range(1, depth):
-            expand = sorted(frontier, key=lambda n: -scores[n])[:WIDTH]
-            log_p, new_entries = self._expand(expand, tokens, parents, features, speculative, last + level)
-            speculative += new_entries
-            frontier = []
-            for row, node in enumerate(expand):
-                top = log_p[row].topk(BRANCH)
-                for score, index in zip(top.values.tolist(), top.indices.tolist()):
-                    frontier.append(len(tokens))
-                    tokens.append(int(self.readout_ids[index])); parents.append(node)
-                    scores.append(scores[node] + score); features.append(self._expanded[row])
-        return tokens, parents, scores
+    def _grow(self, last: int, depth: int) -> GrownTree:
+        """Grow `depth` levels (tree_growth.grow), one head forward per depth past the first."""
+        predicted: dict[int, torch.Tensor] = {}  # an expanded node's predicted feature [H]: its children's input
+        speculative: list[int] = []  # the node of each speculative cache entry, in cache order
+        level = [0]  # the depth of the nodes expanded: grow expands one depth per call
 
-    def _expand(self, nodes: list[int], tokens, parents, features, speculative: list[int], position: int):
+        def expand(tree: GrownTree, nodes: list[int]):
+            level[0] += 1
+            parent_features = [predicted.get(tree.parents[n], self._root_feature) for n in nodes]
+            outputs = self._expand(nodes, tree, parent_features, speculative, last + level[0])
+            speculative.extend(nodes)
+            predicted.update(zip(nodes, outputs))
+            return self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
+
+        return grow([row[0] for row in self._candidates(self._root_logits[None])], depth, expand)
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [n, R] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, BRANCH]."""
+        top = torch.log_softmax(logits.float(), -1).topk(BRANCH, dim=-1)
+        return top.values, self.readout_ids[top.indices]
+
+    def _expand(self, nodes: list[int], tree: GrownTree, parent_features: list[torch.Tensor],
+                speculative: list[int], position: int) -> torch.Tensor:
         """One head forward over `nodes` (all at one depth, text position `position`): each reads its parent's
-        predicted feature and its own token, and sees the verified cache and its own ancestors' entries."""
+        predicted feature and its own token, and sees the verified cache and its own ancestors' entries.
+        Returns their predicted features [N, H]."""
         device = self.head.input_norm.weight.device
         fed = len(self.cache) - len(speculative)
         mask = torch.zeros(len(nodes), len(self.cache) + len(nodes), dtype=torch.bool)  # [N, cached + N]
         mask[:, :fed] = True
         for row, node in enumerate(nodes):
-            ancestors = _ancestors(node, parents)
+            ancestors = _ancestors(node, tree.parents)
             mask[row, fed:len(self.cache)] = torch.tensor([n in ancestors for n in speculative], dtype=torch.bool)
             mask[row, len(self.cache) + row] = True
-        ids = torch.tensor([tokens[n] for n in nodes], device=device)  # [N]
-        inputs = torch.stack([features[n] for n in nodes])[None]  # [1, N, H]
+        ids = torch.tensor([tree.tokens[n] for n in nodes], device=device)  # [N]
+        inputs = torch.stack(parent_features)[None]  # [1, N, H]
         positions = torch.full((len(nodes),), position - 1, device=device)  # [N]
-        predicted, (keys, values) = self.head(inputs, self.embed(ids)[None], positions, past=self.cache.view(),
-                                              mask=mask.to(device), return_kv=True)
+        out, (keys, values) = self.head(inputs, self.embed(ids)[None], positions, past=self.cache.view(),
+                                        mask=mask.to(device), return_kv=True)
         self.cache.append(keys, values)
-        self._expanded = predicted[0]  # [N, H]: each node's predicted feature, its children's input
-        return torch.log_softmax(self.readout(predicted[0]).float(), -1), list(nodes)  # [N, R]
+        return out[0]  # [N, H]
 
 
 def _ancestors(node: int, parents: list[int]) -> set[int]:

@@ -14,6 +14,9 @@ itself and backs off where it stops paying (a CPU that emulates bfloat16 pays fo
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 
 from draftwise.adaptive import StepCosts
@@ -49,6 +52,49 @@ class TreeSizing:
         limit = min(len(order), self.max_nodes)
         rates = [float(expected[n - 1]) / (draft_s + self.costs.verify(1, n + 1)) for n in range(1, limit + 1)]
         return order[: max(range(limit), key=rates.__getitem__) + 1]
+
+
+@dataclass
+class GrownTree:
+    """Every node grown so far, numbered parents first: its target token id, parent (-1: the root, the text's
+    last token) and cumulative log-probability (of the whole path)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def add_children(self, parent: int, log_p: torch.Tensor, ids: torch.Tensor) -> list[int]:
+        """log_p, ids: [b] the candidates after `parent`; those with a chance of being kept become its children."""
+        base = self.scores[parent] if parent >= 0 else 0.0
+        added = []
+        for score, token in zip(log_p.tolist(), ids.tolist()):
+            if score > float("-inf"):  # sampling's top-k/top-p left it no chance of being kept
+                added.append(len(self.tokens))
+                self.tokens.append(token), self.parents.append(parent), self.scores.append(base + score)
+        return added
+
+    def step_probability(self, node: int) -> float:
+        """The proposer's probability of the node's token given its parent."""
+        parent = self.parents[node]
+        return math.exp(self.scores[node] - (self.scores[parent] if parent >= 0 else 0.0))
+
+
+def grow(first: tuple[torch.Tensor, torch.Tensor], depth: int, expand, min_step: float = 0.0) -> GrownTree:
+    """Grow up to `depth` levels (see the module docstring). first: (log-probabilities [b], target ids [b]) of the
+    candidates after the text. expand(tree, nodes) runs one forward over `nodes` (one depth) and returns their
+    children's candidates, (log_p [n, b], ids [n, b]), or None when it may not (no room left). A node whose own
+    probability is below min_step is not expanded: its children would build on a doubtful guess."""
+    tree = GrownTree()
+    frontier = tree.add_children(-1, *first)
+    for _ in range(1, depth):
+        nodes = sorted((n for n in frontier if tree.step_probability(n) >= min_step),
+                       key=lambda n: (-tree.scores[n], n))[:WIDTH]
+        children = expand(tree, nodes) if nodes else None
+        if children is None:
+            break
+        frontier = [child for row, node in enumerate(nodes) for child in tree.add_children(node, children[0][row],
+                                                                                             children[1][row])]
+    return tree
 
 
 def as_draft(tokens: list[int], parents: list[int], chosen: list[int]) -> tuple[Draft, dict[int, int]]:
