@@ -22,7 +22,7 @@ from draftwise.head.command import add_train_head
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
-from draftwise.config import DTYPES, METHODS, GenerationConfig
+from draftwise.config import DRAFT_METHODS, DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file
 
@@ -100,7 +100,7 @@ def _add_generate(commands) -> None:
                         help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
                              "prompt and text so far), 'lookup-tree' (lookup's last 3 matches as a token tree), "
                              "'hybrid' (lookup where the text's tail matches earlier "
-                             "text, the --draft model elsewhere), 'draft-tree' (the --draft model's likeliest "
+                             "text, the --draft model elsewhere), 'hybrid-tree' (the same with lookup-tree and draft-tree), 'draft-tree' (the --draft model's likeliest "
                              "continuations as a token tree), 'skip' (the target itself with some layers skipped, "
                              "chosen by a short calibration at load; no second model), 'head' (a trained feature "
                              "head, see train-head, drafting token trees) or 'none' (the target "
@@ -241,7 +241,7 @@ def _check_early(options: dict) -> None:
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
-    return args.draft is not None and args.method in (None, "draft", "draft-tree", "hybrid")
+    return args.draft is not None and args.method in (None, *DRAFT_METHODS)
 
 
 def _dtype_label(name: str) -> str:

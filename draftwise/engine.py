@@ -21,7 +21,7 @@ from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import LOOKUP_BRANCHES, GenerationConfig
+from draftwise.config import DRAFT_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -35,7 +35,6 @@ from draftwise.tokenizers import encode_prompt
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
-DRAFT_METHODS = ("draft", "draft-tree", "hybrid")  # the methods that need a draft model
 # A draft at most this many tokens behind its text catches up in its round's first draft forward; one further
 # behind sits rounds out (k = 0) while it catches up in prefill-sized chunks (Engine.catch_up_draft), since in a
 # batched draft forward every row pays for the widest one.
@@ -181,7 +180,7 @@ class Engine:
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
-        if hasattr(proposer, "sizing"):  # a tree proposer: a fixed k means a fixed tree size too
+        if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
             proposer.sizing.sized_by_cost = acceptance is not None
             proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
@@ -250,9 +249,9 @@ class Engine:
                 proposer.release()
 
     def _new_proposer(self, method: str):
-        from draftwise.proposers import DraftModelProposer, HybridProposer
+        from draftwise.proposers import DraftModelProposer
         from draftwise.proposers.draft_tree import DraftTreeProposer
-        from draftwise.proposers.hybrid import MIN_NGRAM
+        from draftwise.proposers.hybrid import hybrid_of
 
         if method == "none":
             return None
@@ -264,12 +263,12 @@ class Engine:
             return self._on_draft_model(DraftModelProposer)
         if method == "draft-tree":
             return self._on_draft_model(DraftTreeProposer)
-        return HybridProposer(self._on_draft_model(DraftModelProposer),
-                              PromptLookupProposer(min_ngram=MIN_NGRAM, corpus=self.proposal_cache))
+        draft_method, lookup_method = HYBRID_PARTS[method]
+        return hybrid_of(self._new_proposer(draft_method), lookup_method, corpus=self.proposal_cache)
 
     def _on_draft_model(self, proposer_cls):
         """A proposer of another draft method on a new slot of the engine's draft model (a draft engine's methods
-        share the one model: draft, draft-tree and hybrid)."""
+        share the one model: draft, draft-tree and the hybrids)."""
         base = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
         shared = getattr(base.backend, "backend", base.backend)  # a slot view's model, or the model itself
         return proposer_cls(shared.open_slot(), base.target_vocab_size, base.token_ids)

@@ -5,21 +5,20 @@ from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
-from draftwise.config import LOOKUP_BRANCHES, METHODS
+from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
-from draftwise.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer
+from draftwise.proposers import DraftModelProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer
-from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM
+from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM, hybrid_of
 from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
 
-NEEDS_DRAFT = ("draft", "draft-tree", "hybrid")
 HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
 
 
@@ -73,7 +72,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
-    lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for "hybrid",
+    lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for the hybrids,
     proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model.
 
     compact_draft: propose with a cheaper copy of the draft (int8 weights, an output layer over the
@@ -107,12 +106,13 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
-        proposer_cls = DraftTreeProposer if method == "draft-tree" else DraftModelProposer
+        draft_method, lookup_method = HYBRID_PARTS.get(method, (method, None))
+        proposer_cls = DraftTreeProposer if draft_method == "draft-tree" else DraftModelProposer
         proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
-        if method == "hybrid":
+        if lookup_method is not None:
             if lookup_min_ngram is None:
                 lookup_min_ngram = min(HYBRID_MIN_NGRAM, lookup_max_ngram)
-            proposer = HybridProposer(proposer, PromptLookupProposer(lookup_max_ngram, lookup_min_ngram))
+            proposer = hybrid_of(proposer, lookup_method, lookup_max_ngram, lookup_min_ngram)
     elif method == "skip":
         plan = plan_skip(target_model, calibration_ids(tokenizer))
         proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)

@@ -16,10 +16,12 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
+from draftwise.adaptive import StepCosts
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
 from draftwise.proposers import HybridProposer, PromptLookupProposer
-from draftwise.proposers.hybrid import MIN_NGRAM
+from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of, kept_depth
+from draftwise.proposers.tree_growth import TreeSizing
 from draftwise.types import Draft
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away. "
@@ -45,10 +47,13 @@ def reference(arch):
     return out[0, len(prompt_ids()):].tolist()
 
 
-def engine(arch, draft):
+HYBRIDS = ["hybrid", "hybrid-tree"]  # hybrid-tree: lookup-tree and draft-tree rounds
+
+
+def engine(arch, draft, method="hybrid"):
     """compact_draft=False keeps a "same" draft an exact twin of the target."""
     draft_model = {"same": model(arch, 0), "unrelated": model(arch, 1, 1)}[draft]
-    return Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method="hybrid",
+    return Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=draft_model, method=method,
                               compact_draft=False)
 
 
@@ -56,6 +61,7 @@ def engine(arch, draft):
 class Round:
     who: str  # "lookup" or "draft"
     proposed: int
+    depth: int = 0  # positions its draft reaches (its length, for a chain)
     accepted: int | None = None  # set by observe()
     draft_behind: int = 0  # context tokens the draft model had not cached when the round began
 
@@ -75,7 +81,7 @@ def watch(eng) -> list[Round]:
             return draft
         finally:  # a propose that raised is still a round, and still observed
             (who,) = [w for w in hybrid.rounds if hybrid.rounds[w] != before[w]]
-            rounds.append(Round(who, len(draft), draft_behind=behind))
+            rounds.append(Round(who, len(draft), draft.depth, draft_behind=behind))
 
     def observer(who, real_observe):
         def observe(num_accepted):
@@ -110,11 +116,12 @@ def assert_draft_kv_is_the_texts(eng, arch, draft, text: list[int]) -> None:
     assert torch.allclose(live, fresh, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", HYBRIDS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("draft", ["same", "unrelated"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_output_is_the_targets_own(arch, draft, k):
-    eng = engine(arch, draft)
+def test_greedy_output_is_the_targets_own(method, arch, draft, k):
+    eng = engine(arch, draft, method)
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True, adaptive=False)
     assert result.token_ids == reference(arch)
@@ -123,22 +130,32 @@ def test_greedy_output_is_the_targets_own(arch, draft, k):
     assert_caches_hold_the_text(eng, text)
     assert_draft_kv_is_the_texts(eng, arch, draft, text)
 
-    kinds = {r.who for r in rounds}
-    assert kinds == {"lookup", "draft"}, kinds  # both kinds of round really happened
-    assert rounds[0].who == "lookup"  # the prompt's tail occurred earlier in the prompt
     assert eng.proposer.rounds == {w: sum(r.who == w for r in rounds) for w in ("lookup", "draft")}
+    if (method, k) == ("hybrid-tree", 2):
+        # The prompt's tail occurred twice before: a fixed 2 nodes of lookup-tree are the two continuations' first
+        # tokens, a guess of one position, which loses to the draft model's 2. So do the loops' later matches.
+        assert rounds[0].who == "draft"
+    else:
+        kinds = {r.who for r in rounds}
+        assert kinds == {"lookup", "draft"}, kinds  # both kinds of round really happened
+        assert rounds[0].who == "lookup"  # the prompt's tail occurred earlier in the prompt
+        # The draft model fell behind during a lookup round and caught up in the next (checked before each round).
+        assert any(a.who == "lookup" and b.who == "draft" and b.draft_behind > 0 for a, b in zip(rounds, rounds[1:]))
     assert all(r.accepted is not None for r in rounds)  # every round was observed
     assert all(r.proposed <= k for r in rounds)
-    # The draft model fell behind during a lookup round and caught up in the next (checked before each round).
-    assert any(a.who == "lookup" and b.who == "draft" and b.draft_behind > 0 for a, b in zip(rounds, rounds[1:]))
-    if draft == "same":
+    if draft == "same" and method == "hybrid":
         # A twin of the target, from a cache that caught up correctly, is always right.
         assert all(r.accepted == r.proposed for r in rounds if r.who == "draft")
+    if draft == "same" and method == "hybrid-tree":
+        # Its likeliest first token is the target's: kept every round (deeper, the tree may follow a sibling).
+        assert all(1 <= r.accepted <= r.depth for r in rounds if r.who == "draft")
+        assert k == 1 or any(r.proposed > r.depth for r in rounds if r.who == "draft")  # real trees, not chains
 
 
+@pytest.mark.parametrize("method", HYBRIDS)
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
-def test_adaptive_k_and_compact_draft_keep_the_targets_output(arch):
-    eng = Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=model(arch, 1, 1), method="hybrid",
+def test_adaptive_k_and_compact_draft_keep_the_targets_output(method, arch):
+    eng = Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=model(arch, 1, 1), method=method,
                              draft_vocab=200)
     assert eng.proposer.draft.token_ids is not None  # the compact draft applies as for "draft"
     rounds = watch(eng)
@@ -148,10 +165,11 @@ def test_adaptive_k_and_compact_draft_keep_the_targets_output(arch):
     assert {r.who for r in rounds} == {"lookup", "draft"}
 
 
+@pytest.mark.parametrize("method", HYBRIDS)
 @pytest.mark.parametrize("seed", range(4))
-def test_sampling_rounds_keep_the_caches_a_prefix_of_the_text(seed):
+def test_sampling_rounds_keep_the_caches_a_prefix_of_the_text(method, seed):
     # Exactness in distribution is tested in test_sampling_e2e.py; here, the caches under sampling.
-    eng = engine("llama", "unrelated")
+    eng = engine("llama", "unrelated", method)
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, temperature=1.0, seed=seed,
                           ignore_eos=True)
@@ -249,15 +267,81 @@ def test_lookup_wins_only_on_a_long_enough_match_and_observe_goes_to_who_propose
     assert hybrid.rounds == {"lookup": 2, "draft": 2}
 
 
-def test_the_hybrid_needs_a_draft_model_and_is_wired_in():
-    with pytest.raises(DraftwiseError, match="method 'hybrid' needs a draft model"):
-        Engine.from_models(model("llama", 0), tiny_tokenizer(), method="hybrid")
-    with pytest.raises(DraftwiseError, match="method 'hybrid' needs a draft model"):
-        check_methods(["hybrid"], has_draft=False)
-    eng = Engine.from_models(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 1, 1), method="hybrid",
+class FakeTreeDraft(FakeDraft):
+    """A draft-tree stand-in: its sizing carries the measured costs, 0.05 s per draft forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizing = TreeSizing()
+        self.sizing.forward_s = 0.05
+
+    def keep_path(self, path):
+        self.calls.append(("keep_path", tuple(path)))
+
+
+def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_known():
+    draft = FakeTreeDraft()
+    hybrid = hybrid_of(draft, "lookup-tree")
+    assert hybrid.lookup.sizing is draft.sizing and hybrid.min_ngram == MIN_NGRAM
+    text = [1, 2, 5, 6, 1, 2]  # the tail (1, 2) occurred before, followed by (5, 6)
+    hybrid.begin(text, None, None)
+    # Nothing measured: by rule, a 2-token match loses to the draft model.
+    assert hybrid.propose(text, 2).token_ids == (7, 7)
+    hybrid.keep_path([0, 1]), hybrid.observe(2)  # both kept
+    assert draft.calls[-2:] == [("keep_path", (0, 1)), ("observe", 2)]
+    costs = StepCosts()
+    for width in (1, 3, 5):
+        costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
+    draft.sizing.costs = costs
+    # Measured: the draft's 2.35 tokens cost 0.3 s (7.8/s); lookup's 1 after a short match (at its pessimistic
+    # prior, 0) cost 0.2 s (5/s).
+    assert hybrid.propose(text, 2).token_ids == (7, 7)
+    hybrid.observe(0)  # (the draft's acceptance falls to 0.59: 1.94 tokens, 6.5/s)
+    short = hybrid._lookup_acceptance(("lookup", 2))
+    for _ in range(3):
+        short.observe(2, 2)  # lookup after a 2-token match turns out right: 0.79 (2.4 tokens, 12/s)
+    assert hybrid.propose(text, 2).token_ids == (5, 6)
+    hybrid.keep_path([]), hybrid.observe(0)
+    assert draft.calls[-1] == ("observe", 0)  # neither call reached the draft model
+    draft.sizing.sized_by_cost = False  # a seeded sampled sequence: by rule, whatever was measured
+    assert hybrid.propose(text, 2).token_ids == (7, 7)
+    assert hybrid.rounds == {"lookup": 1, "draft": 3}
+
+
+def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
+    draft = FakeTreeDraft()
+    hybrid = hybrid_of(draft, "lookup-tree")
+    text = [1, 2, 5, 6, 1, 2]
+    hybrid.begin(text, None, None)
+    assert hybrid._lookup_acceptance(("lookup", 2)).rate == 0.0  # short matches start pessimistic
+    assert hybrid._lookup_acceptance(("lookup", 3)).rate == 0.5
+    assert hybrid.propose(text, 2).token_ids == (7, 7)  # the draft model's round; lookup guessed (5, 6)
+    hybrid.observe(0)
+    text += [5]  # the target's own token: lookup's first guessed token, kept had it been offered
+    hybrid.propose(text, 2)
+    assert hybrid._lookup_acceptance(("lookup", 2)).rate == pytest.approx(1 / (0.9 * 2 + 1))
+    assert kept_depth(Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1)), [7, 8, 9]) == 2  # down the matching branch
+
+
+@pytest.mark.parametrize("method", HYBRIDS)
+def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
+    with pytest.raises(DraftwiseError, match=f"method '{method}' needs a draft model"):
+        Engine.from_models(model("llama", 0), tiny_tokenizer(), method=method)
+    with pytest.raises(DraftwiseError, match=f"method '{method}' needs a draft model"):
+        check_methods([method], has_draft=False)
+    eng = Engine.from_models(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 1, 1), method=method,
                              lookup_max_ngram=2)
-    assert eng.method == "hybrid" and eng.proposer.lookup.min_ngram == 2  # at most the longest n-gram
+    assert eng.method == method and eng.proposer.min_ngram == 2  # at most the longest n-gram
+    tree = method == "hybrid-tree"
+    assert eng.proposer.lookup.branches == (3 if tree else 1)
+    assert (eng.proposer.sizing is not None) == tree and eng.proposer.steps_in_lockstep == (not tree)
+    if tree:  # one sizing, so the engine's costs reach the lookup rounds too
+        assert eng.proposer.lookup.sizing is eng.proposer.sizing is eng.proposer.draft.sizing
     runners = Runners(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 1, 1))
-    record, token_ids = runners.run("hybrid", prompt_ids(), 8)
+    record, token_ids = runners.run(method, prompt_ids(), 8)
     assert token_ids == reference("llama")[:8] and record["proposed"] is not None
-    assert _uses_draft(argparse.Namespace(draft="d", method="hybrid"))
+    assert _uses_draft(argparse.Namespace(draft="d", method=method))
+    # A sequence of the other hybrid on this engine gets that hybrid's parts, on the same draft model.
+    other = eng._new_proposer(HYBRIDS[1 - HYBRIDS.index(method)])
+    assert other.lookup.branches == (1 if tree else 3) and (other.sizing is not None) == (not tree)
+    other.release()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import CORPUS, tiny_model, tiny_tokenizer
 from draftwise import Engine
-from draftwise.config import SamplingConfig
+from draftwise.config import DRAFT_METHODS, SamplingConfig
 from draftwise.sampling import logits_to_probs, make_generator
 from stats_helpers import fit_pvalue
 
@@ -96,7 +96,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = {"draft": sharpened(1.5), "draft-tree": sharpened(1.5), "hybrid": sharpened(1.5)}.get(method)
+    draft = sharpened(1.5) if method in DRAFT_METHODS else None
     if method == "lookup-corpus":  # earlier requests' texts (the loop, then each run's own) propose
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
         eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
@@ -130,6 +130,7 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start"),
          ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
          ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
+         ("hybrid-tree", "t1", 2, "mid-loop"), ("hybrid-tree", "t0.7-topk-topp", 1, "mid-loop"),
          ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop")]
 
 
@@ -141,7 +142,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     # kept in about 2.5% of positions (some 30 times in 800 runs); test_tree.py checks the rule on a table where
     # they are kept often.
     assert (0.01 if method == "lookup-tree" else 0.1) < acceptance < 0.95
-    if method == "hybrid":
+    if method in ("hybrid", "hybrid-tree"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method == "lookup-corpus":
         assert rounds["corpus"] >= RUNS  # the first round of every run came from another text
@@ -163,6 +164,8 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "start")) < 1e-6
     pairs, _, _ = sampled_pairs("lookup-tree", "t1", 3, "tree")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "tree")) < 1e-6
+    pairs, _, _ = sampled_pairs("hybrid-tree", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("draft-tree", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("head", "t1", 2)

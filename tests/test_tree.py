@@ -8,8 +8,10 @@ from conftest import tiny_model, tiny_tokenizer
 
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
+from draftwise.adaptive import StepCosts
 from draftwise.config import SamplingConfig
-from draftwise.proposers.prompt_lookup import PromptLookupProposer, token_tree
+from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
+from draftwise.proposers.tree_growth import TreeSizing
 from draftwise.sampling import sample
 from draftwise.types import Draft, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
@@ -154,14 +156,48 @@ def test_keeping_a_path_leaves_the_cache_as_if_the_chain_had_been_fed():
 
 
 def test_lookup_merges_earlier_continuations_into_a_tree_within_the_budget():
-    merged = token_tree([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9, 9)], budget=4)
-    assert merged == Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1))  # shared nodes first, then the shallower
-    assert token_tree([(1, 2, 3), (1, 2, 3)], budget=4) == Draft((1, 2, 3))  # agreeing continuations: a chain
+    ranked = rank_nodes([(1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9, 9)])
+    assert ranked[:4] == [((1,), 2), ((1, 2), 2), ((7,), 1), ((7, 8), 1)]  # shared nodes first, then the shallower
+    assert token_tree(ranked[:4]) == Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1))
+    assert token_tree(rank_nodes([(1, 2, 3), (1, 2, 3)])) == Draft((1, 2, 3))  # agreeing continuations: a chain
     lookup = PromptLookupProposer(max_ngram=1, branches=3)
     lookup.begin([], SamplingConfig(), gen())
     draft = lookup.propose([5, 1, 5, 2, 5, 3, 5], k=2)  # "5" was followed by 1, 2 and 3
     assert sorted(draft.token_ids) == [2, 3] and draft.parents == (-1, -1)  # the two most recent, budget 2
     assert PromptLookupProposer(max_ngram=1).propose([5, 1, 5, 2, 5, 3, 5], k=2) == Draft((3, 5))
+
+
+def _costs(per_extra_token: float) -> StepCosts:
+    """Measured passes of one row: 0.2 s for one token, plus per_extra_token for each more."""
+    costs = StepCosts()
+    for width in (1, 3, 5, 9, 17, 25):
+        costs.observe(1, width - 1, 0.0, 0.2 + per_extra_token * (width - 1))
+    return costs
+
+
+def test_a_tree_is_as_wide_as_pays_by_the_measured_costs():
+    sizing = TreeSizing(max_nodes=24)
+    probs = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01]  # the chance each node is kept, in offer order
+    assert sizing.how_many(probs, k=3, draft_s=0.0) == 3  # nothing measured: k nodes
+    sizing.costs = _costs(0.0)  # a flat pass (bfloat16 on AVX-512 BF16): every node pays
+    assert sizing.how_many(probs, k=3, draft_s=0.0) == len(probs)
+    sizing.costs = _costs(0.2)  # each token of width costs a plain step: only a likely node pays for its width
+    assert sizing.how_many(probs, k=3, draft_s=0.0) == 1  # 1.9 tokens for 0.4 s; a second: 2.7 for 0.6 s
+    sizing.costs = _costs(0.02)
+    assert 1 < sizing.how_many(probs, k=3, draft_s=0.0) < len(probs)
+    sizing.sized_by_cost = False  # a seeded sampled sequence: exactly k, whatever the costs
+    assert sizing.how_many(probs, k=3, draft_s=0.0) == 3
+
+
+def test_lookup_tree_widens_only_where_a_wider_pass_pays():
+    context = [5, 1, 6, 5, 2, 7, 5, 3, 8, 5]  # "5" was followed by 1 6, 2 7 and 3 8: 6 nodes at k = 2
+    for per_extra_token, nodes in ((0.0, 6), (0.2, 1)):
+        lookup = PromptLookupProposer(max_ngram=1, branches=3)
+        lookup.begin([], SamplingConfig(), gen())
+        lookup.sizing.costs = _costs(per_extra_token)
+        assert len(lookup.propose(context, k=2)) == nodes
+    lookup.sizing.sized_by_cost = False
+    assert len(lookup.propose(context, k=2)) == 2
 
 
 def _reference(prompt, n):

@@ -13,13 +13,14 @@ from contextlib import contextmanager
 import torch
 
 from draftwise.backends.kernels import plan_kernels, with_kernels
+from draftwise.config import DRAFT_METHODS
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "skip", "head")  # config.METHODS, in report order
+OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "head")  # config.METHODS, in report order
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
-NEEDS_DRAFT = ("draft", "draft-tree", "hybrid", "hf-assisted")
+NEEDS_DRAFT = (*DRAFT_METHODS, "hf-assisted")
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
 SPECULATION_FIELDS = ("proposed", "accepted", "nodes", "rounds", "proposed_at", "accepted_at", "draft_s")
 

@@ -11,30 +11,54 @@ has not cached, in one forward, so it catches up on its own.
 
 Exactness: the choice depends on the context alone, and the verifier handles both kinds of draft per round
 (a lookup draft is one-hot, Draft.q None; a draft-model draft carries q under sampling).
+
+hybrid-tree pairs the two tree proposers (lookup-tree, draft-tree) the same way. A draft-tree round leaves its
+tree in the draft's cache, so keep_path() goes to the draft model only after a round it made. The two share
+one tree sizing (how many nodes a round offers, by the measured costs), which the engine sets up once.
+Once those costs are measured, and the sequence's rounds may follow them (not a seeded sampled one), it picks
+by measurement instead of by MIN_NGRAM: lookup wins a round when its guess is expected to give more tokens per
+second than the draft model's, each priced by the measured pass and draft forward, and each judged by its own
+per-token acceptance in this sequence. Lookup's is kept per length of the match it found (a one-token match is
+mostly wrong in prose and mostly right in a summary that copies its article), and learnt every round for free:
+its guess is made every round, and the tokens the target emits next say how much of it would have been kept.
+A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence. The choice still
+depends on the past alone, as the draft length does (adaptive.py), so the output stays exact.
 """
 from __future__ import annotations
 
 import torch
 
-from draftwise.config import SamplingConfig
+from draftwise.adaptive import Acceptance, expected_tokens
+from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import PromptLookupProposer
+from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
+from draftwise.verify.tree import chain_parents
 
 # Lookup replaces the draft model only on evidence of copying: a match of the text's last MIN_NGRAM tokens.
 # A shorter shared tail (one token, a common pair such as ", the") recurs in any prose, and what followed it
 # there is mostly wrong here, where the draft model is usually right.
 MIN_NGRAM = 3
+# The per-token acceptance a lookup guess after a shorter match starts from, as (kept, tried): none, worth two
+# tokens. Lookup costs nothing to run, so any hope would win it rounds; each lost one costs a target pass.
+SHORT_MATCH_PRIOR = (0.0, 2.0)
 # A lookup guess of one token (the match ends right before the tail, as in a loop) keeps at most one token,
 # where the draft model's could keep k: it wins only when k is 1.
 MIN_LOOKUP_TOKENS = 2
 
 
 class HybridProposer:
-    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer):
-        """lookup: its min_ngram is the shortest match that wins a round (see MIN_NGRAM)."""
+    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer, min_ngram: int | None = None):
+        """min_ngram: the shortest match that wins a round by rule (see MIN_NGRAM); default lookup's own."""
         self.draft = draft
         self.lookup = lookup
+        self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
+        self._acceptance = {"draft": Acceptance()}  # per token; lookup's by match length, ("lookup", n)
+        self._round: tuple = ()  # the last draft-model round's ("draft", depth)
+        self._shadow: tuple = ()  # the last round's lookup guess: (its acceptance key, the guess, the context length)
+        if getattr(draft, "sizing", None) is not None and lookup.sizing is not None:
+            lookup.sizing = draft.sizing  # one tree sizing for the pair: the engine sets its costs once
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
@@ -44,24 +68,79 @@ class HybridProposer:
         self.lookup.begin(prompt_ids, sampling, generator)
         self._last = None
         self.rounds = {"lookup": 0, "draft": 0}
+        self._acceptance = {"draft": Acceptance()}
+        self._shadow = ()
+
+    @property
+    def steps_in_lockstep(self) -> bool:  # a draft-tree's forwards are trees, not one row each (batch.py)
+        return getattr(self.draft, "steps_in_lockstep", True)
+
+    @property
+    def sizing(self):  # the pair's tree sizing (tree_growth.py); None for the chain hybrid
+        return getattr(self.draft, "sizing", None)
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         guess = self._pick(context, k)
-        return guess if guess is not None else self.draft.propose(context, k, stop_confidence)
+        return guess if guess is not None else self._drafted(self.draft.propose(context, k, stop_confidence))
+
+    def _drafted(self, draft: Draft) -> Draft:
+        self._round = ("draft", draft.depth)  # (it may stop short of k)
+        return draft
 
     def _pick(self, context: list[int], k: int) -> Draft | None:
         """Lookup's guess when it wins the round, else None (the draft model's round)."""
         # Lookup takes the full k: it costs nothing, so no confidence cut applies to it.
         self._last = self.lookup
+        self._learn_from_last_guess(context)
         guess = self.lookup.propose(context, k)
-        if len(guess) >= min(MIN_LOOKUP_TOKENS, k):
+        key = ("lookup", self.lookup.last_match)
+        self._shadow = (key, guess, len(context)) if guess.depth > 0 else ()
+        if guess.depth > 0 and self._lookup_wins(guess, key, k):
             self.rounds["lookup"] += 1
+            self._round = ()
             return guess
         self._last = self.draft  # set before proposing: a failed propose is still observed (with 0)
         self.rounds["draft"] += 1
+        self._round = ()
         return None
 
+    def _lookup_wins(self, guess: Draft, key: tuple, k: int) -> bool:
+        sizing = self.sizing
+        if sizing is None or not sizing.sized_by_cost or sizing.costs is None or not sizing.costs.measured \
+                or sizing.forward_s is None:  # by rule (depth: a tree of siblings still guesses one token)
+            return key[1] >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
+        lookup_a = self._lookup_acceptance(key).rate
+        lookup_rate = expected_tokens(lookup_a, guess.depth) / sizing.costs.verify(1, len(guess) + 1)
+        draft_s = sizing.forward_s * k + sizing.costs.verify(1, k + 1)
+        return lookup_rate >= expected_tokens(self._acceptance["draft"].rate, k) / draft_s
+
+    def keep_path(self, path: list[int]) -> None:
+        """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""
+        if self._last is self.draft and hasattr(self.draft, "keep_path"):
+            self.draft.keep_path(path)
+
+    def _lookup_acceptance(self, key: tuple) -> Acceptance:
+        if key not in self._acceptance:
+            short = key[1] < self.min_ngram
+            self._acceptance[key] = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
+        return self._acceptance[key]
+
+    def _learn_from_last_guess(self, context: list[int]) -> None:
+        """How much of the last round's lookup guess the target kept, or would have kept had it been offered: the
+        tokens emitted since then (accepted and the target's own) against the guess's paths."""
+        if not self._shadow:
+            return
+        key, guess, at = self._shadow
+        self._shadow = ()
+        emitted = context[at:]
+        if emitted:  # (otherwise a new text, or a round that failed)
+            seen = min(guess.depth, len(emitted))  # a guess deeper than what was emitted is judged as far as it goes
+            self._lookup_acceptance(key).observe(seen, kept_depth(guess, emitted))
+
     def observe(self, num_accepted: int) -> None:
+        if self._round:
+            self._acceptance["draft"].observe(self._round[1], num_accepted)
+            self._round = ()
         if self._last is not None:
             self._last.observe(num_accepted)
         self._last = None
@@ -87,7 +166,7 @@ class HybridProposer:
             self.draft.settle()
 
     def finish(self) -> Draft:
-        return self._guess if self._guess is not None else self.draft.finish()
+        return self._guess if self._guess is not None else self._drafted(self.draft.finish())
 
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
@@ -102,7 +181,29 @@ class HybridProposer:
         self.draft.remember()
 
     def fork(self) -> "HybridProposer":
-        return HybridProposer(self.draft.fork(), self.lookup.fork())
+        return HybridProposer(self.draft.fork(), self.lookup.fork(), self.min_ngram)
 
     def release(self) -> None:
         self.draft.release()
+
+
+def kept_depth(guess: Draft, tokens: list[int]) -> int:
+    """How many of `tokens` the guess's tree follows from its root: the greedy verifier's kept length."""
+    parents = guess.parents if guess.parents is not None else chain_parents(len(guess))
+    node, depth = -1, 0
+    for token in tokens:
+        node = next((i for i, (t, p) in enumerate(zip(guess.token_ids, parents)) if p == node and t == token), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int = MIN_NGRAM,
+              corpus: ProposalCache | None = None) -> HybridProposer:
+    """The hybrid of a draft-model proposer and prompt lookup's method (config.LOOKUP_BRANCHES). min_ngram: the
+    shortest match that wins a round by rule. The tree hybrid's lookup offers every match (its rounds are picked by
+    measurement once there is one); the chain hybrid's only those that can win."""
+    branches = LOOKUP_BRANCHES[lookup_method]
+    lookup = PromptLookupProposer(max_ngram, 1 if branches > 1 else min_ngram, corpus, branches)
+    return HybridProposer(draft, lookup, min_ngram)

@@ -1,5 +1,6 @@
 """What the tree proposers (a draft model's, draft_tree.py; a feature head's, feature_head.py) share: how big a
-grown tree to offer, and how to hand the chosen nodes over as a Draft.
+grown tree to offer, and how to hand the chosen nodes over as a Draft. Prompt lookup's trees (prompt_lookup.py)
+are sized by the same rule.
 
 Growth (EAGLE-2, Li et al. 2024): depth 1 is the BRANCH likeliest tokens after the text; each further depth expands
 the WIDTH likeliest frontier nodes, likeliness being the proposer's probability of the whole path (the product
@@ -45,13 +46,19 @@ class TreeSizing:
     def choose(self, scores: list[float], k: int) -> list[int]:
         """The nodes to offer (indices into scores, the cumulative log-probabilities), likeliest first."""
         order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))  # a parent before its child on a tie
-        if not self.sized_by_cost or self.costs is None or not self.costs.measured or self.forward_s is None:
+        if self.forward_s is None:
             return order[:k]
-        expected = 1.0 + torch.tensor([scores[n] for n in order]).exp().cumsum(0)  # [nodes]: tokens per round
-        draft_s = self.forward_s * k
-        limit = min(len(order), self.max_nodes)
+        return order[: self.how_many([math.exp(scores[n]) for n in order], k, self.forward_s * k)]
+
+    def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
+        """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
+        (a parent before its child); draft_s is what drafting them cost, in seconds."""
+        if not self.sized_by_cost or self.costs is None or not self.costs.measured or not probs:
+            return min(k, len(probs))
+        expected = 1.0 + torch.tensor(probs).cumsum(0)  # [nodes]: tokens per round, offering the first n
+        limit = min(len(probs), self.max_nodes)
         rates = [float(expected[n - 1]) / (draft_s + self.costs.verify(1, n + 1)) for n in range(1, limit + 1)]
-        return order[: max(range(limit), key=rates.__getitem__) + 1]
+        return max(range(limit), key=rates.__getitem__) + 1
 
 
 @dataclass

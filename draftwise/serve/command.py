@@ -104,7 +104,7 @@ def add_serve(commands, formatter) -> None:
                         "shared system prompt); the least recently used go first; 0 turns it off "
                         "(default: %(default)s)")
     s.add_argument("--proposal-cache-tokens", type=int, default=0, metavar="N",
-                   help="let prompt lookup (methods lookup and hybrid) propose from the texts of earlier requests too, "
+                   help="let prompt lookup (methods lookup, lookup-tree and the hybrids) propose from the texts of earlier requests too, "
                         "the last N tokens of them: templated traffic repeats spans no single prompt holds; 0 turns "
                         "it off (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
