@@ -13,7 +13,7 @@ from draftwise.proposers.compact import compact_draft as compact
 from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer
-from draftwise.proposers.hybrid import MIN_NGRAM as HYBRID_MIN_NGRAM, hybrid_of
+from draftwise.proposers.hybrid import hybrid_of
 from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
@@ -110,8 +110,6 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         proposer_cls = DraftTreeProposer if draft_method == "draft-tree" else DraftModelProposer
         proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
         if lookup_method is not None:
-            if lookup_min_ngram is None:
-                lookup_min_ngram = min(HYBRID_MIN_NGRAM, lookup_max_ngram)
             proposer = hybrid_of(proposer, lookup_method, lookup_max_ngram, lookup_min_ngram)
     elif method == "skip":
         plan = plan_skip(target_model, calibration_ids(tokenizer))

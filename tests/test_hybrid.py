@@ -297,7 +297,7 @@ def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_know
     # prior, 0) cost 0.2 s (5/s).
     assert hybrid.propose(text, 2).token_ids == (7, 7)
     hybrid.observe(0)  # (the draft's acceptance falls to 0.59: 1.94 tokens, 6.5/s)
-    short = hybrid._lookup_acceptance(("lookup", 2))
+    short = hybrid._lookup_acceptance_after(2)
     for _ in range(3):
         short.observe(2, 2)  # lookup after a 2-token match turns out right: 0.79 (2.4 tokens, 12/s)
     assert hybrid.propose(text, 2).token_ids == (5, 6)
@@ -313,13 +313,13 @@ def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
     hybrid = hybrid_of(draft, "lookup-tree")
     text = [1, 2, 5, 6, 1, 2]
     hybrid.begin(text, None, None)
-    assert hybrid._lookup_acceptance(("lookup", 2)).rate == 0.0  # short matches start pessimistic
-    assert hybrid._lookup_acceptance(("lookup", 3)).rate == 0.5
+    assert hybrid._lookup_acceptance_after(2).rate == 0.0  # short matches start pessimistic
+    assert hybrid._lookup_acceptance_after(3).rate == 0.5
     assert hybrid.propose(text, 2).token_ids == (7, 7)  # the draft model's round; lookup guessed (5, 6)
     hybrid.observe(0)
     text += [5]  # the target's own token: lookup's first guessed token, kept had it been offered
     hybrid.propose(text, 2)
-    assert hybrid._lookup_acceptance(("lookup", 2)).rate == pytest.approx(1 / (0.9 * 2 + 1))
+    assert hybrid._lookup_acceptance_after(2).rate == pytest.approx(1 / (0.9 * 2 + 1))
     assert kept_depth(Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1)), [7, 8, 9]) == 2  # down the matching branch
 
 

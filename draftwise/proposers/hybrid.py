@@ -34,7 +34,7 @@ from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
-from draftwise.verify.tree import chain_parents
+from draftwise.verify.tree import TreeLayout, chain_parents, follow
 
 # Lookup replaces the draft model only on evidence of copying: a match of the text's last MIN_NGRAM tokens.
 # A shorter shared tail (one token, a common pair such as ", the") recurs in any prose, and what followed it
@@ -54,9 +54,10 @@ class HybridProposer:
         self.draft = draft
         self.lookup = lookup
         self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
-        self._acceptance = {"draft": Acceptance()}  # per token; lookup's by match length, ("lookup", n)
-        self._round: tuple = ()  # the last draft-model round's ("draft", depth)
-        self._shadow: tuple = ()  # the last round's lookup guess: (its acceptance key, the guess, the context length)
+        # Per-token acceptance, for the measured pick: the draft model's, and lookup's by the match length.
+        self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
+        self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
+        self._shadow: tuple = ()  # the last round's lookup guess: (its match length, the guess, the context length)
         if getattr(draft, "sizing", None) is not None and lookup.sizing is not None:
             lookup.sizing = draft.sizing  # one tree sizing for the pair: the engine sets its costs once
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
@@ -68,7 +69,7 @@ class HybridProposer:
         self.lookup.begin(prompt_ids, sampling, generator)
         self._last = None
         self.rounds = {"lookup": 0, "draft": 0}
-        self._acceptance = {"draft": Acceptance()}
+        self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
         self._shadow = ()
 
     @property
@@ -84,63 +85,63 @@ class HybridProposer:
         return guess if guess is not None else self._drafted(self.draft.propose(context, k, stop_confidence))
 
     def _drafted(self, draft: Draft) -> Draft:
-        self._round = ("draft", draft.depth)  # (it may stop short of k)
+        self._drafted_depth = draft.depth  # (it may stop short of k)
         return draft
 
     def _pick(self, context: list[int], k: int) -> Draft | None:
         """Lookup's guess when it wins the round, else None (the draft model's round)."""
         # Lookup takes the full k: it costs nothing, so no confidence cut applies to it.
-        self._last = self.lookup
+        self._last, self._drafted_depth = self.lookup, None
         self._learn_from_last_guess(context)
         guess = self.lookup.propose(context, k)
-        key = ("lookup", self.lookup.last_match)
-        self._shadow = (key, guess, len(context)) if guess.depth > 0 else ()
-        if guess.depth > 0 and self._lookup_wins(guess, key, k):
+        match = self.lookup.last_match
+        # Only the tree hybrid picks by measurement: the chain hybrid has no acceptance to learn.
+        self._shadow = (match, guess, len(context)) if guess.depth > 0 and self.sizing is not None else ()
+        if guess.depth > 0 and self._lookup_wins(guess, match, k):
             self.rounds["lookup"] += 1
-            self._round = ()
             return guess
         self._last = self.draft  # set before proposing: a failed propose is still observed (with 0)
         self.rounds["draft"] += 1
-        self._round = ()
         return None
 
-    def _lookup_wins(self, guess: Draft, key: tuple, k: int) -> bool:
+    def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
-        if sizing is None or not sizing.sized_by_cost or sizing.costs is None or not sizing.costs.measured \
-                or sizing.forward_s is None:  # by rule (depth: a tree of siblings still guesses one token)
-            return key[1] >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
-        lookup_a = self._lookup_acceptance(key).rate
+        if sizing is None or not sizing.by_cost or sizing.forward_s is None:
+            # By rule (depth: a tree of siblings still guesses one token).
+            return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
+        lookup_a = self._lookup_acceptance_after(match).rate
         lookup_rate = expected_tokens(lookup_a, guess.depth) / sizing.costs.verify(1, len(guess) + 1)
         draft_s = sizing.forward_s * k + sizing.costs.verify(1, k + 1)
-        return lookup_rate >= expected_tokens(self._acceptance["draft"].rate, k) / draft_s
+        return lookup_rate >= expected_tokens(self._draft_acceptance.rate, k) / draft_s
 
     def keep_path(self, path: list[int]) -> None:
         """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""
         if self._last is self.draft and hasattr(self.draft, "keep_path"):
             self.draft.keep_path(path)
 
-    def _lookup_acceptance(self, key: tuple) -> Acceptance:
-        if key not in self._acceptance:
-            short = key[1] < self.min_ngram
-            self._acceptance[key] = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
-        return self._acceptance[key]
+    def _lookup_acceptance_after(self, match: int) -> Acceptance:
+        """Lookup's per-token acceptance after a match of this many tokens."""
+        if match not in self._lookup_acceptance:
+            short = match < self.min_ngram
+            self._lookup_acceptance[match] = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
+        return self._lookup_acceptance[match]
 
     def _learn_from_last_guess(self, context: list[int]) -> None:
         """How much of the last round's lookup guess the target kept, or would have kept had it been offered: the
         tokens emitted since then (accepted and the target's own) against the guess's paths."""
         if not self._shadow:
             return
-        key, guess, at = self._shadow
+        match, guess, at = self._shadow
         self._shadow = ()
         emitted = context[at:]
         if emitted:  # (otherwise a new text, or a round that failed)
             seen = min(guess.depth, len(emitted))  # a guess deeper than what was emitted is judged as far as it goes
-            self._lookup_acceptance(key).observe(seen, kept_depth(guess, emitted))
+            self._lookup_acceptance_after(match).observe(seen, kept_depth(guess, emitted))
 
     def observe(self, num_accepted: int) -> None:
-        if self._round:
-            self._acceptance["draft"].observe(self._round[1], num_accepted)
-            self._round = ()
+        if self._drafted_depth is not None:
+            self._draft_acceptance.observe(self._drafted_depth, num_accepted)
+            self._drafted_depth = None
         if self._last is not None:
             self._last.observe(num_accepted)
         self._last = None
@@ -189,21 +190,18 @@ class HybridProposer:
 
 def kept_depth(guess: Draft, tokens: list[int]) -> int:
     """How many of `tokens` the guess's tree follows from its root: the greedy verifier's kept length."""
-    parents = guess.parents if guess.parents is not None else chain_parents(len(guess))
-    node, depth = -1, 0
-    for token in tokens:
-        node = next((i for i, (t, p) in enumerate(zip(guess.token_ids, parents)) if p == node and t == token), None)
-        if node is None:
-            break
-        depth += 1
-    return depth
+    layout = guess.layout if guess.layout is not None else TreeLayout.of(chain_parents(len(guess)))
+    path, _ = follow(guess.token_ids, layout, lambda _, depth: tokens[depth] if depth < len(tokens) else None)
+    return len(path)
 
 
-def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int = MIN_NGRAM,
+def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int | None = None,
               corpus: ProposalCache | None = None) -> HybridProposer:
     """The hybrid of a draft-model proposer and prompt lookup's method (config.LOOKUP_BRANCHES). min_ngram: the
-    shortest match that wins a round by rule. The tree hybrid's lookup offers every match (its rounds are picked by
-    measurement once there is one); the chain hybrid's only those that can win."""
+    shortest match that wins a round by rule (default MIN_NGRAM, at most max_ngram). The tree hybrid's lookup
+    offers every match (its rounds are picked by measurement once there is one); the chain hybrid's only those
+    that can win."""
+    min_ngram = min(MIN_NGRAM, max_ngram) if min_ngram is None else min_ngram
     branches = LOOKUP_BRANCHES[lookup_method]
     lookup = PromptLookupProposer(max_ngram, 1 if branches > 1 else min_ngram, corpus, branches)
     return HybridProposer(draft, lookup, min_ngram)

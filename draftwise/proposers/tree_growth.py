@@ -39,6 +39,11 @@ class TreeSizing:
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
         self.forward_s: float | None = None  # seconds per proposer forward, measured
 
+    @property
+    def by_cost(self) -> bool:
+        """Whether sizes follow the measured costs: the sequence may (not a fixed k) and a pass has been timed."""
+        return self.sized_by_cost and self.costs is not None and self.costs.measured
+
     def time_forwards(self, seconds: float, forwards: int) -> None:
         per = seconds / max(1, forwards)
         self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
@@ -53,7 +58,7 @@ class TreeSizing:
     def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
         (a parent before its child); draft_s is what drafting them cost, in seconds."""
-        if not self.sized_by_cost or self.costs is None or not self.costs.measured or not probs:
+        if not self.by_cost or not probs:
             return min(k, len(probs))
         expected = 1.0 + torch.tensor(probs).cumsum(0)  # [nodes]: tokens per round, offering the first n
         limit = min(len(probs), self.max_nodes)

@@ -57,16 +57,23 @@ def chain_parents(n: int) -> tuple[int, ...]:
     return tuple(range(-1, n - 1))
 
 
-def verify_tree_greedy(token_ids: tuple[int, ...], layout: TreeLayout, target_ids: list[int]) -> Verdict:
-    """target_ids: the target's argmax at every pass position ([n + 1])."""
+def follow(token_ids: tuple[int, ...], layout: TreeLayout, wanted) -> tuple[list[int], int]:
+    """Walk from the root down the child whose token is wanted(pass position, depth) (None: stop there). Returns
+    (the nodes walked, the pass position where the walk stopped)."""
     at, path = 0, []
     while True:
-        want = target_ids[at]
+        want = wanted(at, len(path))
         child = next((c for c in layout.children[at] if token_ids[c - 1] == want), None)
         if child is None:
-            return Verdict(num_accepted=len(path), next_token=want, path=tuple(path))
+            return path, at
         path.append(child - 1)
         at = child
+
+
+def verify_tree_greedy(token_ids: tuple[int, ...], layout: TreeLayout, target_ids: list[int]) -> Verdict:
+    """target_ids: the target's argmax at every pass position ([n + 1])."""
+    path, at = follow(token_ids, layout, lambda at, _: target_ids[at])
+    return Verdict(num_accepted=len(path), next_token=target_ids[at], path=tuple(path))
 
 
 def verify_tree_sampled(token_ids: tuple[int, ...], layout: TreeLayout, p: torch.Tensor,
