@@ -352,8 +352,9 @@ class Engine:
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
         if verdicts:  # the pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps
+            steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
-                                            times.verify_s, draft_steps=max(ks[i] for i in live))
+                                            times.verify_s, draft_steps=steps)
         events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
@@ -386,7 +387,7 @@ class Engine:
         the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens."""
         adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance]
         fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
-        shared = self.draft_policy.choose([seq.acceptance.rate for seq in adaptive],
+        shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
                                           fixed) if adaptive else 0
         if adaptive:
@@ -474,3 +475,10 @@ class Engine:
 def _wants_features(proposer) -> bool:
     """Whether a proposer drafts from the target's hidden states (the feature head), handed over by the engine."""
     return getattr(proposer, "wants_features", False)
+
+
+def _drafting_acceptance(seq: Sequence) -> Acceptance:
+    """The acceptance the sequence's draft length follows: its proposer's own where it keeps one for the rounds
+    that k prices (the tree hybrid's draft-model rounds), else the sequence's."""
+    own = getattr(seq.proposer, "drafting_acceptance", None)
+    return seq.acceptance if own is None else own

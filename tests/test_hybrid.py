@@ -323,6 +323,44 @@ def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
     assert kept_depth(Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1)), [7, 8, 9]) == 2  # down the matching branch
 
 
+def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
+    draft = FakeTreeDraft()
+    hybrid = hybrid_of(draft, "lookup-tree")
+    text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before: lookup wins by rule
+    hybrid.begin(text, None, None)
+    assert hybrid.propose(text, 2).token_ids == (5, 6) and hybrid.drafted_free
+    hybrid.observe(0)  # a lost lookup round does not move the draft model's acceptance
+    assert hybrid.drafting_acceptance.rate == 0.5
+    text += [9, 9]
+    assert hybrid.propose(text, 2).token_ids == (7, 7) and not hybrid.drafted_free
+    hybrid.observe(2)
+    assert hybrid.drafting_acceptance.rate == pytest.approx((0.9 + 2) / (1.8 + 2))
+    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule: its k follows the sequence's acceptance
+    chain.begin(text[:8], None, None)
+    assert chain.propose(text[:8], 2).token_ids == (5, 6)
+    assert chain.drafting_acceptance is None and not chain.drafted_free
+
+
+def test_the_engine_prices_draft_forwards_by_the_tree_hybrids_draft_model_rounds_alone():
+    eng = engine("llama", "unrelated", "hybrid-tree")
+    hybrid, costs, seen = eng.proposer, eng.draft_policy.costs, []
+    real_observe = costs.observe
+
+    def observe(rows, k, draft_s, verify_s, draft_steps=None):
+        seen.append((hybrid.lookup_round, draft_steps))
+        real_observe(rows, k, draft_s, verify_s, draft_steps)
+
+    costs.observe = observe
+    rates = []
+    real_choose = eng.draft_policy.choose
+    eng.draft_policy.choose = lambda r, *args: rates.append(r) or real_choose(r, *args)
+    eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert {lookup for lookup, _ in seen} == {True, False}  # both kinds of round ran
+    assert all(steps == 0 for lookup, steps in seen if lookup)  # a lookup round ran no draft forward
+    assert any(steps > 0 for lookup, steps in seen if not lookup)
+    assert rates[-1] == [hybrid.drafting_acceptance.rate]  # the policy read the draft model's acceptance
+
+
 @pytest.mark.parametrize("method", HYBRIDS)
 def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
     with pytest.raises(DraftwiseError, match=f"method '{method}' needs a draft model"):

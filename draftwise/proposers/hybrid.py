@@ -63,6 +63,7 @@ class HybridProposer:
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
+        self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -97,12 +98,27 @@ class HybridProposer:
         match = self.lookup.last_match
         # Only the tree hybrid picks by measurement: the chain hybrid has no acceptance to learn.
         self._shadow = (match, guess, len(context)) if guess.depth > 0 and self.sizing is not None else ()
-        if guess.depth > 0 and self._lookup_wins(guess, match, k):
+        self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, match, k)
+        if self.lookup_round:
             self.rounds["lookup"] += 1
             return guess
         self._last = self.draft  # set before proposing: a failed propose is still observed (with 0)
         self.rounds["draft"] += 1
         return None
+
+    @property
+    def drafting_acceptance(self) -> Acceptance | None:
+        """The acceptance the engine's draft length follows, where it is not the sequence's as a whole: the tree
+        hybrid's draft-model rounds alone. k prices the draft model's forwards; its lookup rounds cost none, and
+        in free text they are won on a lower acceptance, which would pull the draft model's depth down. The chain
+        hybrid, picking by rule, keeps the sequence's."""
+        return self._draft_acceptance if self.sizing is not None else None
+
+    @property
+    def drafted_free(self) -> bool:
+        """Whether the last round ran no draft forward (the tree hybrid's lookup round): the engine then does not
+        fold its drafting time into the draft model's cost per forward."""
+        return self.sizing is not None and self.lookup_round
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
