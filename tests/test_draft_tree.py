@@ -10,8 +10,10 @@ import torch
 from conftest import tiny_model, tiny_tokenizer
 
 from draftwise import Engine
+from draftwise.adaptive import DraftLengthPolicy
 from draftwise.backends.hf import HFBackend, SlotView
 from draftwise.config import GenerationConfig
+from draftwise.proposers.tree_growth import TreeSizing
 from draftwise.verify.tree import TreeLayout
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
@@ -132,6 +134,29 @@ def test_adaptive_trees_and_a_compact_draft_keep_the_targets_output(arch, draft)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=8, ignore_eos=True)
     assert result.token_ids == reference(arch)
     assert result.stats.new_tokens == NEW_TOKENS
+
+
+@pytest.mark.parametrize("forward_s, deep", [(10.0, False), (1e-9, True)])
+def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s, deep):
+    # Timings pinned: draft forwards dearer than any depth could give stop at the root's candidates; free ones
+    # grow every round to k. Either way the output is the target's. (The tiny draft costs what its target does,
+    # so the engine's own policy would rarely draft: k is pinned too.)
+    monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", forward_s))
+    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
+    monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
+    eng = engine("llama", "near")
+    grown, real_grow = [], eng.proposer._grow
+
+    def grow(root_logits, depth, stop_confidence):
+        tree, fed, forwards = real_grow(root_logits, depth, stop_confidence)
+        grown.append((depth, forwards))
+        return tree, fed, forwards
+
+    eng.proposer._grow = grow
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert result.token_ids == reference("llama")
+    assert grown[0] == (4, 4)  # nothing timed yet: grown to k
+    assert all(forwards == (depth if deep else 1) for depth, forwards in grown[1:])  # else the root's forward alone
 
 
 def test_k_1_and_a_one_token_prompt():

@@ -209,6 +209,28 @@ def test_the_tree_grows_while_wider_passes_pay_and_backs_off_when_they_do_not():
     assert sizing.choose(scores, 3) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("forward_s, deep", [(10.0, False), (1e-9, True)])
+def test_the_head_grows_a_depth_only_while_a_forward_can_pay(heads, monkeypatch, forward_s, deep):
+    # Timings pinned: a forward that costs more than any depth could give stops growth at the head's first guess
+    # (the catch-up's); a free one grows every round to k.
+    monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", forward_s))
+    folder, _ = heads()
+    eng = head_engine("qwen2", folder)
+    grown, real_grow = [], eng.proposer._grow
+
+    def grow(last, depth):
+        tree, expanded = real_grow(last, depth)
+        grown.append((depth, expanded))
+        return tree, expanded
+
+    eng.proposer._grow = grow
+    result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert result.token_ids == reference("qwen2")
+    assert grown[0] == (4, 3)  # nothing timed yet: grown to k
+    assert any(depth > 1 for depth, _ in grown[1:])  # (rounds where the engine's k left room to stop early)
+    assert all(expanded == (depth - 1 if deep else 0) for depth, expanded in grown[1:])
+
+
 def test_a_tree_is_cut_to_the_room_left_in_the_context():
     tree = Draft((5, 6, 7, 8), parents=(-1, -1, 0, 2))
     assert tree.prefix(3) == Draft((5, 6, 7), parents=(-1, -1, 0))

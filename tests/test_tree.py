@@ -11,7 +11,7 @@ from draftwise.backends.hf import HFBackend
 from draftwise.adaptive import StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
-from draftwise.proposers.tree_growth import TreeSizing
+from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow
 from draftwise.sampling import sample
 from draftwise.types import Draft, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
@@ -187,6 +187,43 @@ def test_a_tree_is_as_wide_as_pays_by_the_measured_costs():
     assert 1 < sizing.how_many(probs, k=3, draft_s=0.0) < len(probs)
     sizing.sized_by_cost = False  # a seeded sampled sequence: exactly k, whatever the costs
     assert sizing.how_many(probs, k=3, draft_s=0.0) == 3
+
+
+def _tree(*probs: float) -> tuple[GrownTree, list[int]]:
+    """A tree of one depth: the text's candidates with these chances."""
+    tree = GrownTree()
+    return tree, tree.add_children(-1, torch.tensor(probs).log(), torch.arange(len(probs)))
+
+
+def test_a_depth_is_grown_only_while_a_forward_can_pay_for_it():
+    sizing = TreeSizing(costs=_costs(0.0))  # a flat pass, 0.2 s
+    sizing.forward_s = 0.02
+    sure, nodes = _tree(0.9, 0.05)
+    # Expanding 0.9 adds at most 0.9 tokens for 0.02 s (45/s); the tree as it is gives 1.95 tokens in 0.24 s (8/s).
+    assert sizing.pays_to_expand(sure, nodes[:1], forwards=2)
+    unsure, nodes = _tree(0.03, 0.02, 0.01)
+    assert not sizing.pays_to_expand(unsure, nodes, forwards=2)  # at most 0.06 tokens for 0.02 s: 3/s, below 4.4/s
+    sizing.forward_s = 0.001  # a forward nearly free: even a doubtful depth pays
+    assert sizing.pays_to_expand(unsure, nodes, forwards=2)
+    sizing.forward_s, sizing.sized_by_cost = 0.02, False  # a fixed k: k nodes, so grown to k whatever the costs
+    assert sizing.pays_to_expand(unsure, nodes, forwards=2)
+
+    def grown(probs, sizing):
+        expanded = []
+
+        def expand(tree, nodes):
+            expanded.append(nodes)
+            return torch.tensor(probs).log().expand(len(nodes), -1), torch.arange(len(probs)).expand(len(nodes), -1)
+
+        sizing.sized_by_cost = True
+        grow((torch.tensor(probs).log(), torch.arange(len(probs))), 4,
+             expand, pays=lambda tree, nodes: sizing.pays_to_expand(tree, nodes, 1 + len(expanded)))
+        return len(expanded)
+
+    assert grown([0.95, 0.03], sizing) == 3  # a confident proposer: every depth up to k
+    # Depths 2 and 3 may add 0.6 and 0.25 tokens (30/s, 12.5/s, against 7.3/s and 8.2/s); depth 4 0.08 (4/s, 8.1/s).
+    assert grown([0.3, 0.2, 0.1], sizing) == 2
+    assert grown([0.04, 0.03], sizing) == 0
 
 
 def test_lookup_tree_widens_only_where_a_wider_pass_pays():

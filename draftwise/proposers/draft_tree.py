@@ -65,7 +65,7 @@ class DraftTreeProposer(DraftModelProposer):
             self._cached += feed
             tree, fed, forwards = self._grow(root_logits, k, stop_confidence)
             self.sizing.time_forwards(time.perf_counter() - started, forwards)
-            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree.scores, k))
+            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree.scores, k, forwards))
         except BaseException:
             self.backend.trim(len(self._cached))  # whatever happened, nothing ahead of the text stays
             raise
@@ -86,7 +86,8 @@ class DraftTreeProposer(DraftModelProposer):
             return self._candidates(logits)  # [len(nodes), BRANCH] each
 
         first = [row[0] for row in self._candidates(root_logits[None])]  # [BRANCH] each
-        tree = grow(first, depth, expand, min_step=stop_confidence)  # below it, the chain's rule stops too
+        tree = grow(first, depth, expand, min_step=stop_confidence,  # below it, the chain's rule stops too
+                    pays=lambda tree, nodes: self.sizing.pays_to_expand(tree, nodes, forwards[0]))
         return tree, {node: text_len + i for i, node in enumerate(spec)}, forwards[0]
 
     def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], spec: list[int]) -> torch.Tensor:

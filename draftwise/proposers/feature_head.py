@@ -11,9 +11,9 @@ speculative entries away at the end (settle), so the cache never holds anything 
 
 The tree: depth 1 is the `branch` likeliest tokens after the text; each further depth expands the `width`
 likeliest nodes of the one before (likeliness: the product of the head's probabilities along the path, which
-tracks how likely the target is to keep the path), each by its `branch` likeliest tokens. Of every node grown,
-the likeliest `n` form the draft (a parent is always at least as likely as its child, so they form a tree), n
-chosen by the measured costs: one more node is worth its place while the expected tokens per second of the
+tracks how likely the target is to keep the path), each by its `branch` likeliest tokens, while one more depth
+can pay for its forward (tree_growth.py). Of every node grown, the likeliest `n` form the draft (a parent is
+always at least as likely as its child, so they form a tree), n chosen by the measured costs: one more node is worth its place while the expected tokens per second of the
 round still rise with it, verification of each width priced by what the engine has measured on this machine.
 Every guess is one-hot, so the tree verifier keeps the output exact whatever the head proposes.
 """
@@ -77,11 +77,13 @@ class HeadProposer:
         started = time.perf_counter()  # the tree's forwards only: catch-up grows with the rounds sat out
         kept = len(self.cache)
         try:
-            tree = self._grow(last, depth=k)
+            tree, expanded = self._grow(last, depth=k)
         finally:
             self.cache.trim(kept)  # the speculative entries go; only verified text stays cached
-        self.sizing.time_forwards(time.perf_counter() - started, k)
-        return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree.scores, k))[0]
+        if expanded:
+            self.sizing.time_forwards(time.perf_counter() - started, expanded)
+        # The round's forwards: the catch-up's (it gave depth 1) and one per depth expanded.
+        return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree.scores, k, 1 + expanded))[0]
 
     def _catch_up(self, context: list[int], last: int) -> bool:
         """Feed the inputs (f_t, x_{t+1}) of every position t < last not yet fed; False without f_{last - 1}."""
@@ -104,8 +106,9 @@ class HeadProposer:
         self._features_at = last
         return True
 
-    def _grow(self, last: int, depth: int) -> GrownTree:
-        """Grow `depth` levels (tree_growth.grow), one head forward per depth past the first."""
+    def _grow(self, last: int, depth: int) -> tuple[GrownTree, int]:
+        """Grow up to `depth` levels (tree_growth.grow), one head forward per depth past the first, while one more
+        can pay (TreeSizing.pays_to_expand). Returns the tree and the forwards it ran."""
         predicted: dict[int, torch.Tensor] = {}  # an expanded node's predicted feature [H]: its children's input
         speculative: list[int] = []  # the node of each speculative cache entry, in cache order
         level = [0]  # the depth of the nodes expanded: grow expands one depth per call
@@ -118,7 +121,11 @@ class HeadProposer:
             predicted.update(zip(nodes, outputs))
             return self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
 
-        return grow([row[0] for row in self._candidates(self._root_logits[None])], depth, expand)
+        def pays(tree: GrownTree, nodes: list[int]) -> bool:  # the catch-up's forward and one per depth so far
+            return self.sizing.pays_to_expand(tree, nodes, 1 + level[0])
+
+        first = [row[0] for row in self._candidates(self._root_logits[None])]  # [BRANCH] each
+        return grow(first, depth, expand, pays=pays), level[0]
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, R] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, BRANCH]."""

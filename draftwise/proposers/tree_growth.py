@@ -12,6 +12,11 @@ shapes, which timings must not move); otherwise the n that maximizes the round's
 (1 + the summed path probabilities of the n nodes) / (k draft forwards + a target pass of width n + 1), the pass
 priced by what the engine measured on this machine (StepCosts): the tree widens while a wider pass pays for
 itself and backs off where it stops paying (a CPU that emulates bfloat16 pays for every token of width).
+
+Depth: growth stops before a forward that cannot pay for itself (TreeSizing.pays_to_expand): the nodes it would
+expand can add at most their own path probabilities to the round's expected tokens, and if that, per second of
+the forward, is below the rate of the tree already grown, no later depth can pay either. A proposer unsure of its
+next guesses then stops instead of drafting depths none of whose nodes would be offered. A fixed k grows to k.
 """
 from __future__ import annotations
 
@@ -48,12 +53,27 @@ class TreeSizing:
         per = seconds / max(1, forwards)
         self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
 
-    def choose(self, scores: list[float], k: int) -> list[int]:
-        """The nodes to offer (indices into scores, the cumulative log-probabilities), likeliest first."""
+    def choose(self, scores: list[float], k: int, forwards: int | None = None) -> list[int]:
+        """The nodes to offer (indices into scores, the cumulative log-probabilities), likeliest first, after
+        `forwards` proposer forwards this round (default k)."""
         order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))  # a parent before its child on a tie
         if self.forward_s is None:
             return order[:k]
-        return order[: self.how_many([math.exp(scores[n]) for n in order], k, self.forward_s * k)]
+        return order[: self.how_many([math.exp(scores[n]) for n in order], k, self.forward_s * (forwards or k))]
+
+    def pays_to_expand(self, tree: "GrownTree", nodes: list[int], forwards: int) -> bool:
+        """Whether one more forward, over `nodes`, can pay for itself in a round that has run `forwards`. Their
+        children add at most the nodes' own path probabilities to the round's expected tokens, for forward_s
+        more seconds; unless that beats the rate of the best tree already grown, it is not run, nor any after
+        it (each adds at most as much, for as much). What decides is the proposer's confidence: a head unsure
+        past its first guess stops there instead of paying for depths no node of which would be offered."""
+        if not self.by_cost or self.forward_s is None:
+            return True  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
+        probs = sorted((math.exp(score) for score in tree.scores), reverse=True)
+        draft_s = self.forward_s * forwards
+        n = self.how_many(probs, len(probs), draft_s)
+        rate = (1.0 + sum(probs[:n])) / (draft_s + self.costs.verify(1, n + 1))
+        return sum(math.exp(tree.scores[node]) for node in nodes) / self.forward_s > rate
 
     def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
@@ -91,17 +111,19 @@ class GrownTree:
         return math.exp(self.scores[node] - (self.scores[parent] if parent >= 0 else 0.0))
 
 
-def grow(first: tuple[torch.Tensor, torch.Tensor], depth: int, expand, min_step: float = 0.0) -> GrownTree:
+def grow(first: tuple[torch.Tensor, torch.Tensor], depth: int, expand, min_step: float = 0.0,
+         pays=None) -> GrownTree:
     """Grow up to `depth` levels (see the module docstring). first: (log-probabilities [b], target ids [b]) of the
     candidates after the text. expand(tree, nodes) runs one forward over `nodes` (one depth) and returns their
     children's candidates, (log_p [n, b], ids [n, b]), or None when it may not (no room left). A node whose own
-    probability is below min_step is not expanded: its children would build on a doubtful guess."""
+    probability is below min_step is not expanded: its children would build on a doubtful guess. pays(tree,
+    nodes): whether expanding them can pay (TreeSizing.pays_to_expand); growth stops where it cannot."""
     tree = GrownTree()
     frontier = tree.add_children(-1, *first)
     for _ in range(1, depth):
         nodes = sorted((n for n in frontier if tree.step_probability(n) >= min_step),
                        key=lambda n: (-tree.scores[n], n))[:WIDTH]
-        children = expand(tree, nodes) if nodes else None
+        children = expand(tree, nodes) if nodes and (pays is None or pays(tree, nodes)) else None
         if children is None:
             break
         frontier = [child for row, node in enumerate(nodes) for child in tree.add_children(node, children[0][row],
