@@ -18,7 +18,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
 from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, load_head
 from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, train_head
-from draftwise.proposers.tree_growth import TreeSizing
+from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
 
 # A request like the training ones (the head learns the target's features inside its answers), not one of them.
@@ -193,20 +193,21 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads):
 
 # -- tree size by measured cost ----------------------------------------------------------------------------
 def test_the_tree_grows_while_wider_passes_pay_and_backs_off_when_they_do_not():
-    scores = [-0.1, -0.2, -0.3, -0.5, -0.7, -1.0, -1.5, -2.0, -3.0]  # cumulative log-probabilities
+    tree = GrownTree()  # nine guesses for the next token, by cumulative log-probability
+    tree.add_children(-1, torch.tensor([-0.1, -0.2, -0.3, -0.5, -0.7, -1.0, -1.5, -2.0, -3.0]), torch.arange(9))
     flat, steep = StepCosts(), StepCosts()
     for width in (1, 2, 5, 10):
         flat.observe(1, width - 1, 0.0, 0.20 + 0.001 * width)  # wide passes cost about one step (native bf16)
         steep.observe(1, width - 1, 0.0, 0.20 * width)  # each token costs a step (an emulating CPU)
     sizing = TreeSizing()
-    assert sizing.choose(scores, 3) == [0, 1, 2]  # nothing measured yet: k nodes
+    assert sizing.choose(tree, 3) == [0, 1, 2]  # nothing measured yet: k nodes
     sizing.time_forwards(0.03, 3)
     sizing.costs = flat
-    assert len(sizing.choose(scores, 3)) >= 6
+    assert len(sizing.choose(tree, 3)) >= 6
     sizing.costs = steep
-    assert len(sizing.choose(scores, 3)) <= 2
+    assert len(sizing.choose(tree, 3)) <= 2
     sizing.costs, sizing.sized_by_cost = flat, False  # a fixed k: exactly k nodes, whatever the timings
-    assert sizing.choose(scores, 3) == [0, 1, 2]
+    assert sizing.choose(tree, 3) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("forward_s, deep", [(10.0, False), (1e-9, True)])

@@ -226,6 +226,24 @@ def test_a_depth_is_grown_only_while_a_forward_can_pay_for_it():
     assert grown([0.04, 0.03], sizing) == 0
 
 
+def test_chances_count_as_far_as_the_target_bore_them_out():
+    sizing = TreeSizing(costs=_costs(0.01))  # each token of width costs 5% of a step
+    sizing.forward_s = 0.02
+    sure, nodes = _tree(0.8, 0.1, 0.05)  # a proposer sure of its first guess
+    assert sizing.trust(1) == 1.0 and sizing.choose(sure, k=3) == [0, 1]  # taken at its word: 0.8 and 0.1 pay
+    for _ in range(20):
+        sizing.choose(sure, k=3)
+        sizing.observe(0)  # ... and wrong every time
+    assert sizing.trust(1) < 0.15 and sizing.trust(2) == sizing.trust(1)  # depth 2 never offered: as depth 1
+    assert sizing.choose(sure, k=3) == [0]  # 0.1 and 0.05 now claim 0.015 and 0.008, short of their width's price
+    assert not sizing.pays_to_expand(sure, nodes[:1], forwards=2)  # nor is a deeper guess worth its forward
+    for _ in range(40):
+        sizing.choose(sure, k=3)
+        sizing.observe(1)  # right every time: trusted again, never beyond its own word
+    assert sizing.trust(1) == 1.0 and sizing.trust(2) == 1.0
+    assert sizing.choose(sure, k=3) == [0, 1]
+
+
 def test_lookup_tree_widens_only_where_a_wider_pass_pays():
     context = [5, 1, 6, 5, 2, 7, 5, 3, 8, 5]  # "5" was followed by 1 6, 2 7 and 3 8: 6 nodes at k = 2
     for per_extra_token, nodes in ((0.0, 6), (0.2, 1)):

@@ -65,7 +65,7 @@ class DraftTreeProposer(DraftModelProposer):
             self._cached += feed
             tree, fed, forwards = self._grow(root_logits, k, stop_confidence)
             self.sizing.time_forwards(time.perf_counter() - started, forwards)
-            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree.scores, k, forwards))
+            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree, k, forwards))
         except BaseException:
             self.backend.trim(len(self._cached))  # whatever happened, nothing ahead of the text stays
             raise
@@ -124,6 +124,10 @@ class DraftTreeProposer(DraftModelProposer):
         return draft
 
     # -- after verification --------------------------------------------------------------------------------
+    def observe(self, num_accepted: int) -> None:
+        super().observe(num_accepted)
+        self.sizing.observe(num_accepted)  # how far the tree's chances were borne out (TreeSizing.trust)
+
     def keep_path(self, path: list[int]) -> None:
         """path: the kept nodes of the last Draft, root's child first. Its fed nodes (a prefix of it: a fed node's
         parent was fed) move to right after the text, as a chain would have fed them; the rest of the tree goes."""

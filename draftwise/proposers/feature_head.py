@@ -59,7 +59,9 @@ class HeadProposer:
             self._features, self._features_at = features, start
 
     def observe(self, num_accepted: int) -> None:
-        """Nothing kept here: the verified text's features arrive through add_features."""
+        """How far the tree's chances were borne out (TreeSizing.trust); the verified text's features arrive
+        through add_features."""
+        self.sizing.observe(num_accepted)
 
     def fork(self) -> "HeadProposer":
         return HeadProposer(self.head, self.readout, self.readout_ids, self.embed,
@@ -83,7 +85,7 @@ class HeadProposer:
         if expanded:
             self.sizing.time_forwards(time.perf_counter() - started, expanded)
         # The round's forwards: the catch-up's (it gave depth 1) and one per depth expanded.
-        return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree.scores, k, 1 + expanded))[0]
+        return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree, k, 1 + expanded))[0]
 
     def _catch_up(self, context: list[int], last: int) -> bool:
         """Feed the inputs (f_t, x_{t+1}) of every position t < last not yet fed; False without f_{last - 1}."""

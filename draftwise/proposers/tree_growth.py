@@ -36,13 +36,18 @@ DECAY = 0.9  # weight of the past in the measured seconds per forward
 
 
 class TreeSizing:
-    """A tree proposer's sizing state: the engine's costs, whether to follow them, its own forward time."""
+    """A tree proposer's sizing state: the engine's costs, whether to follow them, its own forward time, and how
+    far its own chances are borne out at each depth."""
 
     def __init__(self, costs: StepCosts | None = None, max_nodes: int = MAX_NODES):
         self.costs = costs  # the engine's measured step costs (the engine sets them); None: trees of k nodes
         self.max_nodes = max_nodes
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
         self.forward_s: float | None = None  # seconds per proposer forward, measured
+        # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
+        self._kept_at: dict[int, float] = {}
+        self._claimed_at: dict[int, float] = {}
+        self._claimed: dict[int, float] = {}  # the last offered tree's claims by depth, until observed
 
     @property
     def by_cost(self) -> bool:
@@ -53,27 +58,59 @@ class TreeSizing:
         per = seconds / max(1, forwards)
         self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
 
-    def choose(self, scores: list[float], k: int, forwards: int | None = None) -> list[int]:
-        """The nodes to offer (indices into scores, the cumulative log-probabilities), likeliest first, after
-        `forwards` proposer forwards this round (default k)."""
+    def trust(self, depth: int) -> float:
+        """The share of the proposer's own chances at this depth that the target bore out: kept over claimed, at
+        most 1 (a proposer that underrates itself is taken at its word). A head trained on little data is sure
+        of guesses the target keeps a fraction of the time; taken at its word, it would grow and offer nodes
+        that do not pay. A depth never offered is trusted as the deepest one measured above it (a proposer wrong
+        at depth 1 is no better at depth 2). A property of the proposer, kept across its sequences, as its forward
+        time is."""
+        measured = max((d for d in self._claimed_at if d <= depth), default=None)
+        if measured is None:
+            return 1.0
+        return min(1.0, self._kept_at[measured] / self._claimed_at[measured])
+
+    def observe(self, num_accepted: int) -> None:
+        """After the round of the last tree chosen: its kept path reached depth num_accepted."""
+        for depth, claimed in self._claimed.items():
+            self._kept_at[depth] = DECAY * self._kept_at.get(depth, 1.0) + (num_accepted >= depth)
+            self._claimed_at[depth] = DECAY * self._claimed_at.get(depth, 1.0) + claimed
+        self._claimed = {}
+
+    def chance(self, tree: "GrownTree", node: int) -> float:
+        """The node's chance of being kept: its path probability, as far as the proposer is trusted there."""
+        return math.exp(tree.scores[node]) * self.trust(tree.depths[node])
+
+    def choose(self, tree: "GrownTree", k: int, forwards: int | None = None) -> list[int]:
+        """The nodes to offer (indices into the tree), likeliest first, after `forwards` proposer forwards this
+        round (default k)."""
+        scores = tree.scores
         order = sorted(range(len(scores)), key=lambda n: (-scores[n], n))  # a parent before its child on a tie
         if self.forward_s is None:
-            return order[:k]
-        return order[: self.how_many([math.exp(scores[n]) for n in order], k, self.forward_s * (forwards or k))]
+            chosen = order[:k]
+        else:
+            chosen = order[: self.how_many([self.chance(tree, n) for n in order], k, self.forward_s * (forwards or k))]
+        self._claimed = {}
+        for node in chosen:
+            depth = tree.depths[node]
+            self._claimed[depth] = self._claimed.get(depth, 0.0) + math.exp(scores[node])
+        return chosen
 
     def pays_to_expand(self, tree: "GrownTree", nodes: list[int], forwards: int) -> bool:
         """Whether one more forward, over `nodes`, can pay for itself in a round that has run `forwards`. Their
-        children add at most the nodes' own path probabilities to the round's expected tokens, for forward_s
-        more seconds; unless that beats the rate of the best tree already grown, it is not run, nor any after
-        it (each adds at most as much, for as much). What decides is the proposer's confidence: a head unsure
-        past its first guess stops there instead of paying for depths no node of which would be offered."""
+        children add at most the nodes' own path probabilities (as far as the next depth is trusted) to the
+        round's expected tokens, for forward_s more seconds; unless that beats the rate of the best tree already
+        grown, it is not run, nor any after it (each adds at most as much, for as much). What decides is the
+        proposer's confidence: a head unsure past its first guess stops there instead of paying for depths no
+        node of which would be offered."""
         if not self.by_cost or self.forward_s is None:
             return True  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
-        probs = sorted((math.exp(score) for score in tree.scores), reverse=True)
+        probs = sorted((self.chance(tree, node) for node in range(len(tree.scores))), reverse=True)
         draft_s = self.forward_s * forwards
         n = self.how_many(probs, len(probs), draft_s)
         rate = (1.0 + sum(probs[:n])) / (draft_s + self.costs.verify(1, n + 1))
-        return sum(math.exp(tree.scores[node]) for node in nodes) / self.forward_s > rate
+        gain = sum(math.exp(tree.scores[node]) * self.trust(tree.depths[node] + 1) for node in nodes)
+        return gain / self.forward_s > rate
 
     def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
@@ -94,6 +131,7 @@ class GrownTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
 
     def add_children(self, parent: int, log_p: torch.Tensor, ids: torch.Tensor) -> list[int]:
         """log_p, ids: [b] the candidates after `parent`; those with a chance of being kept become its children."""
@@ -103,6 +141,7 @@ class GrownTree:
             if score > float("-inf"):  # sampling's top-k/top-p left it no chance of being kept
                 added.append(len(self.tokens))
                 self.tokens.append(token), self.parents.append(parent), self.scores.append(base + score)
+                self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
         return added
 
     def step_probability(self, node: int) -> float:
