@@ -216,8 +216,7 @@ def test_a_depth_is_grown_only_while_a_forward_can_pay_for_it():
             return torch.tensor(probs).log().expand(len(nodes), -1), torch.arange(len(probs)).expand(len(nodes), -1)
 
         sizing.sized_by_cost = True
-        grow((torch.tensor(probs).log(), torch.arange(len(probs))), 4,
-             expand, pays=lambda tree, nodes: sizing.pays_to_expand(tree, nodes, 1 + len(expanded)))
+        grow((torch.tensor(probs).log(), torch.arange(len(probs))), 4, expand, sizing=sizing)
         return len(expanded)
 
     assert grown([0.95, 0.03], sizing) == 3  # a confident proposer: every depth up to k

@@ -86,8 +86,7 @@ class DraftTreeProposer(DraftModelProposer):
             return self._candidates(logits)  # [len(nodes), BRANCH] each
 
         first = [row[0] for row in self._candidates(root_logits[None])]  # [BRANCH] each
-        tree = grow(first, depth, expand, min_step=stop_confidence,  # below it, the chain's rule stops too
-                    pays=lambda tree, nodes: self.sizing.pays_to_expand(tree, nodes, forwards[0]))
+        tree = grow(first, depth, expand, min_step=stop_confidence, sizing=self.sizing)  # (min_step: the chain's rule)
         return tree, {node: text_len + i for i, node in enumerate(spec)}, forwards[0]
 
     def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], spec: list[int]) -> torch.Tensor:

@@ -13,8 +13,9 @@ The tree: depth 1 is the `branch` likeliest tokens after the text; each further 
 likeliest nodes of the one before (likeliness: the product of the head's probabilities along the path, which
 tracks how likely the target is to keep the path), each by its `branch` likeliest tokens, while one more depth
 can pay for its forward (tree_growth.py). Of every node grown, the likeliest `n` form the draft (a parent is
-always at least as likely as its child, so they form a tree), n chosen by the measured costs: one more node is worth its place while the expected tokens per second of the
-round still rise with it, verification of each width priced by what the engine has measured on this machine.
+always at least as likely as its child, so they form a tree), n chosen by the measured costs: one more node is
+worth its place while the expected tokens per second of the round still rise with it, verification of each
+width priced by what the engine has measured on this machine.
 Every guess is one-hot, so the tree verifier keeps the output exact whatever the head proposes.
 """
 from __future__ import annotations
@@ -123,11 +124,8 @@ class HeadProposer:
             predicted.update(zip(nodes, outputs))
             return self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
 
-        def pays(tree: GrownTree, nodes: list[int]) -> bool:  # the catch-up's forward and one per depth so far
-            return self.sizing.pays_to_expand(tree, nodes, 1 + level[0])
-
-        first = [row[0] for row in self._candidates(self._root_logits[None])]  # [BRANCH] each
-        return grow(first, depth, expand, pays=pays), level[0]
+        first = [row[0] for row in self._candidates(self._root_logits[None])]  # [BRANCH] each, from the catch-up
+        return grow(first, depth, expand, sizing=self.sizing), level[0]
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, R] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, BRANCH]."""

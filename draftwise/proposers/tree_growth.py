@@ -106,9 +106,7 @@ class TreeSizing:
         if not self.by_cost or self.forward_s is None:
             return True  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
         probs = sorted((self.chance(tree, node) for node in range(len(tree.scores))), reverse=True)
-        draft_s = self.forward_s * forwards
-        n = self.how_many(probs, len(probs), draft_s)
-        rate = (1.0 + sum(probs[:n])) / (draft_s + self.costs.verify(1, n + 1))
+        _, rate = self._best(probs, self.forward_s * forwards)
         gain = sum(math.exp(tree.scores[node]) * self.trust(tree.depths[node] + 1) for node in nodes)
         return gain / self.forward_s > rate
 
@@ -117,10 +115,16 @@ class TreeSizing:
         (a parent before its child); draft_s is what drafting them cost, in seconds."""
         if not self.by_cost or not probs:
             return min(k, len(probs))
+        return self._best(probs, draft_s)[0]
+
+    def _best(self, probs: list[float], draft_s: float) -> tuple[int, float]:
+        """(n, the round's expected tokens per second) for the n of the first nodes (at most max_nodes) whose offer
+        gives the most."""
         expected = 1.0 + torch.tensor(probs).cumsum(0)  # [nodes]: tokens per round, offering the first n
         limit = min(len(probs), self.max_nodes)
         rates = [float(expected[n - 1]) / (draft_s + self.costs.verify(1, n + 1)) for n in range(1, limit + 1)]
-        return max(range(limit), key=rates.__getitem__) + 1
+        best = max(range(limit), key=rates.__getitem__)
+        return best + 1, rates[best]
 
 
 @dataclass
@@ -151,18 +155,20 @@ class GrownTree:
 
 
 def grow(first: tuple[torch.Tensor, torch.Tensor], depth: int, expand, min_step: float = 0.0,
-         pays=None) -> GrownTree:
+         sizing: TreeSizing | None = None) -> GrownTree:
     """Grow up to `depth` levels (see the module docstring). first: (log-probabilities [b], target ids [b]) of the
     candidates after the text. expand(tree, nodes) runs one forward over `nodes` (one depth) and returns their
     children's candidates, (log_p [n, b], ids [n, b]), or None when it may not (no room left). A node whose own
-    probability is below min_step is not expanded: its children would build on a doubtful guess. pays(tree,
-    nodes): whether expanding them can pay (TreeSizing.pays_to_expand); growth stops where it cannot."""
+    probability is below min_step is not expanded: its children would build on a doubtful guess. With a sizing,
+    growth stops where a forward cannot pay (TreeSizing.pays_to_expand); the round has run one forward for `first`
+    and one per depth since."""
     tree = GrownTree()
     frontier = tree.add_children(-1, *first)
-    for _ in range(1, depth):
+    for forwards in range(1, depth):
         nodes = sorted((n for n in frontier if tree.step_probability(n) >= min_step),
                        key=lambda n: (-tree.scores[n], n))[:WIDTH]
-        children = expand(tree, nodes) if nodes and (pays is None or pays(tree, nodes)) else None
+        pays = bool(nodes) and (sizing is None or sizing.pays_to_expand(tree, nodes, forwards))
+        children = expand(tree, nodes) if pays else None
         if children is None:
             break
         frontier = [child for row, node in enumerate(nodes) for child in tree.add_children(node, children[0][row],
