@@ -20,8 +20,12 @@ passes dear, and back on as load falls. A plain step, which nothing narrower bou
 batch size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain
 step times the width's price over a plain step at the nearest batch size that measured it (without one, what
 the nearest measured shape costs, interpolated between widths: optimism, so that it gets tried). When k = 0
-wins, every PROBE_EVERY-th step still drafts one token, so a change is noticed; `wants_drafting` says whether
-it won without the probe, and the engine fills lagging draft caches only when it did not.
+wins, a step still drafts one token now and then (a probe), so a change is noticed: the PROBE_EVERY-th step
+after drafting stopped paying, and after each probe that finds it still does not pay, twice as many steps
+later, up to MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rarely adds, so a
+proposer that never pays (layer skipping on a small model) would otherwise lose a fixed share of every
+step to them. `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
+draft caches only when it did.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -31,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DECAY = 0.9  # weight of the past in every running estimate, per round
-PROBE_EVERY = 8
+PROBE_EVERY = 8  # steps from drafting's last win to the first probe
+MAX_PROBE_GAP = 64  # the widest the gap between probes grows
 MAX_STOP_CONFIDENCE = 0.5
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
 
@@ -130,7 +135,8 @@ class DraftLengthPolicy:
     costs: StepCosts = field(default_factory=StepCosts)
     # Whether the last choice found that drafting pays (a probe aside): the engine fills lagging drafts only then.
     wants_drafting: bool = True
-    _steps_without_draft: int = 0
+    _steps_without_draft: int = 0  # since drafting last won, or since the last probe
+    _probe_gap: int = PROBE_EVERY
 
     def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = ()) -> int:
         """k in [0, k_max] for the sequences whose acceptance rates are `rates`, in a step of `rows` rows; the
@@ -144,11 +150,15 @@ class DraftLengthPolicy:
             return 0
         best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed))
         self.wants_drafting = best > 0
-        if best == 0:
-            self._steps_without_draft += 1
-            if self._steps_without_draft % PROBE_EVERY == 0:
-                return min(1, k_max)
-        return best
+        if best > 0:
+            self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
+            return best
+        self._steps_without_draft += 1
+        if self._steps_without_draft < self._probe_gap:
+            return 0
+        # A probe; if drafting still does not win after it, the next comes twice as many steps later.
+        self._steps_without_draft, self._probe_gap = 0, min(2 * self._probe_gap, MAX_PROBE_GAP)
+        return min(1, k_max)
 
     def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = ()) -> float:
         """Expected tokens per second of a step in which the adaptive sequences draft k tokens."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
+from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, Engine
 from draftwise.backends.kernels import Int8Linear
@@ -47,7 +47,24 @@ def test_never_accepted_backs_off_to_plain_steps_but_probes():
     _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
     policy.costs.observe(1, 0, 0.0, 0.45)
     choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(2 * PROBE_EVERY)]
-    assert choices.count(0) == 2 * PROBE_EVERY - 2 and choices.count(1) == 2
+    assert choices.count(0) == 2 * PROBE_EVERY - 1 and choices[PROBE_EVERY - 1] == 1
+
+
+def test_probes_grow_apart_while_drafting_keeps_not_paying_and_close_up_when_it_wins():
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
+    policy.costs.observe(1, 0, 0.0, 0.45)
+    steps = 8 * MAX_PROBE_GAP
+    probes = [i + 1 for i in range(steps) if policy.choose([acc.rate], k_max=4, rows=1) == 1]  # 1-based steps
+    gaps = [b - a for a, b in zip([0, *probes], probes)]
+    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    assert max(gaps) == MAX_PROBE_GAP and gaps[-1] == MAX_PROBE_GAP
+    # A probe that finds the text turned copyable: drafting wins, and once it stops winning, probes start close again.
+    _feed(policy, acc, 10, 4, 4, draft_s=0.0, verify_s=0.2)
+    assert policy.choose([acc.rate], k_max=4, rows=1) > 0
+    _feed(policy, acc, 30, 4, 0, draft_s=0.0, verify_s=0.9)
+    choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(PROBE_EVERY)]
+    assert choices == [0] * (PROBE_EVERY - 1) + [1]
 
 
 def test_expensive_draft_with_middling_acceptance_drafts_few():
