@@ -24,7 +24,9 @@ wins, a step still drafts one token now and then (a probe), so a change is notic
 after drafting stopped paying, and after each probe that finds it still does not pay, twice as many steps
 later, up to MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rarely adds, so a
 proposer that never pays (layer skipping on a small model) would otherwise lose a fixed share of every
-step to them. `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
+step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
+prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
+a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38). `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
 draft caches only when it did.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
@@ -159,6 +161,10 @@ class DraftLengthPolicy:
         # A probe; if drafting still does not win after it, the next comes twice as many steps later.
         self._steps_without_draft, self._probe_gap = 0, min(2 * self._probe_gap, MAX_PROBE_GAP)
         return min(1, k_max)
+
+    def sequence_joined(self) -> None:
+        """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""
+        self._probe_gap = PROBE_EVERY
 
     def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = ()) -> float:
         """Expected tokens per second of a step in which the adaptive sequences draft k tokens."""

@@ -180,6 +180,8 @@ class Engine:
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
+        if acceptance is not None:
+            self.draft_policy.sequence_joined()
         if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
             proposer.sizing.sized_by_cost = acceptance is not None
             proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here

@@ -67,6 +67,33 @@ def test_probes_grow_apart_while_drafting_keeps_not_paying_and_close_up_when_it_
     assert choices == [0] * (PROBE_EVERY - 1) + [1]
 
 
+def test_a_sequence_that_joins_is_probed_soon_though_its_predecessor_backed_probes_off():
+    # c = 0.5 and a flat pass: under the prior (a = 0.5) drafting does not pay, at a = 0.68 it does.
+    policy, earlier = DraftLengthPolicy(), Acceptance()
+    for k in range(5):
+        policy.costs.observe(1, k, 0.05 * k, 0.1 + 0.005 * k)
+    for _ in range(8 * MAX_PROBE_GAP):  # a text the draft never gets right: probes back off to the widest gap
+        if policy.choose([earlier.rate], k_max=4, rows=1):
+            earlier.observe(1, 0)
+    assert policy._probe_gap == MAX_PROBE_GAP
+    joined = Acceptance()
+    assert policy.choose([joined.rate], k_max=4, rows=1) == 0
+    policy.sequence_joined()
+    steps_to_probe = next(i for i in range(1, MAX_PROBE_GAP) if policy.choose([joined.rate], k_max=4, rows=1))
+    assert steps_to_probe <= PROBE_EVERY
+    joined.observe(1, 1)  # the draft gets this text right: one kept probe is enough to turn drafting on
+    assert policy.choose([joined.rate], k_max=4, rows=1) > 0 and policy.wants_drafting
+
+
+def test_the_engine_tells_the_policy_when_an_adaptive_sequence_joins():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    eng.draft_policy._probe_gap = MAX_PROBE_GAP
+    seq = eng.open_sequence(tokenizer.encode("one two"), GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert eng.draft_policy._probe_gap == PROBE_EVERY
+    eng.close_sequence(seq)
+
+
 def test_expensive_draft_with_middling_acceptance_drafts_few():
     # c = 0.5 and a = 0.5: one token pays (1.5 / 1.5 = 1 step per token) no better than none; wider is worse.
     policy, acc = DraftLengthPolicy(), Acceptance()
