@@ -33,6 +33,7 @@ def add_bench(commands, formatter) -> None:
             "  draftwise bench --per-category 1 --max-new-tokens 64 --repeats 2 --dtype float32,bfloat16\n"
             "  draftwise bench --methods none,lookup,hf-plain,hf-lookup --categories summarization,code\n"
             "  draftwise bench --prompts my_prompts.jsonl --target ./my-hf-folder --methods none,lookup\n"
+            "  draftwise bench --per-category 3 --out runs/a --resume   # after a crash: only the unfinished prompts\n"
             "\n"
             "a run takes about (prompts x methods x (repeats + warm-up)) generations; on 2 CPU cores the default\n"
             "1.5B pair decodes 2 to 8 tokens/s, so start small with --limit or --per-category."
@@ -72,6 +73,9 @@ def add_bench(commands, formatter) -> None:
     out = p.add_argument_group("output")
     # Short enough that "(default: bench-results)" is never wrapped at its hyphen in 80 columns.
     out.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: %(default)s)")
+    out.add_argument("--resume", action="store_true",
+                     help="keep the prompts an interrupted bench with the same options and code finished "
+                          "under --out (its runs.jsonl) and run only the rest; without it a bench starts over")
     out.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout")
     out.add_argument("-q", "--quiet", action="store_true", help="no progress bars or loading messages")
     p.set_defaults(func=cmd_bench)
@@ -91,19 +95,23 @@ def configs_from_args(args: argparse.Namespace) -> list:
         categories=args.categories, per_category=args.per_category, limit=args.limit, prompts_file=args.prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
         out=args.out, roofline=not args.no_roofline, progress=not (args.quiet or args.json), head=args.head,
+        resume=args.resume,
     )
     return per_dtype(cfg, split_list(args.dtype))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from draftwise.bench.journal import read_finished, settings_of
     from draftwise.bench.run import choose_prompts, prepare_out, run_per_dtype
 
     # Everything that can fail without a model fails here, before minutes of loading.
     configs = configs_from_args(args)
     cfg = configs[0]
     cfg.check()
-    choose_prompts(cfg)
-    prepare_out(cfg.out)
+    prompts = choose_prompts(cfg)
+    out = prepare_out(cfg.out)
+    if cfg.resume:
+        read_finished(out, settings_of(configs, prompts))
     command = "draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     # The module's load_bench_models, looked up now: tests replace it.
     results = run_per_dtype(configs, command=command, load=load_bench_models)

@@ -124,6 +124,11 @@ def _header(meta: dict, dtypes: list[str]) -> str:
         lines += ["", f"Started {meta['started']}."]
     if meta.get("command"):
         lines += ["", f"Command: `{meta['command']}`"]
+    resumed = {dtype: n for dtype, n in (meta.get("resumed_prompts") or {}).items() if n}
+    if resumed:
+        counts = ", ".join(f"{n} of {meta.get('prompts', '?')} in {dtype}" for dtype, n in resumed.items())
+        lines += ["", f"Resumed (--resume): the runs of {counts} prompts come from an earlier, interrupted "
+                      "process; every prompt's methods still ran together, in one process."]
     return "\n".join(lines)
 
 

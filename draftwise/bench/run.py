@@ -4,7 +4,8 @@ Order of work: choose prompts; then for each dtype, load the models once in it, 
 (untimed), run prompt by prompt with the methods interleaved and their order rotated each repeat (no method
 always runs first, after a particular other, or on a cooler machine), mark which outputs equal the reference
 greedy output of that dtype, measure the roofline, summarize; last, write results.json, the plots and
-report.md for every dtype at once.
+report.md for every dtype at once. Each prompt's runs go to a journal under the output folder as the prompt
+finishes, so --resume after a crash runs only the prompts that had not (see journal.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftwise.bench.journal import Journal, settings_of
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
@@ -52,6 +54,7 @@ class BenchConfig:
     roofline: bool = True
     progress: bool = True
     head: str | None = None  # the trained head for "head"; None: where train-head puts the target's
+    resume: bool = False  # keep the finished prompts of an earlier bench of these settings under out
 
     @property
     def head_folder(self) -> str:
@@ -103,13 +106,14 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
         cfg.check()
     prompts = choose_prompts(configs[0])
     out = prepare_out(configs[0].out)
+    journal = Journal.open(out, settings_of(configs, prompts), configs[0].resume)
     load = load or load_models
     passes = []
     for cfg in configs:
-        passes.append(_bench_pass(cfg, prompts, load(cfg)))
+        passes.append(_bench_pass(cfg, prompts, load(cfg), journal))
         gc.collect()  # the pass's models may sit in reference cycles: free them before the next dtype loads
     results = {
-        "meta": _meta(configs, command, prompts),
+        "meta": {**_meta(configs, command, prompts), "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
         "roofline": {p["dtype"]: p["roofline"] for p in passes},
         "runs": [run for p in passes for run in p["runs"]],
         "summary": [row for p in passes for row in p["summary"]],
@@ -117,22 +121,24 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_plots(results, out)
     write_report(results, out, plots)
+    journal.close()
     return results
 
 
-def _bench_pass(cfg: BenchConfig, prompts, models) -> dict:
-    """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged."""
+def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
+    """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged;
+    resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model = models
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
                       head=cfg.head_folder if "head" in cfg.methods else None)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     _warm_up(runners, cfg.methods, encoded[0])
-    runs = _interleaved_runs(runners, cfg, prompts, encoded)
+    runs, resumed = _interleaved_runs(runners, cfg, prompts, encoded, journal)
     _mark_identical(runs, cfg.methods)
     roofline = _roofline(runners) if cfg.roofline else None
     summary = [{"dtype": cfg.dtype, **row} for row in summarize(runs, roofline)]
-    return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary}
+    return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary, "resumed": resumed}
 
 
 def load_models(cfg: BenchConfig):
@@ -160,22 +166,36 @@ def _warm_up(runners: Runners, methods, prompt_ids: list[int]) -> None:
         runners.run(method, prompt_ids, WARMUP_TOKENS)
 
 
-def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded) -> list[dict]:
-    methods = list(cfg.methods)
-    runs = []
-    total = len(prompts) * cfg.repeats * len(methods)
+def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded, journal: Journal) -> tuple[list[dict], int]:
+    """(every run, prompt by prompt, the journal's finished prompts taken as they stand; how many those were)."""
+    runs, resumed = [], 0
+    total = len(prompts) * cfg.repeats * len(cfg.methods)
     bar = tqdm(total=total, desc=f"bench {cfg.dtype}", unit="run", disable=not cfg.progress, dynamic_ncols=True)
     with bar:
         for prompt, prompt_ids in zip(prompts, encoded):
-            for repeat in range(cfg.repeats):
-                shift = repeat % len(methods)
-                for method in methods[shift:] + methods[:shift]:
-                    bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
-                    record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
-                    runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
-                                 "question_id": prompt.question_id, "repeat": repeat,
-                                 "prompt_tokens": len(prompt_ids), **record, "token_ids": token_ids})
-                    bar.update()
+            prompt_runs = journal.runs_of(cfg.dtype, (prompt.category, prompt.question_id))
+            if prompt_runs is None:
+                prompt_runs = _prompt_runs(runners, cfg, prompt, prompt_ids, bar)
+                journal.record(cfg.dtype, prompt_runs)
+            else:
+                resumed += 1
+                bar.update(len(prompt_runs))
+            runs += prompt_runs
+    return runs, resumed
+
+
+def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt_ids: list[int], bar) -> list[dict]:
+    """Every method on one prompt, every repeat, interleaved, the order rotated each repeat."""
+    methods, runs = list(cfg.methods), []
+    for repeat in range(cfg.repeats):
+        shift = repeat % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
+            record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
+            runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
+                         "question_id": prompt.question_id, "repeat": repeat,
+                         "prompt_tokens": len(prompt_ids), **record, "token_ids": token_ids})
+            bar.update()
     return runs
 
 
