@@ -338,11 +338,14 @@ def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
     chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule: its k follows the sequence's acceptance
     chain.begin(text[:8], None, None)
     assert chain.propose(text[:8], 2).token_ids == (5, 6)
-    assert chain.drafting_acceptance is None and not chain.drafted_free
+    assert chain.drafting_acceptance is None and chain.drafted_free  # a lookup round costs no draft forward
+    chain.observe(2)
+    assert chain.propose([8, 9, 10], 2).token_ids == (7, 7) and not chain.drafted_free
 
 
-def test_the_engine_prices_draft_forwards_by_the_tree_hybrids_draft_model_rounds_alone():
-    eng = engine("llama", "unrelated", "hybrid-tree")
+@pytest.mark.parametrize("method", HYBRIDS)
+def test_the_engine_prices_draft_forwards_by_the_hybrids_draft_model_rounds_alone(method):
+    eng = engine("llama", "unrelated", method)
     hybrid, costs, seen = eng.proposer, eng.draft_policy.costs, []
     real_observe = costs.observe
 
@@ -358,7 +361,10 @@ def test_the_engine_prices_draft_forwards_by_the_tree_hybrids_draft_model_rounds
     assert {lookup for lookup, _ in seen} == {True, False}  # both kinds of round ran
     assert all(steps == 0 for lookup, steps in seen if lookup)  # a lookup round ran no draft forward
     assert any(steps > 0 for lookup, steps in seen if not lookup)
-    assert rates[-1] == [hybrid.drafting_acceptance.rate]  # the policy read the draft model's acceptance
+    if method == "hybrid-tree":  # its policy reads the draft model's acceptance
+        assert rates[-1] == [hybrid.drafting_acceptance.rate]
+    else:  # the chain's, the sequence's: its lookup rounds take the same k
+        assert hybrid.drafting_acceptance is None
 
 
 @pytest.mark.parametrize("method", HYBRIDS)

@@ -116,9 +116,10 @@ class HybridProposer:
 
     @property
     def drafted_free(self) -> bool:
-        """Whether the last round ran no draft forward (the tree hybrid's lookup round): the engine then does not
-        fold its drafting time into the draft model's cost per forward."""
-        return self.sizing is not None and self.lookup_round
+        """Whether the last round ran no draft forward (a lookup round, chain or tree): the engine then does not
+        fold its near-zero drafting time into the draft model's cost per forward, which would make drafting look
+        cheap and deepen the draft model's next rounds."""
+        return self.lookup_round
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
