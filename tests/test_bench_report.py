@@ -298,6 +298,16 @@ def test_the_promise_section_says_so_when_no_method_is_below(tmp_path):
     assert "|" not in section
 
 
+def test_header_says_when_the_bench_ran_and_for_how_long(tmp_path):
+    results = make_results()
+    results["meta"].update(started="2026-11-24 21:45:02", finished="2026-11-24 22:57:59", wall_seconds=4377.0)
+    assert "Started 2026-11-24 21:45:02, finished 2026-11-24 22:57:59, 73 min." in \
+        write_report(results, tmp_path, None).read_text()
+    # results written before the finish was recorded keep their one timestamp
+    del results["meta"]["finished"], results["meta"]["wall_seconds"]
+    assert "Started 2026-11-24 21:45:02." in write_report(results, tmp_path, None).read_text()
+
+
 def test_without_none_the_promise_section_says_nothing_was_compared(tmp_path):
     rows = [r for r in make_results()["summary"] if r["method"] != "none"]
     section = promise_section(write_report({"meta": {}, "summary": rows}, tmp_path, None).read_text())

@@ -110,6 +110,8 @@ def test_outputs_are_written(results):
     roofline = on_disk["roofline"]["float32"]
     assert set(roofline["target"]) == set(roofline["target_as_loaded"]) == {"1", "2", "4", "8", "16"}
     assert on_disk["meta"]["machine"] and on_disk["meta"]["dtypes"] == ["float32"]
+    # started is taken before loading and finished after the report's inputs: not both at the end
+    assert on_disk["meta"]["started"] <= on_disk["meta"]["finished"] and on_disk["meta"]["wall_seconds"] > 0
     assert {r["dtype"] for r in on_disk["runs"] + on_disk["summary"]} == {"float32"}
     report = (out / "report.md").read_text()
     assert "target as loaded ms" in report

@@ -110,6 +110,20 @@ def _interpolated_ms(table: dict | None, n: float) -> float | None:
 
 # -- sections ----------------------------------------------------------------------------------------------------
 
+def _when(meta: dict) -> str:
+    """When the bench ran, and for how long (the loading, runs and roofline of this process only: a resumed
+    bench's earlier runs took their own time)."""
+    parts = []
+    if meta.get("started"):
+        parts.append(f"Started {meta['started']}")
+    if meta.get("finished"):
+        parts.append(f"finished {meta['finished']}" if parts else f"Finished {meta['finished']}")
+    if meta.get("wall_seconds") is not None:
+        minutes = meta["wall_seconds"] / 60
+        parts.append(f"{minutes:.0f} min")
+    return ", ".join(parts) + "." if parts else ""
+
+
 def _header(meta: dict, dtypes: list[str]) -> str:
     models = f"target `{meta.get('target', '?')}`"
     if meta.get("draft"):
@@ -120,8 +134,9 @@ def _header(meta: dict, dtypes: list[str]) -> str:
         f"repeats {meta.get('repeats', '?')}"
     )
     lines = ["# draftwise bench", "", setup]
-    if meta.get("started"):
-        lines += ["", f"Started {meta['started']}."]
+    when = _when(meta)
+    if when:
+        lines += ["", when]
     if meta.get("command"):
         lines += ["", f"Command: `{meta['command']}`"]
     resumed = {dtype: n for dtype, n in (meta.get("resumed_prompts") or {}).items() if n}

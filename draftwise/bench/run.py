@@ -108,12 +108,16 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     out = prepare_out(configs[0].out)
     journal = Journal.open(out, settings_of(configs, prompts), configs[0].resume)
     load = load or load_models
+    started, started_clock = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
     passes = []
     for cfg in configs:
         passes.append(_bench_pass(cfg, prompts, load(cfg), journal))
         gc.collect()  # the pass's models may sit in reference cycles: free them before the next dtype loads
     results = {
-        "meta": {**_meta(configs, command, prompts), "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
+        "meta": {**_meta(configs, command, prompts), "started": started,
+                 "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "wall_seconds": round(time.perf_counter() - started_clock, 1),
+                 "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
         "roofline": {p["dtype"]: p["roofline"] for p in passes},
         "runs": [run for p in passes for run in p["runs"]],
         "summary": [row for p in passes for row in p["summary"]],
@@ -230,7 +234,6 @@ def _meta(configs: Sequence[BenchConfig], command: str, prompts) -> dict:
         prompts=len(prompts),
         machine=machine_description(),
         command=command,
-        started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     return meta
 
