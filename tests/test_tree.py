@@ -243,6 +243,30 @@ def test_chances_count_as_far_as_the_target_bore_them_out():
     assert sizing.choose(sure, k=3) == [0, 1]
 
 
+def test_a_depth_that_did_badly_is_grown_again_once_it_has_gone_unoffered_for_a_while():
+    # Only offered depths are measured: without a way back, a depth once found bad is never grown again.
+    sizing = TreeSizing(costs=_costs(0.0))  # a flat pass, 0.2 s
+    sizing.forward_s = 0.02
+    two_deep = GrownTree()
+    two_deep.add_children(two_deep.add_children(-1, torch.tensor([0.9]).log(), torch.tensor([0]))[0],
+                          torch.tensor([0.5]).log(), torch.tensor([1]))  # chances 0.9 and 0.45
+    for _ in range(20):
+        assert sizing.choose(two_deep, k=2) == [0, 1]
+        sizing.observe(1)  # depth 1 kept, depth 2 never (a prompt the draft could not follow that far)
+    assert sizing.trust(1) == 1.0 and sizing.trust(2) < 0.05
+    one_deep, nodes = _tree(0.9)
+    assert not sizing.pays_to_expand(one_deep, nodes, forwards=1)  # 0.9 x trust(2) tokens: not worth 0.02 s
+    for rounds in range(1, 31):  # depth 2 goes unoffered while depth 1 keeps being right
+        sizing.choose(one_deep, k=1)
+        sizing.observe(1)
+        if rounds == 10:
+            assert 0.5 < sizing.trust(2) < 0.8  # fading back to depth 1's trust
+    assert sizing.trust(2) > 0.95 and sizing.pays_to_expand(one_deep, nodes, forwards=1)
+    sizing.choose(two_deep, k=2)
+    sizing.observe(1)  # grown, offered and measured again: the fresh miss counts at once
+    assert sizing.trust(2) < 0.05
+
+
 def test_lookup_tree_widens_only_where_a_wider_pass_pays():
     context = [5, 1, 6, 5, 2, 7, 5, 3, 8, 5]  # "5" was followed by 1 6, 2 7 and 3 8: 6 nodes at k = 2
     for per_extra_token, nodes in ((0.0, 6), (0.2, 1)):

@@ -47,6 +47,7 @@ class TreeSizing:
         # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
         self._kept_at: dict[int, float] = {}
         self._claimed_at: dict[int, float] = {}
+        self._unoffered_for: dict[int, int] = {}  # by depth: rounds since a node there was last offered
         self._claimed: dict[int, float] = {}  # the last offered tree's claims by depth, until observed
 
     @property
@@ -64,17 +65,27 @@ class TreeSizing:
         of guesses the target keeps a fraction of the time; taken at its word, it would grow and offer nodes
         that do not pay. A depth never offered is trusted as the deepest one measured above it (a proposer wrong
         at depth 1 is no better at depth 2). A property of the proposer, kept across its sequences, as its forward
-        time is."""
+        time is.
+
+        A measured depth not offered since fades back to the trust of the depth above it, by DECAY a round: only
+        offered depths are measured, so a depth that once did badly (a prompt the draft could not follow) would
+        otherwise keep its low trust, never be grown or offered again, and never be measured again, on prompts
+        where it would pay."""
         measured = max((d for d in self._claimed_at if d <= depth), default=None)
         if measured is None:
             return 1.0
-        return min(1.0, self._kept_at[measured] / self._claimed_at[measured])
+        own = min(1.0, self._kept_at[measured] / self._claimed_at[measured])
+        fade = DECAY ** self._unoffered_for.get(measured, 0)
+        return fade * own + (1.0 - fade) * self.trust(measured - 1)
 
     def observe(self, num_accepted: int) -> None:
         """After the round of the last tree chosen: its kept path reached depth num_accepted."""
+        for depth in self._claimed_at:
+            self._unoffered_for[depth] = self._unoffered_for.get(depth, 0) + 1  # an offered one is reset below
         for depth, claimed in self._claimed.items():
             self._kept_at[depth] = DECAY * self._kept_at.get(depth, 1.0) + (num_accepted >= depth)
             self._claimed_at[depth] = DECAY * self._claimed_at.get(depth, 1.0) + claimed
+            self._unoffered_for[depth] = 0
         self._claimed = {}
 
     def chance(self, tree: "GrownTree", node: int) -> float:
