@@ -395,10 +395,11 @@ class Engine:
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
-        return [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
-                min(shared if seq.acceptance else seq.cfg.num_draft_tokens, seq.cfg.num_draft_tokens,
-                    seq.remaining - 1)  # drafting past the last token we may emit is wasted work
-                for seq in seqs]
+        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
+              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, seq.cfg.num_draft_tokens,
+                  seq.remaining - 1)  # drafting past the last token we may emit is wasted work
+              for seq in seqs]
+        return [k or _free_round(seq, len(seqs)) for seq, k in zip(seqs, ks)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
                 live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
@@ -477,6 +478,14 @@ class Engine:
 def _wants_features(proposer) -> bool:
     """Whether a proposer drafts from the target's hidden states (the feature head), handed over by the engine."""
     return getattr(proposer, "wants_features", False)
+
+
+def _free_round(seq: Sequence, rows: int) -> int:
+    """k for an adaptive sequence whose draft model sits this round out: its proposer's free guess (the tree
+    hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
+    free_round = getattr(seq.proposer, "free_round", None)
+    k = min(seq.cfg.num_draft_tokens, seq.remaining - 1)
+    return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
 
 
 def _drafting_acceptance(seq: Sequence) -> Acceptance:

@@ -323,6 +323,49 @@ def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
     assert kept_depth(Draft((1, 7, 2, 8), parents=(-1, -1, 0, 1)), [7, 8, 9]) == 2  # down the matching branch
 
 
+def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_sits_out():
+    draft = FakeTreeDraft()
+    hybrid = hybrid_of(draft, "lookup-tree")
+    text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
+    hybrid.begin(text, None, None)
+    assert hybrid.free_round(text, 2) == 0  # nothing measured: the engine's policy drafts the full k then
+    costs = StepCosts()
+    for width in (1, 3):
+        costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
+    draft.sizing.costs = costs
+    for _ in range(10):
+        hybrid._draft_acceptance.observe(2, 2)  # the draft model is nearly always right: 2.9 tokens in 0.3 s
+    # Lookup's guess after a 3-token match (its prior, 0.5: 1.75 tokens in 0.2 s) beats a plain step (1 in 0.2 s),
+    # so the round is lookup's, although the draft model would have won it were its forwards paid for.
+    assert hybrid.free_round(text, 2) == 2
+    assert hybrid.propose(text, 2).token_ids == (5, 6) and hybrid.drafted_free
+    assert draft.calls == ["begin"]
+    hybrid.observe(0)
+    # Armed for one round only: the next, by measurement, goes to the draft model.
+    text += [9, 1, 2, 3]
+    assert hybrid.propose(text, 2).token_ids == (7, 7) and not hybrid.drafted_free
+    hybrid.observe(2)
+    # A guess after a 2-token match (pessimistic prior: one token in a pass) does not beat a plain step.
+    text += [7, 7, 8, 4, 1, 2]
+    assert hybrid.free_round(text, 2) == 0 and hybrid.propose(text, 2).token_ids == (7, 7)
+    chain = hybrid_of(FakeDraft(), "lookup")  # its k follows the sequence's acceptance, lookup rounds included
+    chain.begin(text, None, None)
+    assert chain.free_round(text, 2) == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_tree_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch):
+    """The engine's policy choosing no draft forwards leaves lookup's free rounds, and the output the target's."""
+    eng = engine(arch, "unrelated", "hybrid-tree")
+    eng.draft_policy.choose = lambda *args: 0
+    rounds = watch(eng)
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert result.token_ids == reference(arch)
+    assert rounds and {r.who for r in rounds} == {"lookup"} and eng.proposer.rounds["draft"] == 0
+    assert result.stats.accepted > 0
+    assert_caches_hold_the_text(eng, prompt_ids() + result.token_ids)
+
+
 def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
     draft = FakeTreeDraft()
     hybrid = hybrid_of(draft, "lookup-tree")

@@ -64,6 +64,7 @@ class HybridProposer:
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
+        self._lookup_only = False  # the engine armed this round for lookup alone (free_round)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -98,7 +99,8 @@ class HybridProposer:
         match = self.lookup.last_match
         # Only the tree hybrid picks by measurement: the chain hybrid has no acceptance to learn.
         self._shadow = (match, guess, len(context)) if guess.depth > 0 and self.sizing is not None else ()
-        self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, match, k)
+        lookup_only, self._lookup_only = self._lookup_only, False
+        self.lookup_round = guess.depth > 0 and (lookup_only or self._lookup_wins(guess, match, k))
         if self.lookup_round:
             self.rounds["lookup"] += 1
             return guess
@@ -120,6 +122,28 @@ class HybridProposer:
         fold its near-zero drafting time into the draft model's cost per forward, which would make drafting look
         cheap and deepen the draft model's next rounds."""
         return self.lookup_round
+
+    def free_round(self, context: list[int], k: int, rows: int = 1) -> int:
+        """The engine's k for a round the draft model sits out (its policy found that draft forwards do not pay,
+        or the draft is far behind its text), or 0. Lookup's guess costs no forward, so it may pay where the
+        draft model's does not: in code that copies its prompt, with a draft model that is slow or wrong on this
+        machine, a policy that priced every round by draft forwards would shut lookup out with it. Returns k, and
+        arms the round for lookup alone, when the guess's expected tokens per second beat a plain step's in a
+        pass of `rows` rows (the others emitting one token each); judged on the past alone, so still exact. Tree
+        hybrid only: the chain hybrid's k follows the sequence's acceptance, lookup rounds included."""
+        self._lookup_only = False
+        sizing = self.sizing
+        if sizing is None or not sizing.by_cost or k < 1:
+            return 0
+        self._learn_from_last_guess(context)
+        guess = self.lookup.propose(context, k)
+        if guess.depth == 0:
+            return 0
+        match = self.lookup.last_match
+        self._shadow = (match, guess, len(context))  # judged next round, offered or not
+        tokens = expected_tokens(self._lookup_acceptance_after(match).rate, guess.depth) + rows - 1
+        self._lookup_only = tokens / sizing.costs.verify(rows, len(guess) + 1) > rows / sizing.costs.verify(rows, 1)
+        return k if self._lookup_only else 0
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
