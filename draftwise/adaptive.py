@@ -27,7 +27,7 @@ proposer that never pays (layer skipping on a small model) would otherwise lose 
 step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
 prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
 a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38). `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
-draft caches only when it did.
+draft caches only when it did, or, for a sequence decoding alone, before a probe (`probe_due`).
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -161,6 +161,12 @@ class DraftLengthPolicy:
         # A probe; if drafting still does not win after it, the next comes twice as many steps later.
         self._steps_without_draft, self._probe_gap = 0, min(2 * self._probe_gap, MAX_PROBE_GAP)
         return min(1, k_max)
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether the next choice, should drafting still not win, is a probe: a draft far behind its text must be
+        filled first, or it sits the probe out (Engine.wants_catch_up) and the probe learns nothing."""
+        return not self.wants_drafting and self._steps_without_draft + 1 >= self._probe_gap
 
     def sequence_joined(self) -> None:
         """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""

@@ -143,8 +143,10 @@ class Engine:
                 self.prefill(seq)
             self.catch_up_draft(seq)  # alone, there is no batch to spare the draft's prefill for
             while seq.finish is None:
-                if self.wants_catch_up(seq):
+                if self.wants_catch_up(seq, alone=True):
+                    started = time.perf_counter()
                     self.catch_up_draft(seq)
+                    seq.stats.decode_s += time.perf_counter() - started  # drafting's work, while decoding
                 events = self.step([seq])[seq]
                 if seq.finish == "error":
                     raise seq.exception
@@ -305,9 +307,13 @@ class Engine:
             self.catch_up_draft(seq, max_tokens)
         seq.stats.prefill_s += time.perf_counter() - started
 
-    def wants_catch_up(self, seq: Sequence) -> bool:
-        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step."""
-        return self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
+    def wants_catch_up(self, seq: Sequence, alone: bool = False) -> bool:
+        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step, or the
+        sequence decodes alone and its next step may be a probe, which a draft this far behind would sit out (as the
+        gap between probes doubles past MAX_DRAFT_LAG, every later probe of a long request would learn nothing).
+        In a batch, a probe is not worth every row's catch-up."""
+        wanted = self.draft_wanted or (alone and self.draft_policy.probe_due)
+        return wanted and seq.draft_behind > MAX_DRAFT_LAG
 
     def catch_up_draft(self, seq: Sequence, max_tokens: int | None = None) -> None:
         """Feed (up to max_tokens of) the text the sequence's draft cache lacks, all but the last token."""

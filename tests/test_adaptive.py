@@ -282,6 +282,25 @@ def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
         eng.close_sequence(seq)
 
 
+def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
+    """Without the fill, a draft more than MAX_DRAFT_LAG tokens behind sits the probe out: once the gap between
+    probes has doubled past that, no later probe of the request drafts (here the third would not)."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
+    plain = Engine.from_models(target, tokenizer, method="none")
+    # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes.
+    eng.draft_policy.rate = lambda rates, k, rows, fixed=(): 1.0 if k == 0 else 0.5
+    drafted = []
+    eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
+    prompt, tokens = "The quick brown fox jumps over the lazy dog.", 3 * PROBE_EVERY + 4 * PROBE_EVERY + 10
+    result = eng.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+    assert result.token_ids == plain.generate(prompt, max_new_tokens=tokens, ignore_eos=True).token_ids
+    # The first round, then probes PROBE_EVERY, 2 * PROBE_EVERY and 4 * PROBE_EVERY steps apart, each drafted.
+    assert len(drafted) == 4
+    gaps = [b - a for a, b in zip(drafted[1:], drafted[2:])]  # tokens between probes: at least their steps
+    assert gaps[0] >= 2 * PROBE_EVERY and gaps[1] >= 4 * PROBE_EVERY
+
+
 def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
