@@ -155,8 +155,8 @@ class DraftLengthPolicy:
         if best > 0:
             self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
             return best
-        self._steps_without_draft += 1
-        if self._steps_without_draft < self._probe_gap:
+        if not self.probe_due:
+            self._steps_without_draft += 1
             return 0
         # A probe; if drafting still does not win after it, the next comes twice as many steps later.
         self._steps_without_draft, self._probe_gap = 0, min(2 * self._probe_gap, MAX_PROBE_GAP)

@@ -64,7 +64,7 @@ class HybridProposer:
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
-        self._lookup_only = False  # the engine armed this round for lookup alone (free_round)
+        self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -94,13 +94,17 @@ class HybridProposer:
         """Lookup's guess when it wins the round, else None (the draft model's round)."""
         # Lookup takes the full k: it costs nothing, so no confidence cut applies to it.
         self._last, self._drafted_depth = self.lookup, None
+        armed, self._armed = self._armed, None
+        if armed is not None:  # made and judged by free_round for this very round
+            self.lookup_round = True
+            self.rounds["lookup"] += 1
+            return armed
         self._learn_from_last_guess(context)
         guess = self.lookup.propose(context, k)
         match = self.lookup.last_match
         # Only the tree hybrid picks by measurement: the chain hybrid has no acceptance to learn.
         self._shadow = (match, guess, len(context)) if guess.depth > 0 and self.sizing is not None else ()
-        lookup_only, self._lookup_only = self._lookup_only, False
-        self.lookup_round = guess.depth > 0 and (lookup_only or self._lookup_wins(guess, match, k))
+        self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, match, k)
         if self.lookup_round:
             self.rounds["lookup"] += 1
             return guess
@@ -131,7 +135,7 @@ class HybridProposer:
         arms the round for lookup alone, when the guess's expected tokens per second beat a plain step's in a
         pass of `rows` rows (the others emitting one token each); judged on the past alone, so still exact. Tree
         hybrid only: the chain hybrid's k follows the sequence's acceptance, lookup rounds included."""
-        self._lookup_only = False
+        self._armed = None
         sizing = self.sizing
         if sizing is None or not sizing.by_cost or k < 1:
             return 0
@@ -142,8 +146,10 @@ class HybridProposer:
         match = self.lookup.last_match
         self._shadow = (match, guess, len(context))  # judged next round, offered or not
         tokens = expected_tokens(self._lookup_acceptance_after(match).rate, guess.depth) + rows - 1
-        self._lookup_only = tokens / sizing.costs.verify(rows, len(guess) + 1) > rows / sizing.costs.verify(rows, 1)
-        return k if self._lookup_only else 0
+        if tokens / sizing.costs.verify(rows, len(guess) + 1) <= rows / sizing.costs.verify(rows, 1):
+            return 0
+        self._armed = guess  # the engine proposes with this k next: _pick hands it over without a second search
+        return k
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
