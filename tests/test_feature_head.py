@@ -16,8 +16,8 @@ from draftwise.adaptive import DraftLengthPolicy, StepCosts
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
-from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, load_head
-from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, train_head
+from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, load_head, readout_ids
+from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, frequent_tokens, readout_cover, train_head
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
 
@@ -87,7 +87,21 @@ def test_training_lifts_validation_accuracy_far_above_chance_and_saves_a_small_h
     head, ids = load_head(folder)
     assert head.config.training["val_after"] == record["val_after"]  # the record travels with the weights
     assert len(ids) == head.config.readout_size
+    assert record["readout_cover"] == 1.0  # the readout spans the tiny vocabulary
     assert not list(folder.glob("*.partial")) and not list((folder / "features").glob("*.partial"))
+
+
+def test_the_readout_takes_the_targets_frequent_tokens_first_then_the_lowest_ids():
+    # What the target emits on the training split, most frequent first (ties: the lower id).
+    sequences = [{"next": torch.tensor([70, 3, 70, 42, 3, 70])}, {"next": torch.tensor([42, 42, 9])}]
+    assert frequent_tokens(sequences) == [42, 70, 3, 9]
+    # Four ids: the four frequent ones, whatever their rank in the vocabulary, and the special one.
+    assert readout_ids(100, 4, special_ids=[99], frequent=[42, 70, 3, 9]).tolist() == [3, 9, 42, 70, 99]
+    assert readout_ids(100, 2, frequent=[42, 70, 3, 9]).tolist() == [42, 70]  # the likeliest win the places
+    assert readout_ids(100, 5, frequent=[42]).tolist() == [0, 1, 2, 3, 42]  # the rest: the lowest ids
+    assert readout_ids(100, 3).tolist() == [0, 1, 2]
+    assert readout_ids(4, 9, frequent=[7, 2]).tolist() == [0, 1, 2, 3]  # never past the vocabulary
+    assert readout_cover(sequences, torch.tensor([42, 70])) == round(6 / 9, 4)
 
 
 def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_features(heads, tmp_path, monkeypatch):

@@ -47,6 +47,9 @@ def add_train_head(commands, formatter) -> None:
     p.add_argument("--lr", type=float, default=DEFAULTS.lr, metavar="LR", help="peak learning rate (default: %(default)s)")
     p.add_argument("--intermediate-size", type=int, default=DEFAULTS.intermediate_size, metavar="N",
                    help="the head's MLP width; it sets the head's cost per token (default: %(default)s)")
+    p.add_argument("--readout", type=int, default=DEFAULTS.readout, metavar="N",
+                   help="target tokens the head can propose: the N the target emits most on the training split, then "
+                        "the lowest ids; the readout is most of a head forward's cost (default: %(default)s)")
     p.add_argument("--answers", type=int, default=DEFAULTS.answers, metavar="N",
                    help="also train on the target's own greedy answers to N requests built from the corpus (explain, "
                         "summarize, translate ...): slower to make, closer to what the head drafts for (default: "
@@ -64,7 +67,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     if args.answers < 0:
         raise DraftwiseError(f"--answers must be >= 0, got {args.answers}")
-    for name in ("max_tokens", "seq_len", "epochs", "intermediate_size", "answer_tokens"):
+    for name in ("max_tokens", "seq_len", "epochs", "intermediate_size", "readout", "answer_tokens"):
         if getattr(args, name) < 1:
             raise DraftwiseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len < 8:
@@ -73,7 +76,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise DraftwiseError(f"--lr must be > 0, got {args.lr}")
     out = Path(args.out) if args.out else head_home(args.target)
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
-                      intermediate_size=args.intermediate_size, answers=args.answers,
+                      intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
                       answer_tokens=args.answer_tokens)
     progress = not args.quiet
     target_model, tokenizer, _ = load_models(args.target, None, args.dtype, progress=progress)

@@ -46,12 +46,12 @@ REGRESSION_WEIGHT = 0.1
 class TrainConfig:
     max_tokens: int = 60_000  # corpus size, in target tokens
     seq_len: int = 512
-    epochs: int = 2
+    epochs: int = 4
     lr: float = 5e-4
     warmup_steps: int = 20
     noise: float = 0.05  # input-feature noise, as a share of the features' RMS
     intermediate_size: int = 4096  # the head's MLP width (the target's own is wider: cost, not accuracy, sets it)
-    readout: int = 32768  # target tokens the readout covers (plus the special ones)
+    readout: int = 16384  # target tokens the readout covers (plus the special ones): frequent_tokens first
     checkpoint_every: int = 100
     seed: int = 0
     answers: int = 64  # requests the target answers itself, added to the corpus (answers.py); 16 to a shard
@@ -97,7 +97,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     data_key = hashlib.sha256("".join(path.name for path in shards).encode()).hexdigest()[:16]
 
     vocab = target_model.get_output_embeddings().weight.shape[0]
-    ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids)
+    ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids, frequent_tokens(train))
     readout = readout_layer(target_model, ids).float()
     embed = target_model.get_input_embeddings()
     head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name)
@@ -135,6 +135,9 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
         "collect_s": round(collected_s, 1), "train_s": round(time.perf_counter() - started - collected_s, 1),
+        "readout": f"{len(ids)} ids: the target's {cfg.readout} most frequent next tokens on the training split "
+                   "(then the lowest ids), and the special ones",
+        "readout_cover": readout_cover(val, ids),
         "val_before" if not resumed else "val_at_checkpoint": asdict(before), "val_after": history,
         "resumed_at_step": resumed,
         "scored": "validation scores the target's next token at every position of the held-back sequences' "
@@ -160,6 +163,20 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
                             progress=progress)
     write_whole(path, lambda p: p.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]})))
     return pieces
+
+
+def frequent_tokens(sequences: list[dict]) -> list[int]:
+    """The target's greedy next tokens over the sequences, most frequent first (ties: the lower id first)."""
+    counts = torch.bincount(torch.cat([s["next"] for s in sequences]))
+    seen = counts.nonzero()[:, 0]  # [distinct]
+    order = sorted(zip((-counts[seen]).tolist(), seen.tolist()))
+    return [token for _, token in order]
+
+
+def readout_cover(sequences: list[dict], ids: torch.Tensor) -> float:
+    """The share of the target's next tokens over the sequences that the readout can name at all."""
+    labels = torch.cat([s["next"] for s in sequences])
+    return round(float(torch.isin(labels, ids).float().mean()), 4) if len(labels) else 0.0
 
 
 def _held_back(source: str) -> bool:
