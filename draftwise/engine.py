@@ -496,6 +496,6 @@ def _free_round(seq: Sequence, rows: int) -> int:
 
 def _drafting_acceptance(seq: Sequence) -> Acceptance:
     """The acceptance the sequence's draft length follows: its proposer's own where it keeps one for the rounds
-    that k prices (the tree hybrid's draft-model rounds), else the sequence's."""
+    that k prices (a hybrid's draft-model rounds), else the sequence's."""
     own = getattr(seq.proposer, "drafting_acceptance", None)
     return seq.acceptance if own is None else own

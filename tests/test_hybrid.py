@@ -378,12 +378,14 @@ def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
     assert hybrid.propose(text, 2).token_ids == (7, 7) and not hybrid.drafted_free
     hybrid.observe(2)
     assert hybrid.drafting_acceptance.rate == pytest.approx((0.9 + 2) / (1.8 + 2))
-    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule: its k follows the sequence's acceptance
+    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule; its k follows its draft-model rounds too
     chain.begin(text[:8], None, None)
-    assert chain.propose(text[:8], 2).token_ids == (5, 6)
-    assert chain.drafting_acceptance is None and chain.drafted_free  # a lookup round costs no draft forward
-    chain.observe(2)
+    assert chain.propose(text[:8], 2).token_ids == (5, 6) and chain.drafted_free  # no draft forward
+    chain.observe(0)
+    assert chain.drafting_acceptance.rate == 0.5
     assert chain.propose([8, 9, 10], 2).token_ids == (7, 7) and not chain.drafted_free
+    chain.observe(2)
+    assert chain.drafting_acceptance.rate == pytest.approx((0.9 + 2) / (1.8 + 2))
 
 
 @pytest.mark.parametrize("method", HYBRIDS)
@@ -404,10 +406,7 @@ def test_the_engine_prices_draft_forwards_by_the_hybrids_draft_model_rounds_alon
     assert {lookup for lookup, _ in seen} == {True, False}  # both kinds of round ran
     assert all(steps == 0 for lookup, steps in seen if lookup)  # a lookup round ran no draft forward
     assert any(steps > 0 for lookup, steps in seen if not lookup)
-    if method == "hybrid-tree":  # its policy reads the draft model's acceptance
-        assert rates[-1] == [hybrid.drafting_acceptance.rate]
-    else:  # the chain's, the sequence's: its lookup rounds take the same k
-        assert hybrid.drafting_acceptance is None
+    assert rates[-1] == [hybrid.drafting_acceptance.rate]  # the policy reads the draft model's acceptance
 
 
 @pytest.mark.parametrize("method", HYBRIDS)

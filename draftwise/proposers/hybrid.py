@@ -113,12 +113,13 @@ class HybridProposer:
         return None
 
     @property
-    def drafting_acceptance(self) -> Acceptance | None:
-        """The acceptance the engine's draft length follows, where it is not the sequence's as a whole: the tree
-        hybrid's draft-model rounds alone. k prices the draft model's forwards; its lookup rounds cost none, and
-        in free text they are won on a lower acceptance, which would pull the draft model's depth down. The chain
-        hybrid, picking by rule, keeps the sequence's."""
-        return self._draft_acceptance if self.sizing is not None else None
+    def drafting_acceptance(self) -> Acceptance:
+        """The acceptance the engine's draft length follows, instead of the sequence's as a whole: the draft-model
+        rounds alone. k prices the draft model's forwards; lookup rounds cost none, and in free text they are won
+        on a lower acceptance (the chain's by rule, on any three-token match), which would pull the draft model's
+        depth down: on the Zen 4 bench the chain hybrid drafted 0.89 tokens a round against draft's 1.35, and ran
+        at 0.97x draft. A chain lookup round takes the same k, its guess cut to it."""
+        return self._draft_acceptance
 
     @property
     def drafted_free(self) -> bool:
