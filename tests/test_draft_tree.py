@@ -145,14 +145,14 @@ def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s,
     monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
     monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
     eng = engine("llama", "near")
-    grown, real_grow = [], eng.proposer._grow
+    proposer, grown = eng.proposer, []
+    real_finish = proposer.finish
 
-    def grow(root_logits, depth, stop_confidence):
-        tree, fed, forwards = real_grow(root_logits, depth, stop_confidence)
-        grown.append((depth, forwards))
-        return tree, fed, forwards
+    def finish():  # each round's k and the draft forwards it ran
+        grown.append((proposer._k, proposer._forwards))
+        return real_finish()
 
-    eng.proposer._grow = grow
+    proposer.finish = finish
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
     assert result.token_ids == reference("llama")
     assert grown[0] == (4, 4)  # nothing timed yet: grown to k
@@ -261,7 +261,7 @@ PROMPTS = [PROMPT, "The quick brown fox jumps over", "for i in range(10):\n    p
 @pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_batch_of_tree_and_chain_sequences_gives_each_its_greedy_output(arch, adaptive):
-    # Tree sequences grow their own trees (not in lockstep); a chain sequence beside them drafts as usual.
+    # Tree sequences grow their trees in lockstep, one batched draft forward per depth, beside a chain sequence.
     eng = engine(arch, "near")
     methods = ["draft-tree", "draft-tree", "draft"]
     seqs = [_open(eng, p, num_draft_tokens=k, adaptive=adaptive, method=m)
@@ -275,3 +275,51 @@ def test_a_batch_of_tree_and_chain_sequences_gives_each_its_greedy_output(arch, 
         assert seq.finish == "length"
         assert seq.context[len(seq.prompt_ids):] == reference(arch, prompt)
         eng.close_sequence(seq)
+
+
+def test_tree_sequences_in_a_batch_share_each_draft_forward():
+    # Each depth of every tree goes in one batched draft forward, beside the chain sequence's row: a step runs as
+    # many draft forwards as its deepest round, not one per sequence per depth.
+    eng = engine("llama", "near")
+    seqs = [_open(eng, p, num_draft_tokens=4, adaptive=False, method=m)
+            for p, m in zip(PROMPTS, ["draft-tree", "draft-tree", "draft"])]
+    shared = _draft_model_of(seqs[0])
+    calls = []
+    real = shared.forward_batch
+
+    def counting(rows, *args, trees=None, **kwargs):
+        calls.append([t is not None for t in trees] if trees else [False] * len(rows))
+        return real(rows, *args, trees=trees, **kwargs)
+
+    shared.forward_batch = counting
+    eng.step(seqs)
+    assert len(calls) == 4  # the roots (and the chain's first token), then three depths
+    assert calls[0] == [False, False, False] and all(call[:2] == [True, True] for call in calls[1:])
+    for seq in seqs:
+        assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+    for seq in seqs:
+        eng.close_sequence(seq)
+
+
+def test_a_failed_shared_tree_forward_ends_only_the_rounds_in_it_and_leaves_each_draft_at_its_text():
+    eng = engine("llama", "near")
+    seqs = [_open(eng, p, num_draft_tokens=3, adaptive=False) for p in PROMPTS[:2]]
+    shared = _draft_model_of(seqs[0])
+    real = shared.forward_batch
+
+    def failing(rows, *args, trees=None, **kwargs):
+        if trees is not None:
+            raise RuntimeError("draft boom")
+        return real(rows, *args, trees=trees, **kwargs)
+
+    shared.forward_batch = failing
+    events = eng.step(seqs)
+    for seq in seqs:
+        assert events[seq][-1].finish_reason == "error" and "draft boom" in seq.error
+        assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+        eng.close_sequence(seq)
+
+
+def _draft_model_of(seq) -> HFBackend:
+    backend = seq.proposer.backend
+    return backend.backend if isinstance(backend, SlotView) else backend

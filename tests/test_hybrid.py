@@ -420,7 +420,7 @@ def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
     assert eng.method == method and eng.proposer.min_ngram == 2  # at most the longest n-gram
     tree = method == "hybrid-tree"
     assert eng.proposer.lookup.branches == (3 if tree else 1)
-    assert (eng.proposer.sizing is not None) == tree and eng.proposer.steps_in_lockstep == (not tree)
+    assert (eng.proposer.sizing is not None) == tree and eng.proposer.takes_rows == tree
     if tree:  # one sizing, so the engine's costs reach the lookup rounds too
         assert eng.proposer.lookup.sizing is eng.proposer.sizing is eng.proposer.draft.sizing
     runners = Runners(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 1, 1))

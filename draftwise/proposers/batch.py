@@ -1,10 +1,12 @@
 """Drafting for many sequences at once: their draft-model forwards share one batched pass per draft step.
 
-A proposer that can take part has the round in steps (DraftModelProposer and HybridProposer do):
-start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
+A proposer that can take part has the round in steps (DraftModelProposer, DraftTreeProposer and HybridProposer
+do): start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
 settle() (in `finally`: the cache holds exactly the proposer's tokens); finish() -> Draft. Its `backend` is its
-slot of a shared HFBackend (a SlotView). Any other proposer (prompt lookup), and one whose class sets
-steps_in_lockstep = False (a draft-model tree: its forwards are not one row each), just propose()s.
+slot of a shared HFBackend (a SlotView). A tree proposer feeds a depth of its tree per forward: its
+pending_layout() is that row's tree (the backend's tree mask and positions), and with takes_rows its take() gets
+the logits of every token fed, not just the last. Any other proposer (prompt lookup, the feature head) just
+propose()s.
 """
 from __future__ import annotations
 
@@ -17,7 +19,13 @@ def run_round(proposer, context: list[int], k: int, stop_confidence: float = 0.0
     proposer.start(context, k, stop_confidence)
     try:
         while (feed := proposer.pending()) is not None:
-            proposer.take(proposer.backend.forward(feed)[-1])
+            layout = _layout(proposer)
+            if layout is None:
+                logits = proposer.backend.forward(feed)  # [fed, vocab]
+            else:
+                model, slot = _shared(proposer.backend)
+                logits = model.forward_batch([(slot, feed)], trees=[layout])[0]
+            proposer.take(_rows_for(proposer, logits))
     finally:
         proposer.settle()
     return proposer.finish()
@@ -34,8 +42,7 @@ def propose_many(proposers: list, contexts: list[list[int]], ks: list[int],
     for i, (proposer, context, k, stop) in enumerate(zip(proposers, contexts, ks, stop_confidences)):
         try:
             # Alone, a proposer runs its own round: no batch to share a forward with.
-            lockstep = hasattr(proposer, "pending") and getattr(proposer, "steps_in_lockstep", True)
-            if k > 0 and lockstep and len(proposers) > 1:
+            if k > 0 and hasattr(proposer, "pending") and len(proposers) > 1:
                 proposer.start(context, k, stop)
                 stepped.append(i)
             else:
@@ -63,17 +70,30 @@ def _step_together(proposers: list, stepped: list[int], results: list) -> None:
             by_model.setdefault(id(_shared(proposers[i].backend)[0]), []).append((i, feed))
         for group in by_model.values():
             shared = _shared(proposers[group[0][0]].backend)[0]
+            trees = [_layout(proposers[i]) for i, _ in group]
             try:
-                rows = shared.forward_batch([(_shared(proposers[i].backend)[1], feed) for i, feed in group])
+                rows = shared.forward_batch([(_shared(proposers[i].backend)[1], feed) for i, feed in group],
+                                            trees=trees if any(t is not None for t in trees) else None)
             except Exception as err:  # the pass was shared: every sequence in it lost its round
                 for i, _ in group:
                     results[i] = err
                 continue
             for (i, _), logits in zip(group, rows):
                 try:
-                    proposers[i].take(logits[-1])
+                    proposers[i].take(_rows_for(proposers[i], logits))
                 except Exception as err:
                     results[i] = err
+
+
+def _layout(proposer):
+    """The tree of the proposer's pending feed (a tree proposer's depth), or None (text: one row per token)."""
+    layout = getattr(proposer, "pending_layout", None)
+    return None if layout is None else layout()
+
+
+def _rows_for(proposer, logits):
+    """What take() expects of a forward's logits [fed, vocab]: every row (a tree's depth), or the last one."""
+    return logits if getattr(proposer, "takes_rows", False) else logits[-1]
 
 
 def _shared(backend: HFBackend | SlotView) -> tuple[HFBackend, SlotView]:

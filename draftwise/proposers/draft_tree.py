@@ -18,6 +18,11 @@ feeds the text it lacks (its last token included, the tree's root), then the exp
 verification keep_path() moves the kept path's fed nodes to right after the text and trims everything else;
 a failed round (or an error while growing) trims back to the text. A leaf never expanded was never fed, like
 the chain's last guess; it is fed next round with the bonus token.
+
+In a batch (a server step), every tree sequence's depth goes in one draft forward with the other sequences' rows
+(proposers/batch.py): the round runs in steps, growing() yields the nodes of the next depth and is sent their
+candidates, so the draft model's weights are read once per depth for the whole batch instead of once per
+sequence.
 """
 from __future__ import annotations
 
@@ -28,14 +33,14 @@ import torch
 
 from draftwise.backends.base import Backend
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.tree_growth import BRANCH, TreeSizing, as_draft, grow
+from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, growing
 from draftwise.sampling import logits_to_probs
 from draftwise.types import Draft
 from draftwise.verify.tree import TreeLayout
 
 
 class DraftTreeProposer(DraftModelProposer):
-    steps_in_lockstep = False  # its forwards are trees, not one row per sequence: propose_many lets it propose()
+    takes_rows = True  # take() gets every fed row's logits: a depth of the tree is fed at once (batch.py)
 
     def __init__(self, backend: Backend, target_vocab_size: int, token_ids: torch.Tensor | None = None,
                  sizing: TreeSizing | None = None):
@@ -43,61 +48,79 @@ class DraftTreeProposer(DraftModelProposer):
         self.sizing = sizing or TreeSizing()  # how many grown nodes to offer (tree_growth.py)
         self._offered: tuple[int, ...] = ()  # the last Draft's tokens
         self._fed_at: dict[int, int] = {}  # a node of the last Draft that was fed -> its cache position
+        self._growth = None  # this round's growing() generator, once the root's forward has run
+        self._tree: GrownTree | None = None  # this round's grown tree, once growth stopped
+        self._nodes: list[int] = []  # the nodes the pending forward feeds
+        self._spec: list[int] = []  # the node of each speculative cache entry, in cache order (after the text)
+        self._forwards, self._started, self._drafted_s, self._k = 0, 0.0, 0.0, 0
+        self._layout: TreeLayout | None = None  # the pending forward's tree (None: the text, the root last)
 
     def fork(self) -> "DraftTreeProposer":
         shared = getattr(self.backend, "backend", self.backend)  # a slot view's model, or the model itself
         return DraftTreeProposer(shared.open_slot(), self.target_vocab_size, self.token_ids,
                                  TreeSizing(self.sizing.costs, self.sizing.max_nodes))
 
-    # -- a round -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+    # -- a round, in steps (propose() runs them alone; batch.py in lockstep with other sequences) ------------
+    def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
         self._context_len, self._offered, self._fed_at = len(context), (), {}
+        self._k, self._stop_confidence = k, stop_confidence
+        self._growth, self._tree, self._nodes, self._spec, self._layout = None, None, [], [], None
+        self._forwards, self._started = 0, time.perf_counter()
+        self._feed = None
         if k < 1:
-            return Draft(token_ids=())
-        started = time.perf_counter()
+            return
+        if len(self._cached) >= len(context):  # a round that failed after feeding the root: feed it again
+            del self._cached[len(context) - 1 :]
+            self.backend.trim(len(self._cached))
+        self._feed = context[len(self._cached) :]  # >= 1 token: the text's last one (the root) is never cached
+
+    def pending_layout(self) -> TreeLayout | None:
+        """The pending forward's tree: the nodes fed before it (in the cache after the text) and its own, each
+        seeing the text and its ancestors only (backends/hf.py); None for the text itself."""
+        return self._layout
+
+    def take(self, logits: torch.Tensor) -> None:
+        """logits: [fed, draft_vocab], the draft's rows after the pending tokens (which the backend has cached)."""
+        self._forwards += 1
+        if self._growth is None:  # the root's forward: what follows the text
+            self._cached += self._feed
+            first = [row[0] for row in self._candidates(logits[-1:])]  # [BRANCH] each
+            # (min_step: the chain's confidence rule)
+            self._growth = growing(first, self._k, min_step=self._stop_confidence, sizing=self.sizing)
+            self._advance(None)
+        else:
+            self._spec += self._nodes
+            self._advance(self._candidates(logits))  # [len(nodes), BRANCH] each
+
+    def _advance(self, children) -> None:
+        """Hand the last forward's children to the growth; the next forward to run, or the grown tree."""
         try:
-            if len(self._cached) >= len(context):  # a round that failed after feeding the root: feed it again
-                del self._cached[len(context) - 1 :]
-                self.backend.trim(len(self._cached))
-            feed = context[len(self._cached) :]  # >= 1 token: the text's last one (the root) is never cached
-            root_logits = self.backend.forward(feed)[-1]  # [draft_vocab]: what follows the text
-            self._cached += feed
-            tree, fed, forwards = self._grow(root_logits, k, stop_confidence)
-            self.sizing.time_forwards(time.perf_counter() - started, forwards)
-            return self._offer(tree.tokens, tree.parents, fed, self.sizing.choose(tree, k, forwards))
-        except BaseException:
-            self.backend.trim(len(self._cached))  # whatever happened, nothing ahead of the text stays
-            raise
-
-    def _grow(self, root_logits: torch.Tensor, depth: int, stop_confidence: float):
-        """Grow up to `depth` levels (tree_growth.grow). Returns (the tree, {fed node: cache position}, draft forwards
-        run)."""
-        spec: list[int] = []  # the node of each speculative cache entry, in cache order (after the text)
-        forwards = [1]  # the root's
-        text_len = len(self._cached)
-
-        def expand(tree, nodes: list[int]):
-            if text_len + len(spec) + len(nodes) > self.backend.max_context:
-                return None
-            logits = self._expand(nodes, tree.tokens, tree.parents, spec)  # [len(nodes), draft_vocab]
-            spec.extend(nodes)
-            forwards[0] += 1
-            return self._candidates(logits)  # [len(nodes), BRANCH] each
-
-        first = [row[0] for row in self._candidates(root_logits[None])]  # [BRANCH] each
-        tree = grow(first, depth, expand, min_step=stop_confidence, sizing=self.sizing)  # (min_step: the chain's rule)
-        return tree, {node: text_len + i for i, node in enumerate(spec)}, forwards[0]
-
-    def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], spec: list[int]) -> torch.Tensor:
-        """One draft forward feeding `nodes` (one depth): each sees the text and its own ancestors, which earlier
-        forwards left in the cache (`spec`, in cache order, right after the text's last token: the root)."""
-        order = [*spec, *nodes]  # the tree in the slot after this forward, the root before it
+            tree, nodes = self._growth.send(children)
+            while len(self._cached) + len(self._spec) + len(nodes) > self.backend.max_context:
+                tree, nodes = self._growth.send(None)  # no room for another depth: growth stops
+        except StopIteration as done:
+            self._tree, self._feed, self._layout = done.value, None, None
+            self._drafted_s = time.perf_counter() - self._started  # (a batch may still be drafting others)
+            return
+        self._nodes, self._feed = nodes, [tree.tokens[n] for n in nodes]
+        order = [*self._spec, *nodes]  # the tree in the slot after this forward, the root before it
         index = {node: i for i, node in enumerate(order)}
-        layout = TreeLayout.of(tuple(-1 if parents[n] < 0 else index[parents[n]] for n in order))
-        model = getattr(self.backend, "backend", self.backend)  # a slot view's model, or the model itself
-        view = self.backend if model is not self.backend else model.default
-        return model.forward_batch([(view, [tokens[n] for n in nodes])], trees=[layout])[0]
+        self._layout = TreeLayout.of(tuple(-1 if tree.parents[n] < 0 else index[tree.parents[n]] for n in order))
+
+    def settle(self) -> None:
+        """A round that did not grow its tree (an error) leaves nothing ahead of the text; a grown tree's fed
+        nodes stay in the cache until keep_path()."""
+        self._feed, self._growth = None, None
+        if self._tree is None:
+            self.backend.trim(len(self._cached))
+
+    def finish(self) -> Draft:
+        if self._tree is None:  # k < 1
+            return Draft(token_ids=())
+        self.sizing.time_forwards(self._drafted_s, self._forwards)
+        fed = {node: len(self._cached) + i for i, node in enumerate(self._spec)}
+        chosen = self.sizing.choose(self._tree, self._k, self._forwards)
+        return self._offer(self._tree.tokens, self._tree.parents, fed, chosen)
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, draft_vocab] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, b].

@@ -75,8 +75,8 @@ class HybridProposer:
         self._shadow = ()
 
     @property
-    def steps_in_lockstep(self) -> bool:  # a draft-tree's forwards are trees, not one row each (batch.py)
-        return getattr(self.draft, "steps_in_lockstep", True)
+    def takes_rows(self) -> bool:  # a draft-tree's take() reads every row of a depth (batch.py)
+        return getattr(self.draft, "takes_rows", False)
 
     @property
     def sizing(self):  # the pair's tree sizing (tree_growth.py); None for the chain hybrid
@@ -202,6 +202,10 @@ class HybridProposer:
 
     def pending(self) -> list[int] | None:
         return None if self._guess is not None else self.draft.pending()
+
+    def pending_layout(self):
+        layout = getattr(self.draft, "pending_layout", None)
+        return None if self._guess is not None or layout is None else layout()
 
     @property
     def backend(self):  # where pending() tokens go

@@ -169,17 +169,30 @@ def grow(first: tuple[torch.Tensor, torch.Tensor], depth: int, expand, min_step:
          sizing: TreeSizing | None = None) -> GrownTree:
     """Grow up to `depth` levels (see the module docstring). first: (log-probabilities [b], target ids [b]) of the
     candidates after the text. expand(tree, nodes) runs one forward over `nodes` (one depth) and returns their
-    children's candidates, (log_p [n, b], ids [n, b]), or None when it may not (no room left). A node whose own
-    probability is below min_step is not expanded: its children would build on a doubtful guess. With a sizing,
-    growth stops where a forward cannot pay (TreeSizing.pays_to_expand); the round has run one forward for `first`
-    and one per depth since."""
+    children's candidates, (log_p [n, b], ids [n, b]), or None when it may not (no room left)."""
+    steps = growing(first, depth, min_step, sizing)
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(expand(*request))
+    except StopIteration as done:
+        return done.value
+
+
+def growing(first: tuple[torch.Tensor, torch.Tensor], depth: int, min_step: float = 0.0,
+            sizing: TreeSizing | None = None):
+    """grow() as a generator, for a proposer whose forwards run in lockstep with other sequences' (batch.py): it
+    yields (tree, nodes) for each forward to run, is sent their children's candidates (or None: it may not run),
+    and returns the tree. A node whose own probability is below min_step is not expanded: its children would build
+    on a doubtful guess. With a sizing, growth stops where a forward cannot pay (TreeSizing.pays_to_expand); the
+    round has run one forward for `first` and one per depth since."""
     tree = GrownTree()
     frontier = tree.add_children(-1, *first)
     for forwards in range(1, depth):
         nodes = sorted((n for n in frontier if tree.step_probability(n) >= min_step),
                        key=lambda n: (-tree.scores[n], n))[:WIDTH]
         pays = bool(nodes) and (sizing is None or sizing.pays_to_expand(tree, nodes, forwards))
-        children = expand(tree, nodes) if pays else None
+        children = (yield tree, nodes) if pays else None
         if children is None:
             break
         frontier = [child for row, node in enumerate(nodes) for child in tree.add_children(node, children[0][row],
