@@ -2,13 +2,16 @@
 
 A proposer that can take part has the round in steps (DraftModelProposer, DraftTreeProposer and HybridProposer
 do): start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
-settle() (in `finally`: the cache holds exactly the proposer's tokens); finish() -> Draft. Its `backend` is its
-slot of a shared HFBackend (a SlotView). A tree proposer feeds a depth of its tree per forward: its
-pending_layout() is that row's tree (the backend's tree mask and positions), and with takes_rows its take() gets
-the logits of every token fed, not just the last. Any other proposer (prompt lookup, the feature head) just
-propose()s.
+settle() (in `finally`: the cache holds the proposer's tokens, and a grown tree's fed nodes until verification);
+finish() -> Draft. Its `backend` is its slot of a shared HFBackend (a SlotView). A tree proposer feeds a depth of
+its tree per forward: its pending_layout() is that row's tree (the backend's tree mask and positions), with
+takes_rows its take() gets the logits of every token fed, not just the last, and time_forward(seconds) tells it
+what each forward it took part in cost (in a batch, the shared forward's time: what one more depth costs there).
+Any other proposer (prompt lookup, the feature head) just propose()s.
 """
 from __future__ import annotations
+
+import time
 
 from draftwise.backends.hf import HFBackend, SlotView
 from draftwise.types import Draft
@@ -19,12 +22,13 @@ def run_round(proposer, context: list[int], k: int, stop_confidence: float = 0.0
     proposer.start(context, k, stop_confidence)
     try:
         while (feed := proposer.pending()) is not None:
-            layout = _layout(proposer)
+            started, layout = time.perf_counter(), _layout(proposer)
             if layout is None:
                 logits = proposer.backend.forward(feed)  # [fed, vocab]
             else:
                 model, slot = _shared(proposer.backend)
                 logits = model.forward_batch([(slot, feed)], trees=[layout])[0]
+            _time_forward(proposer, time.perf_counter() - started)
             proposer.take(_rows_for(proposer, logits))
     finally:
         proposer.settle()
@@ -43,16 +47,22 @@ def propose_many(proposers: list, contexts: list[list[int]], ks: list[int],
         try:
             # Alone, a proposer runs its own round: no batch to share a forward with.
             if k > 0 and hasattr(proposer, "pending") and len(proposers) > 1:
+                stepped.append(i)  # (before start: a start that raised has still to settle)
                 proposer.start(context, k, stop)
-                stepped.append(i)
             else:
                 results[i] = proposer.propose(context, k, stop) if k > 0 else Draft(token_ids=())
         except Exception as err:  # one sequence's proposer failing must not end the others' rounds
             results[i] = err
-    _step_together(proposers, stepped, results)
+    try:
+        _step_together(proposers, stepped, results)
+    finally:  # even on an interrupt, every cache is left holding exactly its proposer's tokens
+        for i in stepped:
+            try:
+                proposers[i].settle()
+            except Exception as err:
+                results[i] = err
     for i in stepped:
         try:
-            proposers[i].settle()
             if results[i] is None:
                 results[i] = proposers[i].finish()
         except Exception as err:
@@ -71,18 +81,30 @@ def _step_together(proposers: list, stepped: list[int], results: list) -> None:
         for group in by_model.values():
             shared = _shared(proposers[group[0][0]].backend)[0]
             trees = [_layout(proposers[i]) for i, _ in group]
+            # (a backend without trees, layer skipping's, never gets the argument: none of its rows is a tree)
+            with_trees = {"trees": trees} if any(t is not None for t in trees) else {}
+            started = time.perf_counter()
             try:
                 rows = shared.forward_batch([(_shared(proposers[i].backend)[1], feed) for i, feed in group],
-                                            trees=trees if any(t is not None for t in trees) else None)
+                                            **with_trees)
             except Exception as err:  # the pass was shared: every sequence in it lost its round
                 for i, _ in group:
                     results[i] = err
                 continue
+            seconds = time.perf_counter() - started
             for (i, _), logits in zip(group, rows):
                 try:
+                    _time_forward(proposers[i], seconds)
                     proposers[i].take(_rows_for(proposers[i], logits))
                 except Exception as err:
                     results[i] = err
+
+
+def _time_forward(proposer, seconds: float) -> None:
+    """Tell a proposer that times its own forwards (a tree's, to size the next) what the last one took."""
+    time_forward = getattr(proposer, "time_forward", None)
+    if time_forward is not None:
+        time_forward(seconds)
 
 
 def _layout(proposer):

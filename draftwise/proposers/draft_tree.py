@@ -52,7 +52,7 @@ class DraftTreeProposer(DraftModelProposer):
         self._tree: GrownTree | None = None  # this round's grown tree, once growth stopped
         self._nodes: list[int] = []  # the nodes the pending forward feeds
         self._spec: list[int] = []  # the node of each speculative cache entry, in cache order (after the text)
-        self._forwards, self._started, self._drafted_s, self._k = 0, 0.0, 0.0, 0
+        self._forwards, self._drafted_s, self._k = 0, 0.0, 0  # this round's forwards, and their seconds
         self._layout: TreeLayout | None = None  # the pending forward's tree (None: the text, the root last)
 
     def fork(self) -> "DraftTreeProposer":
@@ -65,7 +65,7 @@ class DraftTreeProposer(DraftModelProposer):
         self._context_len, self._offered, self._fed_at = len(context), (), {}
         self._k, self._stop_confidence = k, stop_confidence
         self._growth, self._tree, self._nodes, self._spec, self._layout = None, None, [], [], None
-        self._forwards, self._started = 0, time.perf_counter()
+        self._forwards, self._drafted_s = 0, 0.0
         self._feed = None
         if k < 1:
             return
@@ -79,8 +79,19 @@ class DraftTreeProposer(DraftModelProposer):
         seeing the text and its ancestors only (backends/hf.py); None for the text itself."""
         return self._layout
 
+    def time_forward(self, seconds: float) -> None:
+        """What the forward take() is about to read cost: alone, this tree's; in a batch, the shared one's."""
+        self._drafted_s += seconds
+
     def take(self, logits: torch.Tensor) -> None:
         """logits: [fed, draft_vocab], the draft's rows after the pending tokens (which the backend has cached)."""
+        started = time.perf_counter()
+        try:
+            self._take(logits)
+        finally:
+            self._drafted_s += time.perf_counter() - started  # (choosing the candidates is part of drafting)
+
+    def _take(self, logits: torch.Tensor) -> None:
         self._forwards += 1
         if self._growth is None:  # the root's forward: what follows the text
             self._cached += self._feed
@@ -100,7 +111,6 @@ class DraftTreeProposer(DraftModelProposer):
                 tree, nodes = self._growth.send(None)  # no room for another depth: growth stops
         except StopIteration as done:
             self._tree, self._feed, self._layout = done.value, None, None
-            self._drafted_s = time.perf_counter() - self._started  # (a batch may still be drafting others)
             return
         self._nodes, self._feed = nodes, [tree.tokens[n] for n in nodes]
         order = [*self._spec, *nodes]  # the tree in the slot after this forward, the root before it
@@ -110,17 +120,21 @@ class DraftTreeProposer(DraftModelProposer):
     def settle(self) -> None:
         """A round that did not grow its tree (an error) leaves nothing ahead of the text; a grown tree's fed
         nodes stay in the cache until keep_path()."""
-        self._feed, self._growth = None, None
+        self._feed, self._growth, self._layout = None, None, None
         if self._tree is None:
             self.backend.trim(len(self._cached))
 
     def finish(self) -> Draft:
-        if self._tree is None:  # k < 1
+        if self._tree is None:  # k < 1 (a round that failed never gets here)
             return Draft(token_ids=())
-        self.sizing.time_forwards(self._drafted_s, self._forwards)
-        fed = {node: len(self._cached) + i for i, node in enumerate(self._spec)}
-        chosen = self.sizing.choose(self._tree, self._k, self._forwards)
-        return self._offer(self._tree.tokens, self._tree.parents, fed, chosen)
+        try:
+            self.sizing.time_forwards(self._drafted_s, self._forwards)
+            fed = {node: len(self._cached) + i for i, node in enumerate(self._spec)}
+            chosen = self.sizing.choose(self._tree, self._k, self._forwards)
+            return self._offer(self._tree.tokens, self._tree.parents, fed, chosen)
+        except BaseException:
+            self.backend.trim(len(self._cached))  # no draft: nothing ahead of the text stays
+            raise
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, draft_vocab] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, b].
