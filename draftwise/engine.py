@@ -187,6 +187,8 @@ class Engine:
         if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
             proposer.sizing.sized_by_cost = acceptance is not None
             proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
+        if hasattr(proposer, "free_round"):  # a hybrid prices lookup's rounds without the draft model by them too
+            proposer.costs = self.draft_policy.costs
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         return Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,

@@ -348,21 +348,29 @@ def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_si
     # A guess after a 2-token match (pessimistic prior: one token in a pass) does not beat a plain step.
     text += [7, 7, 8, 4, 1, 2]
     assert hybrid.free_round(text, 2) == 0 and hybrid.propose(text, 2).token_ids == (7, 7)
-    chain = hybrid_of(FakeDraft(), "lookup")  # its k follows the sequence's acceptance, lookup rounds included
+    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule, and prices its free rounds by the engine's costs
+    text = [1, 2, 3, 5, 6, 1, 2, 3]
     chain.begin(text, None, None)
-    assert chain.free_round(text, 2) == 0
+    assert chain.free_round(text, 2) == 0  # nothing measured
+    chain.costs = costs
+    assert chain.free_round(text, 2) == 2 and chain.propose(text, 2).token_ids == (5, 6) and chain.drafted_free
+    chain.observe(0)
+    assert chain.free_round(text + [9, 4, 1, 2], 2) == 0  # no match of three tokens: no guess to offer
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_tree_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch):
+@pytest.mark.parametrize("method", HYBRIDS)
+def test_the_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch, method):
     """The engine's policy choosing no draft forwards leaves lookup's free rounds, and the output the target's."""
-    eng = engine(arch, "unrelated", "hybrid-tree")
+    eng = engine(arch, "unrelated", method)
     eng.draft_policy.choose = lambda *args: 0
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
     assert result.token_ids == reference(arch)
     assert rounds and {r.who for r in rounds} == {"lookup"} and eng.proposer.rounds["draft"] == 0
-    assert result.stats.accepted > 0
+    # (The chain's lookup guesses after three-token matches only, which the tiny mistral's text rarely repeats:
+    # one guess there, lost, and its acceptance then prices lookup out.)
+    assert result.stats.accepted > 0 or (method, arch) == ("hybrid", "mistral-sliding")
     assert_caches_hold_the_text(eng, prompt_ids() + result.token_ids)
 
 

@@ -79,7 +79,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
     for seed in range(RUNS):
         # The proposal cache serves unseeded requests only (a seeded one must repeat whatever the cache holds):
         # those runs ask for no seed, and get a generator seeded here, so that the test repeats.
-        unseeded = method in ("lookup-corpus", "hybrid-tree-free")
+        unseeded = method in ("lookup-corpus", "hybrid-free", "hybrid-tree-free")
         with mock.patch("draftwise.engine.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
             result = eng.generate(
                 prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
@@ -97,8 +97,8 @@ def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
     draft = sharpened(1.5) if method.removesuffix("-free") in DRAFT_METHODS else None
-    if method == "hybrid-tree-free":  # draft forwards never pay: every round is lookup's free one, or none
-        eng = Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method="hybrid-tree")
+    if method.endswith("-free"):  # draft forwards never pay: every round is lookup's free one, or none
+        eng = Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method.removesuffix("-free"))
         eng.draft_policy.choose = lambda *args: 0
         return eng
     if method == "lookup-corpus":  # earlier requests' texts (the loop, then each run's own) propose
@@ -127,8 +127,8 @@ def trained_head() -> Path:
 
 # k=2: the first two tokens are drafted (accepted or recovered). k=1: the second is the bonus token
 # after an accepted first one, or the next round's.
-# The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation; hybrid-tree-free is
-# the tree hybrid where draft forwards never pay, so that lookup's rounds are the engine's free ones.
+# The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation; hybrid-free and
+# hybrid-tree-free are the hybrids where draft forwards never pay, so that lookup's rounds are the engine's free ones.
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
          ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"),
@@ -136,7 +136,7 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
          ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
          ("hybrid-tree", "t1", 2, "mid-loop"), ("hybrid-tree", "t0.7-topk-topp", 1, "mid-loop"),
-         ("hybrid-tree-free", "t1", 2, "mid-loop"),
+         ("hybrid-free", "t1", 2, "mid-loop"), ("hybrid-tree-free", "t1", 2, "mid-loop"),
          ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop")]
 
 
@@ -150,7 +150,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     assert (0.01 if method == "lookup-tree" else 0.1) < acceptance < 0.95
     if method in ("hybrid", "hybrid-tree"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
-    if method == "hybrid-tree-free":  # unseeded, so its rounds follow the measured costs: lookup's alone
+    if method.endswith("-free"):  # unseeded, so its rounds follow the measured costs: lookup's alone
         assert rounds["lookup"] >= RUNS // 2 and rounds["draft"] == 0
     if method == "lookup-corpus":
         assert rounds["corpus"] >= RUNS  # the first round of every run came from another text

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.adaptive import Acceptance, expected_tokens
+from draftwise.adaptive import Acceptance, StepCosts, expected_tokens
 from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import PromptLookupProposer
@@ -54,7 +54,8 @@ class HybridProposer:
         self.draft = draft
         self.lookup = lookup
         self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
-        # Per-token acceptance, for the measured pick: the draft model's, and lookup's by the match length.
+        # Per-token acceptance: the draft model's (the draft length follows it) and lookup's by the match length
+        # (the tree hybrid's pick, and both hybrids' free rounds, are priced by them).
         self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
         self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
         self._shadow: tuple = ()  # the last round's lookup guess: (its match length, the guess, the context length)
@@ -65,6 +66,7 @@ class HybridProposer:
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
         self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
+        self.costs: StepCosts | None = None  # the engine's step costs (it sets them): free_round's prices
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -102,8 +104,8 @@ class HybridProposer:
         self._learn_from_last_guess(context)
         guess = self.lookup.propose(context, k)
         match = self.lookup.last_match
-        # Only the tree hybrid picks by measurement: the chain hybrid has no acceptance to learn.
-        self._shadow = (match, guess, len(context)) if guess.depth > 0 and self.sizing is not None else ()
+        # Judged next round, won or not: what the tree hybrid picks by, and what both price free rounds by.
+        self._shadow = (match, guess, len(context)) if guess.depth > 0 else ()
         self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, match, k)
         if self.lookup_round:
             self.rounds["lookup"] += 1
@@ -134,11 +136,12 @@ class HybridProposer:
         draft model's does not: in code that copies its prompt, with a draft model that is slow or wrong on this
         machine, a policy that priced every round by draft forwards would shut lookup out with it. Returns k, and
         arms the round for lookup alone, when the guess's expected tokens per second beat a plain step's in a
-        pass of `rows` rows (the others emitting one token each); judged on the past alone, so still exact. Tree
-        hybrid only: the chain hybrid's k follows the sequence's acceptance, lookup rounds included."""
+        pass of `rows` rows (the others emitting one token each); judged on the past alone, so still exact. Both
+        hybrids: the chain's k follows its draft-model rounds too, so without these rounds, where the draft model
+        does not pay (float32 on a CPU without BF16), its lookup would be shut out with it."""
         self._armed = None
-        sizing = self.sizing
-        if sizing is None or not sizing.by_cost or k < 1:
+        costs = self._free_round_costs()
+        if costs is None or k < 1:
             return 0
         self._learn_from_last_guess(context)
         guess = self.lookup.propose(context, k)
@@ -147,10 +150,16 @@ class HybridProposer:
         match = self.lookup.last_match
         self._shadow = (match, guess, len(context))  # judged next round, offered or not
         tokens = expected_tokens(self._lookup_acceptance_after(match).rate, guess.depth) + rows - 1
-        if tokens / sizing.costs.verify(rows, len(guess) + 1) <= rows / sizing.costs.verify(rows, 1):
+        if tokens / costs.verify(rows, len(guess) + 1) <= rows / costs.verify(rows, 1):
             return 0
         self._armed = guess  # the engine proposes with this k next: _pick hands it over without a second search
         return k
+
+    def _free_round_costs(self) -> StepCosts | None:
+        """The measured step costs a free round is priced by, where this sequence may follow them, else None."""
+        if self.sizing is not None:  # the tree hybrid's: its sizing's, unless it drafts a fixed size
+            return self.sizing.costs if self.sizing.by_cost else None
+        return self.costs if self.costs is not None and self.costs.measured else None
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         sizing = self.sizing
@@ -206,6 +215,11 @@ class HybridProposer:
     def pending_layout(self):
         layout = getattr(self.draft, "pending_layout", None)
         return None if self._guess is not None or layout is None else layout()
+
+    def time_forward(self, seconds: float) -> None:  # (only a draft-model round has forwards to time)
+        time_forward = getattr(self.draft, "time_forward", None)
+        if time_forward is not None:
+            time_forward(seconds)
 
     @property
     def backend(self):  # where pending() tokens go
