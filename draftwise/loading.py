@@ -12,7 +12,7 @@ from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.draft_tree import DraftTreeProposer
-from draftwise.proposers.feature_head import HeadProposer
+from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import hybrid_of
 from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
@@ -141,7 +141,8 @@ def head_proposer(target_model, folder: str) -> HeadProposer:
     head = with_kernels(head, plan_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS))
     readout = nn.Sequential(readout_layer(target_model, ids))
     readout = with_kernels(readout, plan_kernels(readout, DRAFT_KERNELS, HEAD_WIDTHS))[0]
-    proposer = HeadProposer(head, readout, ids, target_model.get_input_embeddings())
+    proposer = HeadProposer(head, readout, ids, target_model.get_input_embeddings(),
+                            window=attention_window(head.config))
     proposer.speed_paths = {"folder": str(folder), "parameters": parameters, "readout": len(ids),
                             "kernels": kernel_counts(head)}
     return proposer

@@ -16,8 +16,8 @@ from draftwise.adaptive import DraftLengthPolicy, StepCosts
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
-from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, load_head, readout_ids
-from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, frequent_tokens, readout_cover, train_head
+from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
+from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, _held_back, frequent_tokens, readout_cover, train_head
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
 
@@ -136,8 +136,6 @@ def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_feature
 
 
 def test_validation_holds_back_whole_sources_and_scores_answers_only(heads):
-    from draftwise.head.train import _held_back
-
     pieces = answers("qwen2")
     held = {p.source for p in pieces if _held_back(p.source)}
     assert 0 < len(held) < len({p.source for p in pieces}) / 5
@@ -158,6 +156,35 @@ def test_head_trees_keep_the_targets_greedy_output(heads, arch, k):
     stats = result.stats
     assert stats.accepted > 0  # the head drafts well enough that trees are really verified, not just offered
     assert stats.nodes <= k * stats.rounds  # a fixed k: at most k nodes a round, whatever the timings
+
+
+@pytest.mark.parametrize("window", [6, 12])
+def test_a_head_attends_no_further_back_than_its_window_and_keeps_the_output(heads, window, monkeypatch):
+    # Distances longer than any training sequence give the head features it cannot read; past its window it sees
+    # nothing, and a long prompt's catch-up feeds only the window's positions.
+    folder, record = heads()
+    assert record["longest_sequence"] == max(len(p.ids) for p in answers("qwen2") if not _held_back(p.source))
+    eng = head_engine("qwen2", folder)
+    assert eng.proposer.window == record["longest_sequence"]  # by default, what training saw
+    eng.proposer.window = window
+    seen = []
+    real_forward = FeatureHead.forward
+
+    def forward(self, features, embeddings, positions, past=None, mask=None, return_kv=False):
+        seen.append((mask is None, 0 if past is None else past[0].shape[2], len(positions)))  # catch-up?, keys, new
+        return real_forward(self, features, embeddings, positions, past, mask, return_kv)
+
+    monkeypatch.setattr(FeatureHead, "forward", forward)
+    result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
+                          adaptive=False)
+    assert result.token_ids == reference("qwen2")
+    assert len(prompt_ids()) > window and seen[0] == (True, 0, window)  # the prompt: its last `window` positions
+    # A catch-up (the verified text, contiguous) reaches the window back from its first new position; a tree depth
+    # sees the window's text and this round's speculative entries (3 depths of 4 at most).
+    assert all(keys + new - 1 <= window + 4 for catch_up, keys, new in seen if catch_up)
+    assert all(keys <= window + 12 for catch_up, keys, _ in seen if not catch_up)
+    assert any(keys == window for catch_up, keys, _ in seen if catch_up)  # the window was reached, and held
+    assert result.stats.accepted > 0
 
 
 def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):

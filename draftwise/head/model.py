@@ -79,10 +79,12 @@ class HeadCache:
     def __len__(self) -> int:
         return self.length
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def view(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The held keys and values, or only the `last` entries."""
         if not self.length:
             return None
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        first = 0 if last is None else max(0, self.length - last)
+        return self.keys[:, :, first : self.length], self.values[:, :, first : self.length]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values: [1, kv_heads, n, head_dim], stored after what is held."""

@@ -134,6 +134,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
                   if from_corpus else "given sequences",
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
+        "longest_sequence": max(len(s["ids"]) for s in train),  # the head attends no further back (its window)
         "collect_s": round(collected_s, 1), "train_s": round(time.perf_counter() - started - collected_s, 1),
         "readout": f"{len(ids)} ids: the target's {cfg.readout} most frequent next tokens on the training split "
                    "(then the lowest ids), and the special ones",
