@@ -239,7 +239,7 @@ def test_a_round_that_fails_leaves_only_the_text_in_the_draft_cache(monkeypatch)
 
     # The draft fails halfway up the tree (its second forward, the first tree one).
     seq = _open(eng, PROMPT, num_draft_tokens=4, adaptive=False)
-    shared = seq.proposer.backend.backend if isinstance(seq.proposer.backend, SlotView) else seq.proposer.backend
+    shared = _draft_model_of(seq)
     draft_forward = shared.forward_batch
 
     def failing(rows, *args, trees=None, **kwargs):
@@ -277,7 +277,7 @@ def test_a_batch_of_tree_and_chain_sequences_gives_each_its_greedy_output(arch, 
         eng.close_sequence(seq)
 
 
-def test_tree_sequences_in_a_batch_share_each_draft_forward():
+def test_tree_sequences_in_a_batch_share_each_draft_forward(monkeypatch):
     # Each depth of every tree goes in one batched draft forward, beside the chain sequence's row: a step runs as
     # many draft forwards as its deepest round, not one per sequence per depth.
     eng = engine("llama", "near")
@@ -291,7 +291,7 @@ def test_tree_sequences_in_a_batch_share_each_draft_forward():
         calls.append([t is not None for t in trees] if trees else [False] * len(rows))
         return real(rows, *args, trees=trees, **kwargs)
 
-    shared.forward_batch = counting
+    monkeypatch.setattr(shared, "forward_batch", counting)
     eng.step(seqs)
     assert len(calls) == 4  # the roots (and the chain's first token), then three depths
     assert calls[0] == [False, False, False] and all(call[:2] == [True, True] for call in calls[1:])
@@ -301,7 +301,7 @@ def test_tree_sequences_in_a_batch_share_each_draft_forward():
         eng.close_sequence(seq)
 
 
-def test_a_failed_shared_tree_forward_ends_only_the_rounds_in_it_and_leaves_each_draft_at_its_text():
+def test_a_failed_shared_tree_forward_ends_only_the_rounds_in_it_and_leaves_each_draft_at_its_text(monkeypatch):
     eng = engine("llama", "near")
     seqs = [_open(eng, p, num_draft_tokens=3, adaptive=False) for p in PROMPTS[:2]]
     shared = _draft_model_of(seqs[0])
@@ -312,7 +312,7 @@ def test_a_failed_shared_tree_forward_ends_only_the_rounds_in_it_and_leaves_each
             raise RuntimeError("draft boom")
         return real(rows, *args, trees=trees, **kwargs)
 
-    shared.forward_batch = failing
+    monkeypatch.setattr(shared, "forward_batch", failing)
     events = eng.step(seqs)
     for seq in seqs:
         assert events[seq][-1].finish_reason == "error" and "draft boom" in seq.error
