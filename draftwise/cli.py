@@ -103,10 +103,11 @@ def _add_generate(commands) -> None:
                              "text, the --draft model elsewhere), 'hybrid-tree' (the same with lookup-tree and draft-tree), 'draft-tree' (the --draft model's likeliest "
                              "continuations as a token tree), 'skip' (the target itself with some layers skipped, "
                              "chosen by a short calibration at load; no second model), 'head' (a trained feature "
-                             "head, see train-head, drafting token trees) or 'none' (the target "
+                             "head, see train-head, drafting token trees), 'hybrid-head' (the head, and lookup-tree where "
+                             "the text's tail matches earlier text; no second model) or 'none' (the target "
                              "alone: the baseline) (default: draft when --draft is given, else lookup)")
     models.add_argument("--head", metavar="DIR",
-                        help="the trained head for --method head (default: where 'draftwise train-head' puts the "
+                        help="the trained head for --method head or hybrid-head (default: where 'draftwise train-head' puts the "
                              "target's, $DRAFTWISE_HOME/heads/<target name>)")
     models.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights dtype at load time: 'auto' is bfloat16 where the hardware computes it "

@@ -5,12 +5,15 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "hybrid-tree", "skip", "head")
+METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "hybrid-tree", "skip", "head",
+           "hybrid-head")
 # Prompt lookup's methods: how many earlier occurrences' continuations a guess merges (more than one: a token tree).
 LOOKUP_BRANCHES = {"lookup": 1, "lookup-tree": 3}
-# The hybrids: (the draft model's method, prompt lookup's method) that they pick between, round by round.
-HYBRID_PARTS = {"hybrid": ("draft", "lookup"), "hybrid-tree": ("draft-tree", "lookup-tree")}
-DRAFT_METHODS = ("draft", "draft-tree", *HYBRID_PARTS)  # the methods that need a draft model
+# The hybrids: (the drafting method, prompt lookup's method) that they pick between, round by round.
+HYBRID_PARTS = {"hybrid": ("draft", "lookup"), "hybrid-tree": ("draft-tree", "lookup-tree"),
+                "hybrid-head": ("head", "lookup-tree")}
+HEAD_METHODS = ("head", "hybrid-head")  # the methods that need a trained head (and no draft model)
+DRAFT_METHODS = ("draft", "draft-tree", *(m for m in HYBRID_PARTS if m not in HEAD_METHODS))  # need a draft model
 MAX_DRAFT_TOKENS = 64
 # The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"

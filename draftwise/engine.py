@@ -21,7 +21,7 @@ from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import DRAFT_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, GenerationConfig
+from draftwise.config import DRAFT_METHODS, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -90,8 +90,8 @@ class Engine:
     @property
     def methods_available(self) -> tuple[str, ...]:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
-        draft, skip on an engine built for it (its layer plan is calibrated at load)."""
-        own = DRAFT_METHODS if self.method in DRAFT_METHODS else (self.method,) if self.method in ("skip", "head") else ()
+        draft, the head's with a head, skip on an engine built for it (its layer plan is calibrated at load)."""
+        own = next((group for group in (DRAFT_METHODS, HEAD_METHODS, ("skip",)) if self.method in group), ())
         return ("none", "lookup", "lookup-tree", *own)
 
     @classmethod
@@ -269,6 +269,8 @@ class Engine:
             return self._on_draft_model(DraftModelProposer)
         if method == "draft-tree":
             return self._on_draft_model(DraftTreeProposer)
+        if method == "head":
+            return getattr(self.proposer, "draft", self.proposer).fork()  # (a hybrid-head engine's head)
         draft_method, lookup_method = HYBRID_PARTS[method]
         return hybrid_of(self._new_proposer(draft_method), lookup_method, corpus=self.proposal_cache)
 

@@ -5,7 +5,7 @@ from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
-from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
+from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
@@ -36,9 +36,10 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
                  dtype: str = "auto", device: str = "cpu", progress: bool = True, head: str | None = None, **lookup):
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed).
 
-    head: the trained head's folder for method "head" (default: where `draftwise train-head` puts the target's)."""
+    head: the trained head's folder for the methods head and hybrid-head (default: where `draftwise train-head` puts
+    the target's)."""
     method = choose_method(method, draft is not None)
-    if method == "head":
+    if method in HEAD_METHODS:
         from draftwise.head.command import head_home
 
         head = head or str(head_home(target))
@@ -82,7 +83,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
     in is left as it is.
 
-    head: for method "head", the folder of a head trained for this target (`draftwise train-head`);
+    head: for the methods head and hybrid-head, the folder of a head trained for this target (`draftwise train-head`);
     readout_model: the target as loaded, when target_model's output layer was already repacked for a kernel
     (the head reads its plain weight)."""
     method = choose_method(method, draft_model is not None)
@@ -90,10 +91,12 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if inexact or not target_kernels:
         raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
                              f"got {', '.join(target_kernels) or 'none'}")
-    if method == "head" and head is None:
-        raise DraftwiseError("method 'head' needs the folder of a trained head (head=DIR; see draftwise train-head)")
+    if method in HEAD_METHODS and head is None:
+        raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
-    proposer = head_proposer(readout_model or target_model, head) if method == "head" else None
+    proposer = head_proposer(readout_model or target_model, head) if method in HEAD_METHODS else None
+    if method == "hybrid-head":
+        proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
     target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
@@ -122,8 +125,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method == "skip":
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
-    if method == "head":
-        paths["head"] = proposer.speed_paths
+    if method in HEAD_METHODS:
+        paths["head"] = getattr(proposer, "draft", proposer).speed_paths  # (a hybrid's head)
     if method in NEEDS_DRAFT:
         paths["draft_kernels"] = kernel_counts(draft_model)
         paths["draft_vocab"] = draft.vocab_size

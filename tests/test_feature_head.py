@@ -70,8 +70,8 @@ def reference(arch: str) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def head_engine(arch: str, folder: Path) -> Engine:
-    return Engine.from_models(tiny_model(arch, 0), tiny_tokenizer(), method="head", head=str(folder))
+def head_engine(arch: str, folder: Path, method: str = "head") -> Engine:
+    return Engine.from_models(tiny_model(arch, 0), tiny_tokenizer(), method=method, head=str(folder))
 
 
 # -- training ----------------------------------------------------------------------------------------------
@@ -211,9 +211,10 @@ def test_adaptive_trees_sized_by_cost_keep_the_output(heads):
     assert result.token_ids == reference("qwen2")
 
 
-def test_head_sequences_in_one_batch_each_get_the_targets_output(heads):
+@pytest.mark.parametrize("method", ["head", "hybrid-head"])
+def test_head_sequences_in_one_batch_each_get_the_targets_output(heads, method):
     folder, _ = heads()
-    eng = head_engine("qwen2", folder)
+    eng = head_engine("qwen2", folder, method)
     tok = tiny_tokenizer()
     prompts = [prompt_ids(), tok("The quick brown fox")["input_ids"], tok("for i in range(10):\n")["input_ids"]]
     alone = [eng.generate(p, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False).token_ids
@@ -230,6 +231,58 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads):
         for seq in seqs:
             eng.close_sequence(seq)
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == alone
+
+
+# -- hybrid-head: the head's trees, and prompt lookup's where the text copies ------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_hybrid_head_keeps_the_targets_greedy_output_with_rounds_of_both(heads, arch, k):
+    folder, _ = heads(arch)
+    eng = head_engine(arch, folder, "hybrid-head")
+    result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True,
+                          adaptive=False)
+    assert result.token_ids == reference(arch)
+    assert eng.proposer.rounds["lookup"] > 0 and eng.proposer.rounds["draft"] > 0, eng.proposer.rounds
+    assert result.stats.accepted > 0
+
+
+def test_hybrid_head_sized_by_cost_keeps_the_output(heads):
+    folder, _ = heads()
+    result = head_engine("qwen2", folder, "hybrid-head").generate(prompt_ids(), max_new_tokens=NEW_TOKENS,
+                                                                  num_draft_tokens=6, ignore_eos=True)
+    assert result.token_ids == reference("qwen2")
+
+
+@pytest.mark.parametrize("built, asked", [("hybrid-head", "head"), ("head", "hybrid-head")])
+def test_a_head_engine_serves_both_head_methods(heads, built, asked):
+    folder, _ = heads()
+    eng = head_engine("qwen2", folder, built)
+    assert set(eng.methods_available) == {"none", "lookup", "lookup-tree", "head", "hybrid-head"}
+    result = eng.generate(prompt_ids(), method=asked, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
+                          adaptive=False)  # (another method than the engine's: a proposer of its own)
+    assert result.token_ids == reference("qwen2")
+    assert result.stats.method == asked and result.stats.accepted > 0
+
+
+def test_a_failed_head_round_in_a_batch_reports_its_own_error(heads, monkeypatch):
+    from draftwise.proposers.batch import propose_many
+    from draftwise.proposers.feature_head import HeadProposer
+    from draftwise.proposers.prompt_lookup import PromptLookupProposer
+
+    folder, _ = heads()
+    hybrid = head_engine("qwen2", folder, "hybrid-head").proposer
+    other = PromptLookupProposer()
+    for proposer in (hybrid, other):
+        proposer.begin([1, 2, 3], GenerationConfig.from_options().sampling, torch.Generator())
+
+    def broken(self, context, k, stop_confidence=0.0):
+        raise RuntimeError("the head broke")
+
+    monkeypatch.setattr(HeadProposer, "propose", broken)
+    # No earlier match for lookup: the round is the head's, and it fails; the other sequence's round goes on.
+    results = propose_many([hybrid, other], [[1, 2, 3], [4, 5, 4]], [2, 2], [0.0, 0.0])
+    assert isinstance(results[0], RuntimeError) and "the head broke" in str(results[0])
+    assert isinstance(results[1], Draft)
 
 
 # -- tree size by measured cost ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from conftest import CORPUS, tiny_model, tiny_tokenizer
 from draftwise import Engine
-from draftwise.config import DRAFT_METHODS, SamplingConfig
+from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SamplingConfig
 from draftwise.sampling import logits_to_probs, make_generator
 from stats_helpers import fit_pvalue
 
@@ -105,8 +105,8 @@ def engine(method):
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
         eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
         return eng
-    if method == "head":
-        return Engine.from_models(target(), tiny_tokenizer(), method="head", head=str(trained_head()))
+    if method in HEAD_METHODS:
+        return Engine.from_models(target(), tiny_tokenizer(), method=method, head=str(trained_head()))
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
 
 
@@ -127,7 +127,8 @@ def trained_head() -> Path:
 
 # k=2: the first two tokens are drafted (accepted or recovered). k=1: the second is the bonus token
 # after an accepted first one, or the next round's.
-# The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation; hybrid-free and
+# The hybrid mixes one-hot lookup rounds and draft-model rounds (with q) in one generation (hybrid-head: lookup's
+# trees and the head's, both one-hot); hybrid-free and
 # hybrid-tree-free are the hybrids where draft forwards never pay, so that lookup's rounds are the engine's free ones.
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
@@ -137,7 +138,8 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
          ("hybrid-tree", "t1", 2, "mid-loop"), ("hybrid-tree", "t0.7-topk-topp", 1, "mid-loop"),
          ("hybrid-free", "t1", 2, "mid-loop"), ("hybrid-tree-free", "t1", 2, "mid-loop"),
-         ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop")]
+         ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop"),
+         ("hybrid-head", "t1", 2, "mid-loop"), ("hybrid-head", "t0.7-topk-topp", 1, "mid-loop")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -148,7 +150,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     # kept in about 2.5% of positions (some 30 times in 800 runs); test_tree.py checks the rule on a table where
     # they are kept often.
     assert (0.01 if method == "lookup-tree" else 0.1) < acceptance < 0.95
-    if method in ("hybrid", "hybrid-tree"):
+    if method in ("hybrid", "hybrid-tree", "hybrid-head"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method.endswith("-free"):  # unseeded, so its rounds follow the measured costs: lookup's alone
         assert rounds["lookup"] >= RUNS // 2 and rounds["draft"] == 0
@@ -178,3 +180,5 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("head", "t1", 2)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
+    pairs, _, _ = sampled_pairs("hybrid-head", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6

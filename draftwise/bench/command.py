@@ -50,7 +50,7 @@ def add_bench(commands, formatter) -> None:
                              "(default: %(default)s)")
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
-                      help=f"comma-separated, from: {', '.join(METHODS)}; 'head' needs a trained head (see "
+                      help=f"comma-separated, from: {', '.join(METHODS)}; 'head' and 'hybrid-head' need a trained head (see "
                            "draftwise train-head) (default: %(default)s)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
                       help="comma-separated categories, or 'all' (default: %(default)s)")
@@ -67,7 +67,7 @@ def add_bench(commands, formatter) -> None:
                       help="draft length for draft, lookup and hf-lookup; hf-assisted keeps transformers' own "
                            "(default: %(default)s)")
     models.add_argument("--head", metavar="DIR",
-                        help="the trained head for method 'head' (default: where 'draftwise train-head' puts the "
+                        help="the trained head for the methods 'head' and 'hybrid-head' (default: where 'draftwise train-head' puts the "
                              "target's, $DRAFTWISE_HOME/heads/<target name>)")
     work.add_argument("--no-roofline", action="store_true", help="skip the forward-time-per-size measurement")
     out = p.add_argument_group("output")

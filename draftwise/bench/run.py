@@ -27,12 +27,12 @@ from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts,
 from draftwise.bench.report import write_report
 from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
-from draftwise.config import DTYPES
+from draftwise.config import DTYPES, HEAD_METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "head")  # every method but the one that needs a trained head
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS)  # every method but those needing a trained head
 WARMUP_TOKENS = 8
 
 
@@ -53,7 +53,7 @@ class BenchConfig:
     out: str = "bench-results"
     roofline: bool = True
     progress: bool = True
-    head: str | None = None  # the trained head for "head"; None: where train-head puts the target's
+    head: str | None = None  # the trained head for head and hybrid-head; None: where train-head puts the target's
     resume: bool = False  # keep the finished prompts of an earlier bench of these settings under out
 
     @property
@@ -64,7 +64,7 @@ class BenchConfig:
 
     def check(self) -> None:
         check_methods(list(self.methods), self.draft is not None)
-        if "head" in self.methods:
+        if set(HEAD_METHODS) & set(self.methods):
             from draftwise.head.model import require_head
 
             require_head(self.head_folder)
@@ -134,7 +134,7 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model = models
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
-                      head=cfg.head_folder if "head" in cfg.methods else None)
+                      head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     _warm_up(runners, cfg.methods, encoded[0])

@@ -13,11 +13,12 @@ from contextlib import contextmanager
 import torch
 
 from draftwise.backends.kernels import plan_kernels, with_kernels
-from draftwise.config import DRAFT_METHODS
+from draftwise.config import DRAFT_METHODS, HEAD_METHODS
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "head")  # config.METHODS, in report order
+OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "head",
+        "hybrid-head")  # config.METHODS, in report order
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
 NEEDS_DRAFT = (*DRAFT_METHODS, "hf-assisted")
@@ -40,7 +41,7 @@ class Runners:
     """The loaded models, shared by every method so that all of them run on the very same weights."""
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4, head: str | None = None):
-        """head: the trained head's folder, for the method "head"."""
+        """head: the trained head's folder, for the methods head and hybrid-head."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
@@ -60,7 +61,7 @@ class Runners:
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
             # The head reads out through the output layer's plain weight, which the fast copy has repacked.
-            head = {"head": self.head, "readout_model": self.target_model} if method == "head" else {}
+            head = {"head": self.head, "readout_model": self.target_model} if method in HEAD_METHODS else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method, **head)
         return self._engines[method]
 

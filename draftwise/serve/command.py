@@ -52,7 +52,7 @@ def add_serve(commands, formatter) -> None:
     m.add_argument("--method", choices=METHODS, help="default speculation method (default: draft with a draft "
                                                      "model, lookup without)")
     m.add_argument("--head", metavar="DIR",
-                   help="the trained head for --method head (default: $DRAFTWISE_HOME/heads/<target name>)")
+                   help="the trained head for --method head or hybrid-head (default: $DRAFTWISE_HOME/heads/<target name>)")
     m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
                    help=f"most draft tokens per round unless a request says otherwise, 1-{MAX_DRAFT_TOKENS} "
                         "(default: 4)")
