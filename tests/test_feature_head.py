@@ -18,6 +18,8 @@ from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
 from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
 from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, _held_back, frequent_tokens, readout_cover, train_head
+from draftwise.proposers.feature_head import HeadProposer
+from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
 
@@ -231,19 +233,43 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads, method):
         for seq in seqs:
             eng.close_sequence(seq)
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == alone
+    if method == "hybrid-head":  # the batched rounds (in steps, batch.py) went to both
+        assert sum(seq.proposer.rounds["lookup"] for seq in seqs) > 0
+        assert sum(seq.proposer.drafting_acceptance.rate > 0.5 for seq in seqs) > 0  # (0.5: before any head round)
 
 
 # -- hybrid-head: the head's trees, and prompt lookup's where the text copies ------------------------------
+def head_rounds(hybrid: HybridProposer) -> list[list[int]]:
+    """A spy on the hybrid's head: [lookup rounds before it, the depth it offered, tokens kept] for each round it
+    drafted."""
+    rounds, propose, observe = [], hybrid.draft.propose, hybrid.draft.observe
+
+    def spied_propose(context, k, stop_confidence=0.0):
+        draft = propose(context, k, stop_confidence)
+        rounds.append([hybrid.rounds["lookup"], draft.depth, 0])
+        return draft
+
+    def spied_observe(num_accepted):
+        rounds[-1][2] = num_accepted
+        observe(num_accepted)
+
+    hybrid.draft.propose, hybrid.draft.observe = spied_propose, spied_observe
+    return rounds
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
 @pytest.mark.parametrize("k", [2, 4])
 def test_hybrid_head_keeps_the_targets_greedy_output_with_rounds_of_both(heads, arch, k):
     folder, _ = heads(arch)
     eng = head_engine(arch, folder, "hybrid-head")
+    drafted = head_rounds(eng.proposer)
     result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True,
                           adaptive=False)
     assert result.token_ids == reference(arch)
     assert eng.proposer.rounds["lookup"] > 0 and eng.proposer.rounds["draft"] > 0, eng.proposer.rounds
-    assert result.stats.accepted > 0
+    # The head drafted, and the target kept its guesses, after lookup's rounds too: the verified text's features
+    # reached it while it sat out.
+    assert any(lookups > 0 and kept > 0 for lookups, _, kept in drafted), drafted
 
 
 def test_hybrid_head_sized_by_cost_keeps_the_output(heads):
@@ -253,20 +279,44 @@ def test_hybrid_head_sized_by_cost_keeps_the_output(heads):
     assert result.token_ids == reference("qwen2")
 
 
+def test_the_head_keeps_no_more_features_than_its_window_while_lookup_wins(heads, monkeypatch):
+    folder, _ = heads()
+    eng = head_engine("qwen2", folder, "hybrid-head")
+    head = eng.proposer.draft
+    head.window = 6
+    kept, real = [], HeadProposer.add_features
+
+    def add_features(self, start, features):
+        real(self, start, features)
+        kept.append(len(self._features))
+
+    monkeypatch.setattr(HeadProposer, "add_features", add_features)
+    result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
+                          adaptive=False)
+    assert result.token_ids == reference("qwen2")
+    assert max(kept) == 6 and eng.proposer.rounds["lookup"] > 0  # (the prompt alone brought more than 6)
+
+
 @pytest.mark.parametrize("built, asked", [("hybrid-head", "head"), ("head", "hybrid-head")])
 def test_a_head_engine_serves_both_head_methods(heads, built, asked):
     folder, _ = heads()
     eng = head_engine("qwen2", folder, built)
     assert set(eng.methods_available) == {"none", "lookup", "lookup-tree", "head", "hybrid-head"}
+    seq = eng.open_sequence(prompt_ids(), GenerationConfig.from_options(max_new_tokens=4, method=asked))
+    try:  # (another method than the engine's: a proposer of its own)
+        proposer = seq.proposer
+        assert type(proposer) is (HybridProposer if asked == "hybrid-head" else HeadProposer)
+        assert type(getattr(proposer, "draft", proposer)) is HeadProposer
+    finally:
+        eng.close_sequence(seq)
     result = eng.generate(prompt_ids(), method=asked, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
-                          adaptive=False)  # (another method than the engine's: a proposer of its own)
+                          adaptive=False)
     assert result.token_ids == reference("qwen2")
     assert result.stats.method == asked and result.stats.accepted > 0
 
 
 def test_a_failed_head_round_in_a_batch_reports_its_own_error(heads, monkeypatch):
     from draftwise.proposers.batch import propose_many
-    from draftwise.proposers.feature_head import HeadProposer
     from draftwise.proposers.prompt_lookup import PromptLookupProposer
 
     folder, _ = heads()

@@ -66,6 +66,11 @@ class HeadProposer:
             self._features = torch.cat([self._features, features])
         else:  # a gap (a prompt-cached prefix the target never recomputed): the head goes on from here
             self._features, self._features_at = features, start
+        # Only the window's positions are ever fed (_catch_up): while lookup wins a hybrid's rounds, the rest would
+        # pile up for as long as the streak lasts.
+        surplus = len(self._features) - self.window if self.window else 0
+        if surplus > 0:
+            self._features, self._features_at = self._features[surplus:], self._features_at + surplus
 
     def observe(self, num_accepted: int) -> None:
         """How far the tree's chances were borne out (TreeSizing.trust); the verified text's features arrive
