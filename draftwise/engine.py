@@ -406,9 +406,11 @@ class Engine:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
         ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
-              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, seq.cfg.num_draft_tokens,
-                  seq.remaining - 1)  # drafting past the last token we may emit is wasted work
+              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, _free_depth(seq))
               for seq in seqs]
+        for seq in seqs:  # a hybrid's lookup guesses as deep as a free round would, whatever its draft model's k
+            if hasattr(seq.proposer, "lookup_depth"):
+                seq.proposer.lookup_depth = _free_depth(seq)
         return [k or _free_round(seq, len(seqs)) for seq, k in zip(seqs, ks)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
@@ -494,8 +496,13 @@ def _free_round(seq: Sequence, rows: int) -> int:
     """k for an adaptive sequence whose draft model sits this round out: its proposer's free guess (the tree
     hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
     free_round = getattr(seq.proposer, "free_round", None)
-    k = min(seq.cfg.num_draft_tokens, seq.remaining - 1)
+    k = _free_depth(seq)
     return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
+
+
+def _free_depth(seq: Sequence) -> int:
+    """The most a sequence drafts: its num_draft_tokens, and never past the last token it may emit (wasted work)."""
+    return min(seq.cfg.num_draft_tokens, seq.remaining - 1)
 
 
 def _drafting_acceptance(seq: Sequence) -> Acceptance:

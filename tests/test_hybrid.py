@@ -358,6 +358,38 @@ def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_si
     assert chain.free_round(text + [9, 4, 1, 2], 2) == 0  # no match of three tokens: no guess to offer
 
 
+def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_draft_models_k():
+    text = [1, 2, 3, 5, 6, 8, 9, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6, 8, 9)
+    costs = StepCosts()
+    for width in (1, 2, 5):
+        costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
+
+    def guess(method, draft, depth, by_cost=True):
+        hybrid = hybrid_of(draft, method)
+        hybrid.begin(text, None, None)
+        hybrid.costs = costs
+        if hybrid.sizing is not None:
+            hybrid.sizing.costs, hybrid.sizing.sized_by_cost = costs, by_cost
+        hybrid.lookup_depth = depth  # the engine's free-round k
+        return hybrid.propose(text, 1).token_ids  # the draft model's k is 1
+
+    # Lookup's guess prices its own width (flat here) and costs no forward: it goes as deep as a free round.
+    assert guess("lookup-tree", FakeTreeDraft(), 4) == (5, 6, 8, 9)
+    assert guess("lookup-tree", FakeTreeDraft(), 0) == (5,)  # (nothing set: the draft model's k)
+    assert guess("lookup-tree", FakeTreeDraft(), 4, by_cost=False) == (5,)  # a fixed k keeps it
+    assert guess("lookup", FakeDraft(), 4) == (5,)  # the chain's guess is not priced by its width: k
+
+
+def test_the_engine_lets_the_tree_hybrids_lookup_guess_deeper_than_the_draft_models_k(monkeypatch):
+    eng = engine("qwen2", "unrelated", "hybrid-tree")
+    monkeypatch.setattr(eng.draft_policy, "choose", lambda *args: 1)  # the draft model drafts one token a round
+    rounds = watch(eng)
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert result.token_ids == reference("qwen2")
+    assert max(r.depth for r in rounds if r.who == "lookup") > 1
+    assert {r.depth for r in rounds if r.who == "draft"} <= {0, 1}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method", HYBRIDS)
 def test_the_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch, method):
