@@ -405,13 +405,14 @@ class Engine:
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
+        depths = [_free_depth(seq) for seq in seqs]
         ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
-              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, _free_depth(seq))
-              for seq in seqs]
-        for seq in seqs:  # a hybrid's lookup guesses as deep as a free round would, whatever its draft model's k
+              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
+              for seq, depth in zip(seqs, depths)]
+        for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
             if hasattr(seq.proposer, "lookup_depth"):
-                seq.proposer.lookup_depth = _free_depth(seq)
-        return [k or _free_round(seq, len(seqs)) for seq, k in zip(seqs, ks)]
+                seq.proposer.lookup_depth = depth
+        return [k or _free_round(seq, depth, len(seqs)) for seq, k, depth in zip(seqs, ks, depths)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
                 live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
@@ -492,11 +493,10 @@ def _wants_features(proposer) -> bool:
     return getattr(proposer, "wants_features", False)
 
 
-def _free_round(seq: Sequence, rows: int) -> int:
-    """k for an adaptive sequence whose draft model sits this round out: its proposer's free guess (the tree
-    hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
+def _free_round(seq: Sequence, k: int, rows: int) -> int:
+    """k (the sequence's _free_depth) for an adaptive sequence whose draft model sits this round out: its proposer's
+    free guess (a hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
     free_round = getattr(seq.proposer, "free_round", None)
-    k = _free_depth(seq)
     return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
 
 

@@ -131,9 +131,9 @@ class HybridProposer:
     def _lookup_k(self, k: int) -> int:
         """How deep lookup may guess in a round whose draft-model k is k. The tree hybrid's lookup sizes its own
         tree by the measured cost of the wider pass, and costs no forward: it goes as deep as in a round the draft
-        model sits out. Cut to the draft model's k, every lookup round of a copying text was: on a Zen 4 code
-        prompt, while the policy gave the draft model k = 2, the tree hybrid took 17 target passes where
-        lookup-tree alone took 13. The chain's lookup (its guess unpriced) and a fixed-k sequence keep k."""
+        model sits out. Cut to the draft model's k, it lost rounds on copying text: on a Zen 4 code prompt, while
+        the policy gave the draft model k = 2, the tree hybrid took 17 target passes where lookup-tree alone took
+        13. The chain's lookup (its guess unpriced by width) and a fixed-k sequence keep k."""
         sizing = self.sizing
         return max(k, self.lookup_depth) if sizing is not None and sizing.by_cost else k
 
