@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import pytest
@@ -44,6 +45,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 # Tiny models run fastest on one thread; a second one only adds contention on a 2-core machine.
 torch.set_num_threads(1)
 
+# Where the tiny models live: the suite runs on the CPU; DRAFTWISE_TEST_DEVICE=cuda runs the engine's tests on a
+# GPU (README, "How it is tested"). The weights are made on the CPU first, so they are the same on either.
+TEST_DEVICE = os.environ.get("DRAFTWISE_TEST_DEVICE", "cpu")
+# The fast kernels (int8, oneDNN) are CPU kernels: elsewhere every linear stays dense, and tests of them skip.
+cpu_kernels = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the timed kernels are CPU kernels")
+
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -62,11 +69,16 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: 
         max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **extra,
     )
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = model_cls(config).eval().to(TEST_DEVICE)
     # Random init is nearly uniform; sharper logits make greedy ties impossible and sampling informative.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model
+
+
+def input_batch(ids: list[int]) -> torch.Tensor:
+    """[1, len(ids)] input ids on the tiny models' device, for calling a model directly."""
+    return torch.tensor([ids], device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
 from draftwise.config import GenerationConfig
@@ -214,6 +214,7 @@ def test_int8_linear_is_close_to_the_float_layer():
     assert torch.allclose(q(x), linear(x), atol=0.05 * linear(x).abs().max().item())
 
 
+@cpu_kernels
 def test_compact_draft_keeps_the_common_tokens_and_leaves_the_original_alone():
     model = tiny_model("llama", seed=0)
     before = model.lm_head.weight.clone()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
 
@@ -50,7 +50,7 @@ def test_cached_logits_match_a_full_forward():
     backend.prefill(ids[:4])
     stepped = torch.cat([backend.forward(ids[4:8]), backend.forward(ids[8:])])  # [n - 4, vocab]
     with torch.no_grad():
-        full = model(torch.tensor([ids])).logits[0, 4:]
+        full = model(input_batch(ids)).logits[0, 4:]
     assert torch.allclose(stepped, full, atol=1e-4)
 
 

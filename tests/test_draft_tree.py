@@ -33,7 +33,7 @@ def near(arch, noise=0.08):
     draft = tiny_model(arch, 0)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g))
+        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g).to(draft.device))
     return draft
 
 

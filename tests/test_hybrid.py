@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
 from draftwise.adaptive import StepCosts
 from draftwise.bench.runners import Runners, check_methods
@@ -112,7 +112,7 @@ def assert_draft_kv_is_the_texts(eng, arch, draft, text: list[int]) -> None:
     live = proposer.backend.forward(text[len(proposer._cached):])[-1]  # [vocab]
     draft_model = {"same": model(arch, 0), "unrelated": model(arch, 1, 1)}[draft]
     with torch.no_grad():
-        fresh = draft_model(torch.tensor([text])).logits[0, -1]  # [vocab]
+        fresh = draft_model(input_batch(text)).logits[0, -1]  # [vocab]
     assert torch.allclose(live, fresh, atol=1e-4)
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.backends import kernels
 from draftwise.backends.kernels import OneDNNLinear, kernel_counts, plan_kernels, with_kernels
@@ -61,6 +61,7 @@ def test_without_dense_the_least_worst_kernel_wins():
 # -- planning: measured, cached, robust ------------------------------------------------------------------------
 
 
+@cpu_kernels
 def test_a_plan_is_measured_once_then_read_from_the_cache(home, monkeypatch):
     model = tiny_model("llama", seed=0)
     first = plan_kernels(model)
@@ -76,6 +77,7 @@ def test_a_plan_is_measured_once_then_read_from_the_cache(home, monkeypatch):
     assert plan_kernels(model).choices == first.choices
 
 
+@cpu_kernels
 def test_a_damaged_cache_is_measured_again(home):
     model = tiny_model("llama", seed=0)
     plan_kernels(model)
@@ -101,9 +103,17 @@ def test_dense_only_changes_nothing():
     assert with_kernels(model, plan_kernels(model, kernels=("dense",))) is model
 
 
+def test_off_the_cpu_every_linear_stays_dense_and_nothing_is_timed(home):
+    model = tiny_model("llama", seed=0).to("meta")  # no data: any timing on it would fail
+    plan = plan_kernels(model, kernels=("dense", "onednn", "int8"))
+    assert set(plan.choices.values()) == {"dense"} and not plan.timings
+    assert with_kernels(model, plan) is model and not (home / "calibration").exists()
+
+
 # -- applying a plan -------------------------------------------------------------------------------------------
 
 
+@cpu_kernels
 @needs_onednn
 def test_a_planned_copy_leaves_the_original_alone_and_computes_the_same():
     model = tiny_model("qwen2", seed=0)  # q/k/v with bias
@@ -116,6 +126,7 @@ def test_a_planned_copy_leaves_the_original_alone_and_computes_the_same():
         assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-4)
 
 
+@cpu_kernels
 @needs_onednn
 @pytest.mark.parametrize("method", ["none", "draft", "lookup"])
 @pytest.mark.parametrize("k", [1, 4])

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
@@ -47,7 +47,7 @@ def greedy(n, **options):
 def test_skipping_passes_over_the_layers_and_puts_them_back():
     model = target()
     layers = list(decoder_layers(model))
-    ids = torch.tensor([tiny_tokenizer()(PROMPTS[0])["input_ids"]])
+    ids = input_batch(tiny_tokenizer()(PROMPTS[0])["input_ids"])
     with torch.no_grad():
         full = model(input_ids=ids).logits
         with skipping(model, (1, 2)):

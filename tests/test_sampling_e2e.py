@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import CORPUS, tiny_model, tiny_tokenizer
+from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SamplingConfig
 from draftwise.sampling import logits_to_probs, make_generator
@@ -57,10 +57,10 @@ def exact_pairs(cfg: SamplingConfig, prompt_name: str = "loop", min_prob=1e-4) -
     """P(t1, t2) = p(t1 | prompt) p(t2 | prompt, t1), computed from the target directly."""
     ids = prompt(prompt_name)
     with torch.no_grad():
-        first = logits_to_probs(target()(torch.tensor([ids])).logits[0, -1], cfg)
+        first = logits_to_probs(target()(input_batch(ids)).logits[0, -1], cfg)
         table = {}
         for t1 in torch.nonzero(first > min_prob).flatten().tolist():
-            second = logits_to_probs(target()(torch.tensor([ids + [t1]])).logits[0, -1], cfg)
+            second = logits_to_probs(target()(input_batch(ids + [t1])).logits[0, -1], cfg)
             for t2 in torch.nonzero(second * first[t1] > min_prob).flatten().tolist():
                 table[(t1, t2)] = float(first[t1] * second[t2])
     return table

@@ -1,4 +1,5 @@
-"""Train a feature head on this CPU: collect the target's features over the corpus, then fit the head to them.
+"""Train a feature head: collect the target's features over the corpus, then fit the head to them, on the
+target's device (the CPU here; a GPU where the target was loaded on one).
 
 Each training sequence teaches two depths at once (EAGLE-3's "training-time test", shortened to two steps):
 - depth 1: inputs (f_t, x_{t+1}) with the target's true features, as the head sees them for the first draft
@@ -101,7 +102,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     readout = readout_layer(target_model, ids).float()
     embed = target_model.get_input_embeddings()
     head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name)
-    head = FeatureHead(head_cfg)
+    head = FeatureHead(head_cfg).to(embed.weight.device)
     trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train), data_key=data_key)
     resumed = step = trainer.resume(out / CHECKPOINT_FILE)
     before = trainer.evaluate(val)
@@ -190,16 +191,18 @@ class _Trainer:
                  total_steps: int, data_key: str = ""):
         self.data_key = data_key  # which features it trains on: a checkpoint of other data is not resumed
         self.head, self.readout, self.embed, self.cfg = head, readout, embed, cfg
-        self.to_readout = torch.full((vocab,), -1, dtype=torch.long)
-        self.to_readout[ids] = torch.arange(len(ids))  # target id -> readout index (-1: not covered)
+        self.device = embed.weight.device  # the target's, where the head trains; the features wait on the CPU
+        # target id -> readout index (-1: not covered)
+        self.to_readout = torch.full((vocab,), -1, dtype=torch.long, device=self.device)
+        self.to_readout[ids.to(self.device)] = torch.arange(len(ids), device=self.device)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: _lr_scale(s, cfg, total_steps))
-        self.autocast = native_bf16("cpu")  # bfloat16 matmuls only where the CPU computes them natively
+        self.autocast = native_bf16(self.device.type)  # bfloat16 matmuls only where computed natively
 
     def resume(self, path: Path) -> int:
         if not path.is_file():
             return 0
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")  # load_state_dict moves it to the head
         if state["config"] != asdict(self.cfg) or state.get("data") != self.data_key:
             return 0  # another run's checkpoint: start over rather than mix two settings or two corpora
         self.head.load_state_dict(state["head"])
@@ -216,7 +219,7 @@ class _Trainer:
 
     def step(self, sequence: dict) -> float:
         self.head.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = sum(self._losses(sequence, noise=self.cfg.noise)[0])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -228,14 +231,14 @@ class _Trainer:
     @torch.no_grad()
     def evaluate(self, sequences: list[dict]) -> Accuracy:
         self.head.eval()
-        hits = torch.zeros(3)
-        counted = torch.zeros(2)
+        hits = torch.zeros(3, device=self.device)
+        counted = torch.zeros(2, device=self.device)
         for sequence in sequences:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 _, (logits1, logits2) = self._losses(sequence, noise=0.0)
-            want = sequence["next"]  # [L]: the target's greedy token after each position
+            want = sequence["next"].to(self.device)  # [L]: the target's greedy token after each position
             # Position p's label is the token at p + 1: scored from the answer's first token on.
-            scored = torch.arange(len(want)) + 1 >= sequence.get("answer_start", 0)  # [L]
+            scored = torch.arange(len(want), device=self.device) + 1 >= sequence.get("answer_start", 0)  # [L]
             top = logits1.float().topk(3, dim=-1).indices  # [L - 1, 3]: row t predicts want[t + 1]
             label1, keep1 = self.to_readout[want[1:]], scored[1:]  # [L - 1]
             hits[0] += ((top[:, 0] == label1) & keep1).sum()
@@ -250,7 +253,7 @@ class _Trainer:
 
     def _losses(self, sequence: dict, noise: float):
         """([depth-1 loss, depth-2 loss], (depth-1 logits [L - 1, R], depth-2 logits [L - 2, R]))."""
-        ids, features = sequence["ids"], sequence["features"].float()  # [L], [L, H]
+        ids, features = sequence["ids"].to(self.device), sequence["features"].to(self.device).float()  # [L], [L, H]
         length = len(ids)
         with torch.no_grad():
             embeddings = self.embed(ids).float()  # [L, H]
@@ -258,13 +261,15 @@ class _Trainer:
         inputs = features[:-1]
         if noise:
             rms = inputs.pow(2).mean().sqrt()
-            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * rms
-        positions = torch.arange(length - 1)
+            # Drawn on the CPU, whose generator the checkpoint saves, so a resumed run draws the same noise.
+            inputs = inputs + (torch.rand(inputs.shape).to(self.device) * 2 - 1) * noise * rms
+        positions = torch.arange(length - 1, device=self.device)
         # Depth 1: true features at every position.
         predicted1, past = self.head(inputs[None], embeddings[1:][None], positions, return_kv=True)  # [1, L-1, H]
         # Depth 2: position t + 1 reads the head's own f_{t+1}, and sees the true inputs at positions <= t.
         n = length - 2
-        mask = torch.cat([torch.ones(n, length - 1, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool)], 1)
+        mask = torch.cat([torch.ones(n, length - 1, dtype=torch.bool, device=self.device).tril(),
+                          torch.eye(n, dtype=torch.bool, device=self.device)], 1)
         predicted2 = self.head(predicted1[:, :-1], embeddings[2:][None], positions[1:], past=past, mask=mask)
         losses, logits = [], []
         for predicted, target_p, target_f in ((predicted1[0], wanted, features[1:]),

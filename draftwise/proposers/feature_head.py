@@ -146,7 +146,8 @@ class HeadProposer:
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, R] -> (log-probabilities, target ids) of each row's BRANCH likeliest tokens, [n, BRANCH]."""
         top = torch.log_softmax(logits.float(), -1).topk(BRANCH, dim=-1)
-        return top.values, self.readout_ids[top.indices]
+        # The tree is grown on the CPU, where readout_ids are, whatever the head's device.
+        return top.values.cpu(), self.readout_ids[top.indices.cpu()]
 
     def _expand(self, nodes: list[int], tree: GrownTree, parent_features: list[torch.Tensor],
                 speculative: list[int], position: int) -> torch.Tensor:

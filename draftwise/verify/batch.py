@@ -71,11 +71,17 @@ def _greedy(draft: list[int], target_ids: list[int]) -> Verdict:
 def _rejection(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator) -> Verdict:
     n = len(draft)
     uniforms = torch.rand(n, generator=generator)  # [n], drawn up front as the scalar verifier does
-    positions = torch.arange(n)
-    p_draft = p[positions, draft]  # [n]
-    q_draft = torch.ones(n) if q is None else q[positions, draft]  # [n]
+    p_draft = _at_draft(p, draft)  # [n]
+    q_draft = torch.ones(n) if q is None else _at_draft(q, draft)  # [n]
     rejected = (uniforms.double() * q_draft.double() >= p_draft.double()).nonzero()
     if len(rejected) == 0:
         return Verdict(num_accepted=n, next_token=sample(p[n], generator))
     i = int(rejected[0])
     return Verdict(num_accepted=i, next_token=sample(_residual(p[i], q, i, int(draft[i])), generator))
+
+
+def _at_draft(probs: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """probs[i, draft[i]] for each position, [n], on the CPU: gathered where probs live (a GPU's rows stay
+    there), compared where the generator's uniforms are."""
+    positions = torch.arange(len(draft), device=probs.device)
+    return probs[positions, draft.to(probs.device)].cpu()
