@@ -22,7 +22,7 @@ from draftwise.head.command import add_train_head
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
-from draftwise.config import DRAFT_METHODS, DTYPES, METHODS, GenerationConfig
+from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file
 
@@ -114,6 +114,7 @@ def _add_generate(commands) -> None:
                              "(AVX-512 BF16, AMX, CUDA) and float32 elsewhere; float32 gives token-for-token "
                              "identity with the target alone, bfloat16 may differ at rounding near-ties "
                              "(default: %(default)s)")
+    models.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
     models.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
                         help="longest n-gram that --method lookup matches (default: %(default)s)")
 
@@ -203,6 +204,7 @@ def _load_engine(args: argparse.Namespace):
         draft=args.draft,
         method=args.method,
         dtype=args.dtype,
+        device=args.device,
         progress=progress,
         lookup_max_ngram=args.lookup_ngram,
         **({"head": args.head} if args.head else {}),

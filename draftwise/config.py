@@ -19,6 +19,8 @@ MAX_DRAFT_TOKENS = 64
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where the hardware computes it, else float32
+DEVICE_HELP = ("where the models run: cpu, or cuda (cuda:N) on a machine with an NVIDIA GPU and a CUDA build of "
+               "torch (default: %(default)s)")
 
 
 @dataclass(frozen=True)

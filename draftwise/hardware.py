@@ -26,8 +26,27 @@ def native_bf16(device: str = "cpu") -> bool:
     return False
 
 
+def check_device(name: str) -> str:
+    """name, if the models can run there: cpu, or a CUDA GPU this machine has. Checked before any model loads."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise DraftwiseError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise DraftwiseError(f"device {name!r}: no CUDA GPU is usable here (torch {torch.__version__}); "
+                                 "use cpu, or a machine with an NVIDIA GPU and a CUDA build of torch")
+        if device.index is not None and device.index >= count:
+            raise DraftwiseError(f"device {name!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    return name
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """'auto' -> 'bfloat16' where native on device, else 'float32'; an explicit dtype is kept as given."""
+    check_device(device)
     if name not in DTYPES:
         raise DraftwiseError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     if name != "auto":

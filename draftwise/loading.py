@@ -7,6 +7,7 @@ from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
 from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
+from draftwise.hardware import check_device
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
@@ -53,6 +54,8 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
                 progress: bool = True):
     """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first."""
     from draftwise.models import resolve  # the store pulls weights; only named models need it
+
+    check_device(device)  # an instant, before a pull or a load of minutes
 
     target_source = resolve(target, progress=progress)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)

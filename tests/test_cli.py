@@ -19,6 +19,7 @@ import draftwise
 from draftwise import cli
 from draftwise.engine import Engine
 from draftwise.metrics import Stats
+from draftwise.errors import DraftwiseError
 from draftwise.models import KNOWN_MODELS, ModelStatus
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The dog"
@@ -484,3 +485,26 @@ def test_python_dash_m_runs_the_cli():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"draftwise {draftwise.__version__}"
+
+
+@pytest.mark.parametrize("command", [["generate", "--target", "qwen2.5-coder-1.5b-instruct", "--prompt", "hi", "-q"],
+                                     ["bench", "--methods", "none", "-q"], ["serve"], ["train-head", "-q"]])
+@pytest.mark.parametrize("device,message", [
+    ("tpu", "device must be cpu, cuda or cuda:N, got 'tpu'"),
+    ("cuda", "device 'cuda': no CUDA GPU is usable here"),
+])
+def test_a_device_the_machine_lacks_is_refused_before_any_pull(capsys, store, monkeypatch, command, device, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, out, err = run(capsys, *command, "--device", device)
+    assert code == 1 and message in err and "Traceback" not in err
+    assert not (store / "models").exists()
+
+
+def test_check_device_names_the_gpus_there_are(monkeypatch):
+    from draftwise.hardware import check_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert check_device("cuda:1") == "cuda:1" and check_device("cpu") == "cpu"
+    with pytest.raises(DraftwiseError, match=r"device 'cuda:2': this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        check_device("cuda:2")

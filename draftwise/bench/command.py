@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 
-from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DEVICE_HELP, DTYPES
 
 
 def add_bench(commands, formatter) -> None:
@@ -48,6 +48,7 @@ def add_bench(commands, formatter) -> None:
                         help=f"comma-separated, from: {', '.join(DTYPES)}; the whole bench runs once per dtype; "
                              "auto: bfloat16 where the hardware computes it natively, else float32 "
                              "(default: %(default)s)")
+    models.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
                       help=f"comma-separated, from: {', '.join(METHODS)}; 'head' and 'hybrid-head' need a trained head (see "
@@ -95,7 +96,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         categories=args.categories, per_category=args.per_category, limit=args.limit, prompts_file=args.prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
         out=args.out, roofline=not args.no_roofline, progress=not (args.quiet or args.json), head=args.head,
-        resume=args.resume,
+        resume=args.resume, device=args.device,
     )
     return per_dtype(cfg, split_list(args.dtype))
 

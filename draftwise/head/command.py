@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftwise.config import DEFAULT_TARGET, DTYPES
+from draftwise.config import DEFAULT_TARGET, DEVICE_HELP, DTYPES
 from draftwise.errors import DraftwiseError
 from draftwise.head.train import TrainConfig
 
@@ -39,6 +39,8 @@ def add_train_head(commands, formatter) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the dtype the target runs in while its features are collected; use the one you will "
                         "generate with (default: %(default)s)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help=DEVICE_HELP.replace("the models run", "the target runs and the head trains"))
     p.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, metavar="N",
                    help="corpus size in target tokens (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, metavar="N",
@@ -79,7 +81,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
                       answer_tokens=args.answer_tokens)
     progress = not args.quiet
-    target_model, tokenizer, _ = load_models(args.target, None, args.dtype, progress=progress)
+    target_model, tokenizer, _ = load_models(args.target, None, args.dtype, args.device, progress=progress)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         record = train_head(target_model, tokenizer, out, cfg, progress=progress, target_name=args.target, log=log)

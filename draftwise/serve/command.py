@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, MAX_DRAFT_TOKENS, METHODS
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DEVICE_HELP, DTYPES, MAX_DRAFT_TOKENS, METHODS
 
 
 def add_serve(commands, formatter) -> None:
@@ -63,6 +63,7 @@ def add_serve(commands, formatter) -> None:
                         "\"draftwise\" field carry the arm; `draftwise log stats` compares them")
     m.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 where the CPU computes it natively, else float32")
+    m.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
     m.add_argument("--model-id", help="the model name clients send (default: --target)")
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1",
@@ -134,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.prompt_cache_mb < 0:
         raise DraftwiseError(f"--prompt-cache-mb must be >= 0 (0 turns the prompt cache off), "
                              f"got {args.prompt_cache_mb}")
-    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype,
+    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype, device=args.device,
                                     **({"head": args.head} if args.head else {}))
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
