@@ -279,10 +279,10 @@ def test_load_engine_passes_the_options_to_from_pretrained(capsys, monkeypatch):
 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
     code, _, _ = run(capsys, *gen("--draft", "tiny-draft", "--method", "draft", "--dtype", "bfloat16",
-                                  "--lookup-ngram", "5", "--quiet"))
+                                  "--device", "cuda:1", "--lookup-ngram", "5", "--quiet"))
     assert code == 0
     assert seen == {"target": "tiny", "draft": "tiny-draft", "method": "draft", "dtype": "bfloat16",
-                    "progress": False, "lookup_max_ngram": 5}
+                    "device": "cuda:1", "progress": False, "lookup_max_ngram": 5}
 
 
 def test_ignored_draft_is_mentioned(capsys, loads):
