@@ -81,6 +81,22 @@ def input_batch(ids: list[int]) -> torch.Tensor:
     return torch.tensor([ids], device=TEST_DEVICE)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_kept_out_of_the_users_home(tmp_path_factory):
+    """The tests measure tiny shapes: keep their choices out of the real $DRAFTWISE_HOME/calibration.
+
+    A test that points DRAFTWISE_HOME elsewhere still gets that home's own calibration folder."""
+    from draftwise.backends import kernels
+    from draftwise.models.store import store_home
+
+    users_home, scratch = store_home(), tmp_path_factory.mktemp("calibration")
+    patch = pytest.MonkeyPatch()
+    own_folder = kernels.calibration_dir
+    patch.setattr(kernels, "calibration_dir", lambda: scratch if store_home() == users_home else own_folder())
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

@@ -27,6 +27,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -206,14 +207,20 @@ def _kernel_name(module: nn.Module) -> str | None:
     return {nn.Linear: "dense", OneDNNLinear: "onednn", SplitLinear: "split", Int8Linear: "int8"}.get(type(module))
 
 
+def calibration_dir() -> Path:
+    """Where measured choices are kept: beside the models, so a second load on this machine pays nothing."""
+    from draftwise.models.store import store_home
+
+    return store_home() / "calibration"
+
+
 class CalibrationCache:
     """One JSON file per machine (CPU model, instruction set, threads, torch version), written atomically."""
 
     def __init__(self, enabled: bool):
         from draftwise.hardware import machine_key
-        from draftwise.models.store import store_home
 
-        self.path = store_home() / "calibration" / f"{machine_key()}.json" if enabled else None
+        self.path = calibration_dir() / f"{machine_key()}.json" if enabled else None
         self.entries = self._load()
         self.dirty = False
 
