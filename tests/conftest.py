@@ -90,11 +90,10 @@ def calibration_kept_out_of_the_users_home(tmp_path_factory):
     from draftwise.models.store import store_home
 
     users_home, scratch = store_home(), tmp_path_factory.mktemp("calibration")
-    patch = pytest.MonkeyPatch()
     own_folder = kernels.calibration_dir
-    patch.setattr(kernels, "calibration_dir", lambda: scratch if store_home() == users_home else own_folder())
-    yield
-    patch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "calibration_dir", lambda: scratch if store_home() == users_home else own_folder())
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,8 @@ class Int8Linear(nn.Module):
 
 
 _BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "int8": Int8Linear}
+# The same table read backwards: what kernel a module of the loaded model runs.
+_KERNEL_NAMES = {nn.Linear: "dense", **{built: name for name, built in _BUILDERS.items() if isinstance(built, type)}}
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,8 @@ def _measure(linear: nn.Linear, kernels, widths) -> dict:
     The fastest of several runs, not the median: another process on the machine only ever adds time."""
     candidates = {}
     # split is timed as what it runs: dense's one row, oneDNN's wider passes (below).
-    timed = [name for name in kernels if name != "split"] + (["dense", "onednn"] if "split" in kernels else [])
-    for name in dict.fromkeys(timed):
+    timed = dict.fromkeys(part for name in kernels for part in (("dense", "onednn") if name == "split" else (name,)))
+    for name in timed:
         try:
             module = _BUILDERS[name](linear)
             module(torch.zeros(1, linear.in_features, dtype=linear.weight.dtype))
@@ -204,7 +206,7 @@ def _shape_key(linear: nn.Linear) -> str:
 
 
 def _kernel_name(module: nn.Module) -> str | None:
-    return {nn.Linear: "dense", OneDNNLinear: "onednn", SplitLinear: "split", Int8Linear: "int8"}.get(type(module))
+    return _KERNEL_NAMES.get(type(module))
 
 
 def calibration_dir() -> Path:
