@@ -70,9 +70,9 @@ SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingCon
 
 
 @functools.lru_cache(maxsize=None)
-def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") -> tuple[list, float, Counter]:
-    """The first two tokens of RUNS seeded generations, the draft acceptance rate over them, and (for the
-    hybrid) how many rounds each of its proposers drafted."""
+def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") -> tuple[list, tuple[int, int], Counter]:
+    """The first two tokens of RUNS seeded generations, the draft tokens kept and not kept over them, and (for
+    the hybrid) how many rounds each of its proposers drafted."""
     cfg = SETTINGS[setting]
     eng = engine(method)
     pairs, proposed, accepted, rounds = [], 0, 0, Counter()
@@ -90,7 +90,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
         rounds.update(getattr(eng.proposer, "rounds", {}))
         rounds["corpus"] += getattr(eng.proposer, "corpus_rounds", 0)
         rounds["tree nodes"] += result.stats.nodes - result.stats.proposed  # nodes beside a chain's
-    return pairs, accepted / max(proposed, 1), rounds
+    return pairs, (accepted, proposed - accepted), rounds
 
 
 def engine(method):
@@ -144,12 +144,13 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
 def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
-    pairs, acceptance, rounds = sampled_pairs(method, setting, k, prompt_name)
+    pairs, (kept, not_kept), rounds = sampled_pairs(method, setting, k, prompt_name)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) > 1e-3
-    # Both accepting and rejecting rounds were exercised. The tree's prompt leaves the loop, so its guesses are
-    # kept in about 2.5% of positions (some 30 times in 800 runs); test_tree.py checks the rule on a table where
-    # they are kept often.
-    assert (0.01 if method == "lookup-tree" else 0.1) < acceptance < 0.95
+    # Both accepting and rejecting rounds were exercised, many times. Counted, not as a rate: an unseeded run's k
+    # follows the measured costs, so how many guesses it offers depends on the device (on an H100, lookup-corpus
+    # kept 5.9% of its guesses; 11% here). The tree's prompt leaves the loop, so its guesses are kept some 40
+    # times in 800 runs; test_tree.py checks the rule on a table where they are kept often.
+    assert kept >= (20 if method == "lookup-tree" else RUNS // 8) and not_kept >= RUNS // 10
     if method in ("hybrid", "hybrid-tree", "hybrid-head"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method.endswith("-free"):  # unseeded, so its rounds follow the measured costs: lookup's alone
