@@ -95,6 +95,10 @@ class StepCosts:
     def measured(self) -> bool:
         return bool(self._verify_s)
 
+    @property
+    def drafts_measured(self) -> bool:
+        return bool(self._draft_s)
+
     def knows(self, rows: int, n: int) -> bool:
         """Whether a pass of this many rows and this width has been timed."""
         return n in self._verify_s.get(rows, {})

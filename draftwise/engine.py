@@ -369,8 +369,9 @@ class Engine:
             steps = max((ks[i] for i in drafting), default=0)
             # A draft further behind than the one token a round leaves it fed that lag (up to MAX_DRAFT_LAG tokens of
             # plain steps) in this round's first forward. Timed as drafting, a probe's catch-up made the draft look
-            # dear enough to stay off: on the Zen 3 bench, c 0.53-0.69 on three prompts against 0.29-0.41.
-            caught_up = any(behind[i] > 1 for i in drafting)
+            # dear enough to stay off: on the Zen 3 bench, c 0.53-0.69 on three prompts against 0.29-0.41. Until a
+            # draft step has been timed, though, it counts: dear is a better guess than free.
+            caught_up = any(behind[i] > 1 for i in drafting) and self.draft_policy.costs.drafts_measured
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live),
                                             None if caught_up else times.draft_s, times.verify_s, draft_steps=steps)
         events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}

@@ -327,6 +327,17 @@ def test_a_probe_that_feeds_its_drafts_lag_is_not_timed_as_a_draft_step():
     assert all(timed == (lag <= 1) for lag, timed in drafted)  # ... is the one kind whose time is not a draft step's
 
 
+def test_a_lagging_round_is_timed_while_no_draft_step_has_been():
+    """Without any draft time, a draft would look free: a first round that feeds a lag counts, dear as it is."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
+    [seq] = _opened(eng, tokenizer, ["The quick brown fox"], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert 1 < seq.draft_behind <= MAX_DRAFT_LAG  # only the target was prefilled
+    eng.step([seq])
+    assert seq.stats.proposed > 0 and eng.draft_policy.costs.drafts_measured
+    eng.close_sequence(seq)
+
+
 def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
