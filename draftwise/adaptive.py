@@ -95,10 +95,6 @@ class StepCosts:
     def measured(self) -> bool:
         return bool(self._verify_s)
 
-    @property
-    def drafts_measured(self) -> bool:
-        return bool(self._draft_s)
-
     def knows(self, rows: int, n: int) -> bool:
         """Whether a pass of this many rows and this width has been timed."""
         return n in self._verify_s.get(rows, {})
@@ -119,12 +115,12 @@ class StepCosts:
     def draft(self, rows: int) -> float:
         return self._draft_s[nearest(self._draft_s, rows)] if self._draft_s else 0.0
 
-    def observe(self, rows: int, k: int, draft_s: float | None, verify_s: float, draft_steps: int | None = None) -> None:
+    def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
-        (default k; a tree's depth): what drafting (None: not a measure of it) and verifying took."""
+        (default k; a tree's depth): what drafting and verifying took."""
         _decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
         steps = k if draft_steps is None else draft_steps
-        if steps > 0 and draft_s is not None:
+        if steps > 0:
             _decay_into(self._draft_s, rows, draft_s / steps)
 
 

@@ -339,7 +339,6 @@ class Engine:
         one whose round failed ends with finish "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
         ks = self._draft_lengths(seqs)
-        behind = [seq.draft_behind for seq in seqs]  # read before the round's first draft forward feeds it
         stop = self.draft_policy.stop_confidence(len(seqs))
         stops = [stop if seq.acceptance else 0.0 for seq in seqs]
         drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
@@ -365,15 +364,9 @@ class Engine:
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
         if verdicts:  # the pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps
-            drafting = [i for i in live if ks[i] and not getattr(seqs[i].proposer, "drafted_free", False)]
-            steps = max((ks[i] for i in drafting), default=0)
-            # A draft further behind than the one token a round leaves it fed that lag (up to MAX_DRAFT_LAG tokens of
-            # plain steps) in this round's first forward. Timed as drafting, a probe's catch-up made the draft look
-            # dear enough to stay off: on the Zen 3 bench, c 0.53-0.69 on three prompts against 0.29-0.41. Until a
-            # draft step has been timed, though, it counts: dear is a better guess than free.
-            caught_up = any(behind[i] > 1 for i in drafting) and self.draft_policy.costs.drafts_measured
-            self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live),
-                                            None if caught_up else times.draft_s, times.verify_s, draft_steps=steps)
+            steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
+            self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
+                                            times.verify_s, draft_steps=steps)
         events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:

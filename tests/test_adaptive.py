@@ -302,42 +302,6 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     assert gaps[0] >= 2 * PROBE_EVERY and gaps[1] >= 4 * PROBE_EVERY
 
 
-def test_a_probe_that_feeds_its_drafts_lag_is_not_timed_as_a_draft_step():
-    """A probe some plain steps after drafting stopped feeds the draft's lag (up to MAX_DRAFT_LAG tokens) in its
-    first forward. Timed as a draft step, that catch-up priced the draft far above its cost, and kept drafting off."""
-    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
-    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
-    eng.draft_policy.rate = lambda rates, k, rows, fixed=(): 1.0 if k == 0 else 0.5  # plain steps but for probes
-    lags, observed = [], []  # per step: the draft's lag on entry; (draft forwards, whether they were timed)
-    real_step, real_observe = eng.step, eng.draft_policy.costs.observe
-
-    def step(seqs):
-        lags.append(seqs[0].draft_behind)
-        return real_step(seqs)
-
-    def observe(rows, k, draft_s, verify_s, draft_steps=None):
-        observed.append((draft_steps, draft_s is not None))
-        real_observe(rows, k, draft_s, verify_s, draft_steps)
-
-    eng.step, eng.draft_policy.costs.observe = step, observe
-    eng.generate("The quick brown fox jumps over the lazy dog.", max_new_tokens=3 * PROBE_EVERY, ignore_eos=True)
-    drafted = [(lag, timed) for lag, (steps, timed) in zip(lags, observed) if steps]
-    assert (0, True) in drafted  # the first round: its draft was filled with the prompt, and its time counts
-    assert any(1 < lag <= MAX_DRAFT_LAG for lag, _ in drafted)  # a probe that fed its lag itself ...
-    assert all(timed == (lag <= 1) for lag, timed in drafted)  # ... is the one kind whose time is not a draft step's
-
-
-def test_a_lagging_round_is_timed_while_no_draft_step_has_been():
-    """Without any draft time, a draft would look free: a first round that feeds a lag counts, dear as it is."""
-    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
-    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
-    [seq] = _opened(eng, tokenizer, ["The quick brown fox"], GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    assert 1 < seq.draft_behind <= MAX_DRAFT_LAG  # only the target was prefilled
-    eng.step([seq])
-    assert seq.stats.proposed > 0 and eng.draft_policy.costs.drafts_measured
-    eng.close_sequence(seq)
-
-
 def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
