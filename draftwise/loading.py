@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
-from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, plan_kernels, with_kernels
+from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
 from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
@@ -100,7 +100,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     proposer = head_proposer(readout_model or target_model, head) if method in HEAD_METHODS else None
     if method == "hybrid-head":
         proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
-    target_model = with_kernels(target_model, plan_kernels(target_model, tuple(target_kernels)))
+    target_model = on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
@@ -144,9 +144,9 @@ def head_proposer(target_model, folder: str) -> HeadProposer:
     head, ids = load_head(folder, dtype=target_model.dtype, device=target_model.device)
     check_fits(head.config, target_model, folder)
     parameters = parameter_count(head)  # (a repacked linear keeps its weight as a buffer)
-    head = with_kernels(head, plan_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS))
+    head = on_timed_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS)
     readout = nn.Sequential(readout_layer(target_model, ids))
-    readout = with_kernels(readout, plan_kernels(readout, DRAFT_KERNELS, HEAD_WIDTHS))[0]
+    readout = on_timed_kernels(readout, DRAFT_KERNELS, HEAD_WIDTHS)[0]
     proposer = HeadProposer(head, readout, ids, target_model.get_input_embeddings(),
                             window=attention_window(head.config))
     proposer.speed_paths = {"folder": str(folder), "parameters": parameters, "readout": len(ids),

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from draftwise.backends.kernels import plan_kernels, with_kernels
+from draftwise.backends.kernels import on_timed_kernels
 from draftwise.config import DRAFT_METHODS, HEAD_METHODS
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
@@ -46,7 +46,7 @@ class Runners:
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
-        self.fast_target = with_kernels(target_model, plan_kernels(target_model))
+        self.fast_target = on_timed_kernels(target_model)
         self.tokenizer = tokenizer
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from draftwise.backends.kernels import plan_kernels, with_kernels
+from draftwise.backends.kernels import on_timed_kernels
 from draftwise.head.answers import answer_prompts, target_answers
 from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
@@ -83,7 +83,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
     # it (backends/kernels.py; same values). On a Zen 3 in float32, generate()'s batch of 8 answers took 63 s
     # against torch's dense linear's 89 to 94 (32 tokens each, the same answers), a 512-token pass 11.0 s against 12.6.
-    running = with_kernels(target_model, plan_kernels(target_model))
+    running = on_timed_kernels(target_model)
     torch.manual_seed(cfg.seed)  # after the plan, whose timings draw random inputs only when not cached
     if from_corpus:
         pieces = own_answers(running, tokenizer, cfg, out, progress)
