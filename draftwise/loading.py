@@ -72,19 +72,20 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
              draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
              compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
-             target_kernels: tuple[str, ...] = EXACT_KERNELS, head: str | None = None, readout_model=None):
+             target_kernels: tuple[str, ...] = EXACT_KERNELS, draft_kernels: tuple[str, ...] = DRAFT_KERNELS,
+             head: str | None = None, readout_model=None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
     lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for the hybrids,
     proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model.
 
-    compact_draft: propose with a cheaper copy of the draft (int8 weights, an output layer over the
+    compact_draft: propose with a cheaper copy of the draft (int8 kernels where faster, an output layer over the
     draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it.
 
     target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
-    in is left as it is.
+    in is left as it is. draft_kernels: the same for the compact draft, which may also change values (int8).
 
     head: for the methods head and hybrid-head, the folder of a head trained for this target (`draftwise train-head`);
     readout_model: the target as loaded, when target_model's output layer was already repacked for a kernel
@@ -94,6 +95,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if inexact or not target_kernels:
         raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
                              f"got {', '.join(target_kernels) or 'none'}")
+    if not draft_kernels or set(draft_kernels) - set(DRAFT_KERNELS):
+        raise DraftwiseError(f"draft kernels must be some of {', '.join(DRAFT_KERNELS)}; "
+                             f"got {', '.join(draft_kernels) or 'none'}")
     if method in HEAD_METHODS and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
@@ -109,7 +113,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             check_same_tokenizer(tokenizer, draft_tokenizer)
         token_ids = None
         if compact_draft:
-            draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab)
+            draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab,
+                                                 draft_kernels)
         draft = HFBackend(draft_model)
         max_context = min(max_context, draft.max_context)
         draft_method, lookup_method = HYBRID_PARTS.get(method, (method, None))

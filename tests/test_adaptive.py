@@ -13,7 +13,7 @@ from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, Engine
-from draftwise.backends.kernels import Int8Linear
+from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
 
 
@@ -212,6 +212,35 @@ def test_int8_linear_is_close_to_the_float_layer():
     q = Int8Linear(linear)
     assert q.weight.dtype == torch.int8 and q(x).shape == (3, 5, 300)
     assert torch.allclose(q(x), linear(x), atol=0.05 * linear(x).abs().max().item())
+
+
+@cpu_kernels
+def test_int8_dynamic_linear_is_close_for_a_draft_step_and_the_float_layer_for_a_prefill():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 300, bias=True)
+    q = Int8DynamicLinear(linear)
+    assert q.weight.data_ptr() == linear.weight.data_ptr()  # the float path reads the model's own tensor, no copy
+    few = torch.randn(1, DYNAMIC_MAX_ROWS, 64)
+    with torch.inference_mode():
+        assert q(few).shape == (1, DYNAMIC_MAX_ROWS, 300) and not torch.equal(q(few), linear(few))  # quantized
+        assert torch.allclose(q(few), linear(few), atol=0.05 * linear(few).abs().max().item())
+        many = torch.randn(1, DYNAMIC_MAX_ROWS + 1, 64)
+        assert torch.equal(q(many), linear(many))
+
+
+@cpu_kernels
+@pytest.mark.parametrize("kernel", ["int8", "int8-dynamic"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_draft_on_an_inexact_kernel_still_gives_the_targets_greedy_output(kernel, k):
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    plain = Engine.from_models(target, tokenizer, method="none").generate("The quick brown fox", max_new_tokens=24,
+                                                                          ignore_eos=True)
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), draft_kernels=(kernel,))
+    assert eng.speed_paths["draft_kernels"] == {kernel: 15}  # every linear, whatever this machine's timings say
+    result = eng.generate("The quick brown fox", max_new_tokens=24, ignore_eos=True, num_draft_tokens=k,
+                          adaptive=False)
+    assert result.token_ids == plain.token_ids
+    assert result.stats.acceptance_rate > 0.5  # a twin, even quantized, agrees with its target on most tokens
 
 
 @cpu_kernels

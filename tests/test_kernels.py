@@ -168,6 +168,12 @@ def test_the_target_may_not_run_on_a_kernel_that_changes_its_values():
         Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), method="none", target_kernels=("int8",))
 
 
+def test_the_draft_may_run_only_on_a_kernel_the_library_has():
+    with pytest.raises(DraftwiseError, match="draft kernels must be some of dense, .*int8-dynamic; got int4"):
+        Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), draft_model=tiny_model("llama", seed=1),
+                           draft_kernels=("int4",))
+
+
 def test_the_stats_say_which_paths_were_taken():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     engine = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1), draft_vocab=100)
@@ -176,7 +182,7 @@ def test_the_stats_say_which_paths_were_taken():
     assert sum(paths["target_kernels"].values()) == 15
     assert set(paths["target_kernels"]) <= {"dense", "onednn", "split"}
     assert sum(paths["draft_kernels"].values()) == 15
-    assert set(paths["draft_kernels"]) <= {"dense", "onednn", "split", "int8"}
+    assert set(paths["draft_kernels"]) <= {"dense", "onednn", "split", "int8", "int8-dynamic"}
     assert paths["draft_vocab"] == len(engine.proposer.token_ids) == 100  # the specials are among the first 100
 
 
