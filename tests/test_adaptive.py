@@ -6,6 +6,8 @@ compact model's own behaviour.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
@@ -342,3 +344,22 @@ def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
         eng.prefill(seq, 3)
     assert seq.draft_behind == 0
     eng.close_sequence(seq)
+
+
+def test_the_drafts_prompt_prefill_counts_as_prefill_time(monkeypatch):
+    """Decoding alone, the draft takes the prompt before the first round; that time is prefill, not nowhere."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1))
+    fed = []
+    real_catch_up = eng.catch_up_draft
+
+    def slow_catch_up(seq, max_tokens=None):
+        if seq.draft_behind:  # a catch-up that does work takes at least this long
+            fed.append(seq.draft_behind)
+            time.sleep(0.2)
+        real_catch_up(seq, max_tokens)
+
+    monkeypatch.setattr(eng, "catch_up_draft", slow_catch_up)
+    stats = eng.generate("The quick brown fox jumps over the lazy dog.", max_new_tokens=1, ignore_eos=True).stats
+    assert fed and fed[0] > 5  # the whole prompt, before any round
+    assert stats.prefill_s >= 0.2
