@@ -91,13 +91,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     readout_model: the target as loaded, when target_model's output layer was already repacked for a kernel
     (the head reads its plain weight)."""
     method = choose_method(method, draft_model is not None)
-    inexact = set(target_kernels) - set(EXACT_KERNELS)
-    if inexact or not target_kernels:
-        raise DraftwiseError(f"target kernels must be some of {', '.join(EXACT_KERNELS)} (the target's own values); "
-                             f"got {', '.join(target_kernels) or 'none'}")
-    if not draft_kernels or set(draft_kernels) - set(DRAFT_KERNELS):
-        raise DraftwiseError(f"draft kernels must be some of {', '.join(DRAFT_KERNELS)}; "
-                             f"got {', '.join(draft_kernels) or 'none'}")
+    check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
+    check_kernels("draft", draft_kernels, DRAFT_KERNELS)
     if method in HEAD_METHODS and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
@@ -139,6 +134,13 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         paths["draft_kernels"] = kernel_counts(draft_model)
         paths["draft_vocab"] = draft.vocab_size
     return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
+
+
+def check_kernels(model: str, kernels: tuple[str, ...], allowed: tuple[str, ...], why: str = "") -> None:
+    """Refuse an empty or unknown choice of kernels for a model, saying which are allowed."""
+    if not kernels or set(kernels) - set(allowed):
+        raise DraftwiseError(f"{model} kernels must be some of {', '.join(allowed)}{why}; "
+                             f"got {', '.join(kernels) or 'none'}")
 
 
 def head_proposer(target_model, folder: str) -> HeadProposer:

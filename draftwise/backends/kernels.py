@@ -85,7 +85,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()  # [out, in]
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        scale = _int8_row_scales(weight)  # [out]
         self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
@@ -112,7 +112,7 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("weight", linear.weight.detach())  # [out, in]: the model's own tensor, not a copy
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         weight = self.weight.float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        scale = _int8_row_scales(weight)  # [out]
         bias = None if self.bias is None else self.bias.float()
         with warnings.catch_warnings():  # torch marks its quantized tensors for removal; a failing build is skipped
             warnings.simplefilter("ignore")
@@ -126,6 +126,11 @@ class Int8DynamicLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         y = torch.ops.quantized.linear_dynamic(rows.float(), self.packed, True)  # [tokens, out] (True: 7 bits)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """[out]: one scale per output row of a float weight [out, in], mapping its largest magnitude to 127."""
+    return weight.abs().amax(dim=1).clamp(min=1e-12) / 127
 
 
 _BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "int8": Int8Linear,
