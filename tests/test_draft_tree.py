@@ -142,6 +142,7 @@ def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s,
     # grow every round to k. Either way the output is the target's. (The tiny draft costs what its target does,
     # so the engine's own policy would rarely draft: k is pinned too.)
     monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", forward_s))
+    monkeypatch.setattr(TreeSizing, "time_expansion", lambda self, nodes, seconds: None)  # every width: forward_s
     monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
     monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
     eng = engine("llama", "near")
@@ -157,6 +158,27 @@ def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s,
     assert result.token_ids == reference("llama")
     assert grown[0] == (4, 4)  # nothing timed yet: grown to k
     assert all(forwards == (depth if deep else 1) for depth, forwards in grown[1:])  # else the root's forward alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
+def test_a_depth_expands_only_the_nodes_whose_rows_pay_and_the_output_and_cache_stay_exact(monkeypatch, arch):
+    # Widths priced so that only the likeliest node of a depth pays for its row (a chain in all but the root's
+    # siblings): every depth's forward feeds one node, kept paths still land in the cache, the output is the target's.
+    monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", 1e-9))
+    monkeypatch.setattr(TreeSizing, "expansion_cost", lambda self, nodes: 1e-9 if nodes == 1 else 10.0)
+    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
+    monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
+    widths = []
+    monkeypatch.setattr(TreeSizing, "time_expansion", lambda self, nodes, seconds: widths.append(nodes))
+    eng = engine(arch, "near")
+    seq = _open(eng, PROMPT, num_draft_tokens=4)
+    while seq.finish is None:
+        eng.step([seq])
+        assert_draft_holds_text(seq.proposer, seq.context, near(arch))
+    assert seq.context[len(seq.prompt_ids):] == reference(arch)
+    assert widths[:3] == [4, 4, 4]  # the first round, nothing timed yet: k depths, WIDTH nodes each
+    assert widths[3:] and set(widths[3:]) == {1}
+    eng.close_sequence(seq)
 
 
 def test_k_1_and_a_one_token_prompt():

@@ -359,6 +359,7 @@ def test_the_head_grows_a_depth_only_while_a_forward_can_pay(heads, monkeypatch,
     # Timings pinned: a forward that costs more than any depth could give stops growth at the head's first guess
     # (the catch-up's); a free one grows every round to k.
     monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", forward_s))
+    monkeypatch.setattr(TreeSizing, "time_expansion", lambda self, nodes, seconds: None)  # every width: forward_s
     folder, _ = heads()
     eng = head_engine("qwen2", folder)
     grown, real_grow = [], eng.proposer._grow

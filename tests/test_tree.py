@@ -200,13 +200,13 @@ def test_a_depth_is_grown_only_while_a_forward_can_pay_for_it():
     sizing.forward_s = 0.02
     sure, nodes = _tree(0.9, 0.05)
     # Expanding 0.9 adds at most 0.9 tokens for 0.02 s (45/s); the tree as it is gives 1.95 tokens in 0.24 s (8/s).
-    assert sizing.pays_to_expand(sure, nodes[:1], forwards=2)
+    assert sizing.to_expand(sure, nodes[:1], forwards=2)
     unsure, nodes = _tree(0.03, 0.02, 0.01)
-    assert not sizing.pays_to_expand(unsure, nodes, forwards=2)  # at most 0.06 tokens for 0.02 s: 3/s, below 4.4/s
+    assert not sizing.to_expand(unsure, nodes, forwards=2)  # at most 0.06 tokens for 0.02 s: 3/s, below 4.4/s
     sizing.forward_s = 0.001  # a forward nearly free: even a doubtful depth pays
-    assert sizing.pays_to_expand(unsure, nodes, forwards=2)
+    assert sizing.to_expand(unsure, nodes, forwards=2)
     sizing.forward_s, sizing.sized_by_cost = 0.02, False  # a fixed k: k nodes, so grown to k whatever the costs
-    assert sizing.pays_to_expand(unsure, nodes, forwards=2)
+    assert sizing.to_expand(unsure, nodes, forwards=2)
 
     def grown(probs, sizing):
         expanded = []
@@ -225,6 +225,28 @@ def test_a_depth_is_grown_only_while_a_forward_can_pay_for_it():
     assert grown([0.04, 0.03], sizing) == 0
 
 
+def test_a_depth_expands_only_the_nodes_that_pay_for_their_rows_of_the_forward():
+    sizing = TreeSizing(costs=_costs(0.0))  # a flat pass, 0.2 s
+    sizing.forward_s = 0.02
+    assert sizing.expansion_cost(1) == sizing.expansion_cost(4) == 0.02  # nothing timed by width: the mean forward
+    sizing.time_expansion(4, 0.04)
+    # Unmeasured widths are optimists: a narrower one in proportion, a wider one as the widest measured.
+    assert sizing.expansion_cost(1) == pytest.approx(0.01) and sizing.expansion_cost(8) == 0.04
+    sizing.time_expansion(1, 0.03)  # on a CPU a 4-row forward costs little more than a 1-row one
+    assert sizing.expansion_cost(2) == pytest.approx(0.03 + (0.04 - 0.03) / 3)
+    one_sure, nodes = _tree(0.9, 0.02, 0.01, 0.01)
+    # The tree gives 1.94 tokens in 0.22 s (8.8/s): the sure node's row adds at most 0.9 tokens for 0.03 s; the
+    # other three 0.04 for 0.01 s more, short of the 0.088 tokens those seconds earn at that rate.
+    assert sizing.to_expand(one_sure, nodes, forwards=1) == nodes[:1]
+    four_likely, nodes = _tree(0.4, 0.3, 0.2, 0.1)
+    assert sizing.to_expand(four_likely, nodes, forwards=1) == nodes  # 0.6 tokens more for 0.01 s more
+    sizing.time_expansion(4, 10.0)
+    sizing.time_expansion(4, 10.0)  # (decayed: a 4-row forward now measured dear)
+    assert sizing.to_expand(four_likely, nodes, forwards=1) == nodes[:1]
+    sizing.sized_by_cost = False  # a fixed k: WIDTH nodes a depth, whatever the costs
+    assert sizing.to_expand(four_likely, nodes, forwards=1) == nodes
+
+
 def test_chances_count_as_far_as_the_target_bore_them_out():
     sizing = TreeSizing(costs=_costs(0.01))  # each token of width costs 5% of a step
     sizing.forward_s = 0.02
@@ -235,7 +257,7 @@ def test_chances_count_as_far_as_the_target_bore_them_out():
         sizing.observe(0)  # ... and wrong every time
     assert sizing.trust(1) < 0.15 and sizing.trust(2) == sizing.trust(1)  # depth 2 never offered: as depth 1
     assert sizing.choose(sure, k=3) == [0]  # 0.1 and 0.05 now claim 0.015 and 0.008, short of their width's price
-    assert not sizing.pays_to_expand(sure, nodes[:1], forwards=2)  # nor is a deeper guess worth its forward
+    assert not sizing.to_expand(sure, nodes[:1], forwards=2)  # nor is a deeper guess worth its forward
     for _ in range(40):
         sizing.choose(sure, k=3)
         sizing.observe(1)  # right every time: trusted again, never beyond its own word
@@ -255,13 +277,13 @@ def test_a_depth_that_did_badly_is_grown_again_once_it_has_gone_unoffered_for_a_
         sizing.observe(1)  # depth 1 kept, depth 2 never (a prompt the draft could not follow that far)
     assert sizing.trust(1) == 1.0 and sizing.trust(2) < 0.05
     one_deep, nodes = _tree(0.9)
-    assert not sizing.pays_to_expand(one_deep, nodes, forwards=1)  # 0.9 x trust(2) tokens: not worth 0.02 s
+    assert not sizing.to_expand(one_deep, nodes, forwards=1)  # 0.9 x trust(2) tokens: not worth 0.02 s
     for rounds in range(1, 31):  # depth 2 goes unoffered while depth 1 keeps being right
         sizing.choose(one_deep, k=1)
         sizing.observe(1)
         if rounds == 10:
             assert 0.5 < sizing.trust(2) < 0.8  # fading back to depth 1's trust
-    assert sizing.trust(2) > 0.95 and sizing.pays_to_expand(one_deep, nodes, forwards=1)
+    assert sizing.trust(2) > 0.95 and sizing.to_expand(one_deep, nodes, forwards=1)
     sizing.choose(two_deep, k=2)
     sizing.observe(1)  # grown, offered and measured again: the fresh miss counts at once
     assert sizing.trust(2) < 0.05

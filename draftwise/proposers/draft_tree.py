@@ -3,9 +3,10 @@
 Why a tree: a chain of k guesses is lost from its first wrong token on; when the draft hesitates between two
 tokens, offering both costs one wider target pass (on a GPU nearly free) and keeps whichever the target picks.
 
-Growth: depth 1 is the BRANCH likeliest tokens after the text; each further depth expands the WIDTH likeliest
+Growth: depth 1 is the BRANCH likeliest tokens after the text; each further depth expands up to WIDTH likeliest
 frontier nodes (likeliness: the draft's probability of the whole path, the product along it, which tracks the
-chance the target keeps it) by their BRANCH likeliest tokens, all in ONE draft forward. A depth-d node attends
+chance the target keeps it; as many as pay for their rows of the forward, measured by width: tree_growth.py) by
+their BRANCH likeliest tokens, all in ONE draft forward. A depth-d node attends
 to the text and its own ancestors only: the nodes fed by earlier forwards sit in the draft's cache after the
 text, and the backend's tree mask (a layout longer than the forward's ids, backends/hf.py) hides the rest.
 Of every node grown, the likeliest n are offered (a parent is at least as likely as its child and comes first
@@ -82,6 +83,8 @@ class DraftTreeProposer(DraftModelProposer):
     def time_forward(self, seconds: float) -> None:
         """What the forward take() is about to read cost: alone, this tree's; in a batch, the shared one's."""
         self._drafted_s += seconds
+        if self._growth is not None:  # a depth's forward (not the root's, whose width is the text's catch-up)
+            self.sizing.time_expansion(len(self._nodes), seconds)
 
     def take(self, logits: torch.Tensor) -> None:
         """logits: [fed, draft_vocab], the draft's rows after the pending tokens (which the backend has cached)."""

@@ -127,18 +127,21 @@ class HeadProposer:
 
     def _grow(self, last: int, depth: int) -> tuple[GrownTree, int]:
         """Grow up to `depth` levels (tree_growth.grow), one head forward per depth past the first, while one more
-        can pay (TreeSizing.pays_to_expand). Returns the tree and the forwards it ran."""
+        can pay, over the nodes that do (TreeSizing.to_expand). Returns the tree and the forwards it ran."""
         predicted: dict[int, torch.Tensor] = {}  # an expanded node's predicted feature [H]: its children's input
         speculative: list[int] = []  # the node of each speculative cache entry, in cache order
         level = [0]  # the depth of the nodes expanded: grow expands one depth per call
 
         def expand(tree: GrownTree, nodes: list[int]):
+            started = time.perf_counter()
             level[0] += 1
             parent_features = [predicted.get(tree.parents[n], self._root_feature) for n in nodes]
             outputs = self._expand(nodes, tree, parent_features, speculative, last + level[0])
             speculative.extend(nodes)
             predicted.update(zip(nodes, outputs))
-            return self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
+            candidates = self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
+            self.sizing.time_expansion(len(nodes), time.perf_counter() - started)
+            return candidates
 
         first = [row[0] for row in self._candidates(self._root_logits[None])]  # [BRANCH] each, from the catch-up
         return grow(first, depth, expand, sizing=self.sizing), level[0]

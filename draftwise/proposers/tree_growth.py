@@ -13,10 +13,14 @@ shapes, which timings must not move); otherwise the n that maximizes the round's
 priced by what the engine measured on this machine (StepCosts): the tree widens while a wider pass pays for
 itself and backs off where it stops paying (a CPU that emulates bfloat16 pays for every token of width).
 
-Depth: growth stops before a forward that cannot pay for itself (TreeSizing.pays_to_expand): the nodes it would
-expand can add at most their own path probabilities to the round's expected tokens, and if that, per second of
-the forward, is below the rate of the tree already grown, no later depth can pay either. A proposer unsure of its
-next guesses then stops instead of drafting depths none of whose nodes would be offered. A fixed k grows to k.
+Depth and width: a forward expands only the nodes that pay for their rows of it (TreeSizing.to_expand), and
+growth stops before a forward none of whose nodes would: the nodes it would expand can add at most their own path
+probabilities to the round's expected tokens, and if that is less than what the forward's seconds earn at the
+rate of the tree already grown, no later depth can pay either. A proposer unsure of its next guesses then stops
+instead of drafting depths none of whose nodes would be offered; one sure of its first guess and unsure of the
+others expands that one alone, for what a one-row forward costs (on a CPU a 4-row forward of the 0.5B draft costs
+1.3x a 1-row one: a tree that is a chain in all but its forwards drafts more dearly than the chain). A fixed k
+grows to k, WIDTH nodes a depth.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.adaptive import StepCosts
+from draftwise.adaptive import StepCosts, interpolate
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
 
@@ -44,6 +48,7 @@ class TreeSizing:
         self.max_nodes = max_nodes
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
         self.forward_s: float | None = None  # seconds per proposer forward, measured
+        self._expansion_s: dict[int, float] = {}  # seconds of a forward that expands a depth, by its nodes, decayed
         # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
         self._kept_at: dict[int, float] = {}
         self._claimed_at: dict[int, float] = {}
@@ -58,6 +63,23 @@ class TreeSizing:
     def time_forwards(self, seconds: float, forwards: int) -> None:
         per = seconds / max(1, forwards)
         self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
+
+    def time_expansion(self, nodes: int, seconds: float) -> None:
+        """What a forward expanding this many nodes of a depth cost (in a batch, the shared forward's time)."""
+        old = self._expansion_s.get(nodes)
+        self._expansion_s[nodes] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def expansion_cost(self, nodes: int) -> float:
+        """Seconds of a forward expanding this many nodes: measured, else interpolated between measured widths.
+        Unmeasured widths are priced as optimists, so that they get tried: a wider one as the widest measured, a
+        narrower one in proportion to the narrowest. Nothing measured by width: the mean forward."""
+        table = self._expansion_s
+        if not table:
+            return self.forward_s
+        narrowest = min(table)
+        if nodes < narrowest:
+            return table[narrowest] * nodes / narrowest
+        return interpolate(table, nodes)
 
     def trust(self, depth: int) -> float:
         """The share of the proposer's own chances at this depth that the target bore out: kept over claimed, at
@@ -107,19 +129,22 @@ class TreeSizing:
             self._claimed[depth] = self._claimed.get(depth, 0.0) + math.exp(scores[node])
         return chosen
 
-    def pays_to_expand(self, tree: "GrownTree", nodes: list[int], forwards: int) -> bool:
-        """Whether one more forward, over `nodes`, can pay for itself in a round that has run `forwards`. Their
-        children add at most the nodes' own path probabilities (as far as the next depth is trusted) to the
-        round's expected tokens, for forward_s more seconds; unless that beats the rate of the best tree already
-        grown, it is not run, nor any after it (each adds at most as much, for as much). What decides is the
-        proposer's confidence: a head unsure past its first guess stops there instead of paying for depths no
-        node of which would be offered."""
+    def to_expand(self, tree: "GrownTree", nodes: list[int], forwards: int) -> list[int]:
+        """Which of `nodes` (likeliest first) one more forward should expand, in a round that has run `forwards`:
+        the first w, for the w whose gain most exceeds its price, or none when no w's does. Expanding a node adds
+        at most its own path probability (as far as the next depth is trusted) to the round's expected tokens;
+        the forward's seconds are priced at the rate of the best tree already grown, which no later depth can
+        beat if this one cannot (each adds at most as much, for as much). What decides is the proposer's
+        confidence: a head unsure past its first guess stops there instead of paying for depths no node of which
+        would be offered, and a draft sure of one guess expands it alone."""
         if not self.by_cost or self.forward_s is None:
-            return True  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
+            return nodes  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
         probs = sorted((self.chance(tree, node) for node in range(len(tree.scores))), reverse=True)
         _, rate = self._best(probs, self.forward_s * forwards)
-        gain = sum(math.exp(tree.scores[node]) * self.trust(tree.depths[node] + 1) for node in nodes)
-        return gain / self.forward_s > rate
+        gains = torch.tensor([math.exp(tree.scores[n]) * self.trust(tree.depths[n] + 1) for n in nodes]).cumsum(0)
+        surplus = [float(gains[w - 1]) - rate * self.expansion_cost(w) for w in range(1, len(nodes) + 1)]
+        best = max(range(len(nodes)), key=surplus.__getitem__, default=None)
+        return nodes[: best + 1] if best is not None and surplus[best] > 0 else []
 
     def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
@@ -184,15 +209,16 @@ def growing(first: tuple[torch.Tensor, torch.Tensor], depth: int, min_step: floa
     """grow() as a generator, for a proposer whose forwards run in lockstep with other sequences' (batch.py): it
     yields (tree, nodes) for each forward to run, is sent their children's candidates (or None: it may not run),
     and returns the tree. A node whose own probability is below min_step is not expanded: its children would build
-    on a doubtful guess. With a sizing, growth stops where a forward cannot pay (TreeSizing.pays_to_expand); the
-    round has run one forward for `first` and one per depth since."""
+    on a doubtful guess. With a sizing, a forward expands only the nodes that pay, and growth stops where none does
+    (TreeSizing.to_expand); the round has run one forward for `first` and one per depth since."""
     tree = GrownTree()
     frontier = tree.add_children(-1, *first)
     for forwards in range(1, depth):
         nodes = sorted((n for n in frontier if tree.step_probability(n) >= min_step),
                        key=lambda n: (-tree.scores[n], n))[:WIDTH]
-        pays = bool(nodes) and (sizing is None or sizing.pays_to_expand(tree, nodes, forwards))
-        children = (yield tree, nodes) if pays else None
+        if nodes and sizing is not None:
+            nodes = sizing.to_expand(tree, nodes, forwards)
+        children = (yield tree, nodes) if nodes else None
         if children is None:
             break
         frontier = [child for row, node in enumerate(nodes) for child in tree.add_children(node, children[0][row],
