@@ -39,6 +39,9 @@ from draftwise.verify.batch import DraftBatch, verify_batch
 # behind sits rounds out (k = 0) while it catches up in prefill-sized chunks (Engine.catch_up_draft), since in a
 # batched draft forward every row pays for the widest one.
 MAX_DRAFT_LAG = 16
+# How far behind (the text's last token aside) drafting itself leaves a draft: a round that kept every guess leaves
+# the last one unfed. A round's first draft forward feeds it with the text's last token.
+ROUND_FEED = 1
 
 
 @dataclass(frozen=True)
@@ -312,12 +315,17 @@ class Engine:
         seq.stats.prefill_s += time.perf_counter() - started
 
     def wants_catch_up(self, seq: Sequence, alone: bool = False) -> bool:
-        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step, or the
-        sequence decodes alone and its next step may be a probe, which a draft this far behind would sit out (as the
-        gap between probes doubles past MAX_DRAFT_LAG, every later probe of a long request would learn nothing).
-        In a batch, a probe is not worth every row's catch-up."""
-        wanted = self.draft_wanted or (alone and self.draft_policy.probe_due)
-        return wanted and seq.draft_behind > MAX_DRAFT_LAG
+        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step and the
+        draft is too far behind to catch up in its round, or the sequence decodes alone and its next step may be a
+        probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
+        past it, every later probe of a long request would learn nothing); a nearer one would catch up in the
+        probe's first draft forward, which is timed as drafting: a probe of the 0.5B draft 8 tokens behind priced
+        its forward at 1.5x what it costs, and kept drafting off for the rest of the request. So before a probe
+        the draft is filled to the text (less the tokens a round's first forward feeds anyway). In a batch, a
+        probe is not worth every row's catch-up."""
+        if alone and self.draft_policy.probe_due:
+            return seq.draft_behind > ROUND_FEED
+        return self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
 
     def catch_up_draft(self, seq: Sequence, max_tokens: int | None = None) -> None:
         """Feed (up to max_tokens of) the text the sequence's draft cache lacks, all but the last token."""

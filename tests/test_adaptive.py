@@ -14,7 +14,7 @@ from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
 from draftwise.config import GenerationConfig
-from draftwise.engine import MAX_DRAFT_LAG, Engine
+from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
 
@@ -322,13 +322,23 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     plain = Engine.from_models(target, tokenizer, method="none")
     # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes.
     eng.draft_policy.rate = lambda rates, k, rows, fixed=(): 1.0 if k == 0 else 0.5
-    drafted = []
+    drafted, behind = [], []
     eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
+    start = eng.proposer.start
+
+    def starting(context, k, stop_confidence=0.0):  # how far behind each drafting round found the draft
+        behind.append(eng.proposer.behind(context)) if k > 0 else None
+        start(context, k, stop_confidence)
+
+    eng.proposer.start = starting
     prompt, tokens = "The quick brown fox jumps over the lazy dog.", 3 * PROBE_EVERY + 4 * PROBE_EVERY + 10
     result = eng.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
     assert result.token_ids == plain.generate(prompt, max_new_tokens=tokens, ignore_eos=True).token_ids
     # The first round, then probes PROBE_EVERY, 2 * PROBE_EVERY and 4 * PROBE_EVERY steps apart, each drafted.
     assert len(drafted) == 4
+    # ... each with its draft filled first, even the one within MAX_DRAFT_LAG: a probe's first forward, timed as
+    # drafting, does not carry a catch-up.
+    assert len(behind) == 4 and max(behind) <= ROUND_FEED
     gaps = [b - a for a, b in zip(drafted[1:], drafted[2:])]  # tokens between probes: at least their steps
     assert gaps[0] >= 2 * PROBE_EVERY and gaps[1] >= 4 * PROBE_EVERY
 
