@@ -3,9 +3,10 @@ grown tree to offer, and how to hand the chosen nodes over as a Draft. Prompt lo
 are sized by the same rule.
 
 Growth (EAGLE-2, Li et al. 2024): depth 1 is the BRANCH likeliest tokens after the text; each further depth expands
-up to the WIDTH likeliest frontier nodes (see Depth and width below), likeliness being the proposer's probability of the whole path (the product
-along it, which tracks how likely the target is to keep the path). Of every node grown, the likeliest n are
-offered: a parent is at least as likely as its child and comes first on a tie, so they form a tree.
+up to the WIDTH likeliest frontier nodes (see "Depth and width" below), likeliness being the proposer's probability
+of the whole path (the product along it, which tracks how likely the target is to keep the path). Of every node
+grown, the likeliest n are offered: a parent is at least as likely as its child and comes first on a tie, so they
+form a tree.
 
 n: exactly k for a sequence that drafts a fixed k (a seeded sampled request's random draws follow the round
 shapes, which timings must not move); otherwise the n that maximizes the round's expected tokens per second,
