@@ -118,13 +118,14 @@ class StepCosts:
     def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
         (default k; a tree's depth): what drafting and verifying took."""
-        _decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
+        decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
         steps = k if draft_steps is None else draft_steps
         if steps > 0:
-            _decay_into(self._draft_s, rows, draft_s / steps)
+            decay_into(self._draft_s, rows, draft_s / steps)
 
 
-def _decay_into(table: dict[int, float], key: int, value: float) -> None:
+def decay_into(table: dict[int, float], key: int, value: float) -> None:
+    """table[key] := value, or DECAY of the old value and the rest of the new one."""
     old = table.get(key)
     table[key] = value if old is None else DECAY * old + (1 - DECAY) * value
 

@@ -136,6 +136,12 @@ def test_adaptive_trees_and_a_compact_draft_keep_the_targets_output(arch, draft)
     assert result.stats.new_tokens == NEW_TOKENS
 
 
+def _draft_k_max_always(monkeypatch):
+    """The engine's policy pinned: every round drafts k_max, with no confidence stop."""
+    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
+    monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
+
+
 @pytest.mark.parametrize("forward_s, deep", [(10.0, False), (1e-9, True)])
 def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s, deep):
     # Timings pinned: draft forwards dearer than any depth could give stop at the root's candidates; free ones
@@ -143,8 +149,7 @@ def test_a_depth_is_drafted_only_while_a_forward_can_pay(monkeypatch, forward_s,
     # so the engine's own policy would rarely draft: k is pinned too.)
     monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", forward_s))
     monkeypatch.setattr(TreeSizing, "time_expansion", lambda self, nodes, seconds: None)  # every width: forward_s
-    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
-    monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
+    _draft_k_max_always(monkeypatch)
     eng = engine("llama", "near")
     proposer, grown = eng.proposer, []
     real_finish = proposer.finish
@@ -166,8 +171,7 @@ def test_a_depth_expands_only_the_nodes_whose_rows_pay_and_the_output_and_cache_
     # siblings): every depth's forward feeds one node, kept paths still land in the cache, the output is the target's.
     monkeypatch.setattr(TreeSizing, "time_forwards", lambda self, seconds, forwards: setattr(self, "forward_s", 1e-9))
     monkeypatch.setattr(TreeSizing, "expansion_cost", lambda self, nodes: 1e-9 if nodes == 1 else 10.0)
-    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
-    monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
+    _draft_k_max_always(monkeypatch)
     widths = []
     monkeypatch.setattr(TreeSizing, "time_expansion", lambda self, nodes, seconds: widths.append(nodes))
     eng = engine(arch, "near")

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
-from draftwise.adaptive import StepCosts, interpolate
+from draftwise.adaptive import StepCosts, decay_into, interpolate
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
 
@@ -67,8 +68,7 @@ class TreeSizing:
 
     def time_expansion(self, nodes: int, seconds: float) -> None:
         """What a forward expanding this many nodes of a depth cost (in a batch, the shared forward's time)."""
-        old = self._expansion_s.get(nodes)
-        self._expansion_s[nodes] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        decay_into(self._expansion_s, nodes, seconds)
 
     def expansion_cost(self, nodes: int) -> float:
         """Seconds of a forward expanding this many nodes: measured, else interpolated between measured widths.
@@ -142,10 +142,10 @@ class TreeSizing:
             return nodes  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
         probs = sorted((self.chance(tree, node) for node in range(len(tree.scores))), reverse=True)
         _, rate = self._best(probs, self.forward_s * forwards)
-        gains = torch.tensor([math.exp(tree.scores[n]) * self.trust(tree.depths[n] + 1) for n in nodes]).cumsum(0)
-        surplus = [float(gains[w - 1]) - rate * self.expansion_cost(w) for w in range(1, len(nodes) + 1)]
-        best = max(range(len(nodes)), key=surplus.__getitem__, default=None)
-        return nodes[: best + 1] if best is not None and surplus[best] > 0 else []
+        gains = accumulate(math.exp(tree.scores[n]) * self.trust(tree.depths[n] + 1) for n in nodes)  # first w's
+        surplus = [gain - rate * self.expansion_cost(w) for w, gain in enumerate(gains, 1)]
+        best = max(range(len(surplus)), key=surplus.__getitem__, default=-1)
+        return nodes[: best + 1] if best >= 0 and surplus[best] > 0 else []
 
     def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
