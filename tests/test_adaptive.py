@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, Acceptance, DraftLengthPolicy, expected_tokens
+from draftwise.adaptive import (MAX_PROBE_GAP, PRIOR_ACCEPTED, PRIOR_TRIALS, PROBE_EVERY, Acceptance,
+                               DraftLengthPolicy, expected_tokens)
 from draftwise.config import GenerationConfig
-from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine
+from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
 
@@ -94,6 +95,60 @@ def test_the_engine_tells_the_policy_when_an_adaptive_sequence_joins():
     seq = eng.open_sequence(tokenizer.encode("one two"), GenerationConfig(max_new_tokens=4, ignore_eos=True))
     assert eng.draft_policy._probe_gap == PROBE_EVERY
     eng.close_sequence(seq)
+
+
+def test_a_prior_carried_from_earlier_sequences_outlasts_one_bad_first_round_but_not_two():
+    """The 0.5B draft's shape on a CPU without BF16: a draft forward 0.17 of a step, a 2-wide pass 1.26 steps.
+    Under the default prior one round that keeps nothing turns drafting off; from a carried 0.65 it takes two."""
+    policy = DraftLengthPolicy()
+    for k, verify_s in enumerate((0.100, 0.126, 0.135, 0.145, 0.155)):
+        policy.costs.observe(1, k, 0.017 * k, verify_s)
+    fresh, carried = Acceptance(), Acceptance()
+    carried.start_from(0.65)
+    assert carried.rate == pytest.approx(0.65) and carried.observed_rate is None
+    assert policy.choose([fresh.rate], k_max=4, rows=1) > 0 and policy.choose([carried.rate], k_max=4, rows=1) > 0
+    for acc in (fresh, carried):
+        acc.observe(2, 0)
+    assert policy.choose([fresh.rate], k_max=4, rows=1) == 0
+    assert policy.choose([carried.rate], k_max=4, rows=1) > 0
+    carried.observe(1, 0)
+    assert policy.choose([carried.rate], k_max=4, rows=1) == 0
+    for rate in (None, 0.3):  # nothing carried, or less than the default: the default prior
+        carried.start_from(rate)
+        assert carried.rate == PRIOR_ACCEPTED / PRIOR_TRIALS and carried.observed_rate is None
+
+
+def test_what_a_sequence_carries_is_its_rate_over_every_round_not_the_decayed_one_it_ended_on():
+    acc = Acceptance()
+    acc.observe(4, 4)
+    for _ in range(3):  # then rounds that keep nothing, as turn drafting off
+        acc.observe(2, 0)
+    assert acc.observed_rate == pytest.approx(4 / 7) and acc.rate < 0.52
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_a_sequence_starts_from_the_acceptance_its_kind_ended_on_in_this_engine(method):
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method=method)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    seq = eng.open_sequence(tokenizer.encode(prompt), GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    assert _drafting_acceptance(seq).rate == PRIOR_ACCEPTED / PRIOR_TRIALS  # the engine's first: the default
+    eng.close_sequence(seq)
+    assert eng.recent_acceptance(method, True) is None  # it drafted nothing: no evidence to carry
+    eng.generate(prompt, max_new_tokens=24, ignore_eos=True)  # the draft is the target: every token is kept
+    ended = eng.recent_acceptance(method, True)
+    assert ended == 1.0  # over its rounds alone, without the default prior
+    seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    assert _drafting_acceptance(seq).rate == pytest.approx(ended)
+    eng.close_sequence(seq)
+    # Sampled sequences keep fewer draft tokens than greedy ones: they carry their own, from the default.
+    sampled = GenerationConfig.from_options(max_new_tokens=16, ignore_eos=True, temperature=1.0)
+    seq = eng.open_sequence(tokenizer.encode(prompt), sampled)
+    assert _drafting_acceptance(seq).rate == PRIOR_ACCEPTED / PRIOR_TRIALS
+    eng.close_sequence(seq)
+    # A seeded sampled sequence drafts a fixed k and has no acceptance to carry; the greedy rate is untouched.
+    eng.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=3)
+    assert eng.recent_acceptance(method, False) is None and eng.recent_acceptance(method, True) == ended
 
 
 def test_expensive_draft_with_middling_acceptance_drafts_few():
