@@ -85,9 +85,10 @@ class Acceptance:
         one run and in 21 of 21 in the next. A prior near what the draft usually does, worth a little more, lets one
         bad round pass; two in a row still turn drafting off. Never below the default, though: a start below it turns
         drafting off before the sequence's own text is tried, and what the draft did on other texts says little of
-        this one (a warm-up of 8 tokens kept 0.29 where the requests after it kept over 0.6)."""
+        this one (an 8-token warm-up ended on 0.29 where the requests after it kept about 0.7)."""
         carried = rate is not None and rate > PRIOR_ACCEPTED / PRIOR_TRIALS
-        self._accepted, self._trials = (rate * CARRIED_TRIALS, CARRIED_TRIALS) if carried else (PRIOR_ACCEPTED, PRIOR_TRIALS)
+        prior = (rate * CARRIED_TRIALS, CARRIED_TRIALS) if carried else (PRIOR_ACCEPTED, PRIOR_TRIALS)
+        self._accepted, self._trials = prior
         self.kept = self.rejections = 0
 
     @property
