@@ -106,8 +106,13 @@ class Acceptance:
         if num_draft > 0:
             rejected = 1 if num_accepted < num_draft else 0
             self.kept, self.rejections = self.kept + num_accepted, self.rejections + rejected
-            self._accepted = DECAY * self._accepted + num_accepted
-            self._trials = DECAY * self._trials + num_accepted + rejected
+            self.fold(num_accepted, rejected)
+
+    def fold(self, kept: float, rejections: float) -> None:
+        """New evidence into the decayed estimate: what came before weighs DECAY, the new counts whole. A round's
+        (observe), or a whole sequence's in the engine's pool of earlier sequences (Engine.recent_acceptance)."""
+        self._accepted = DECAY * self._accepted + kept
+        self._trials = DECAY * self._trials + kept + rejections
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.adaptive import DECAY, Acceptance, DraftLengthPolicy
+from draftwise.adaptive import Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
@@ -78,9 +78,9 @@ class Engine:
         self._default_in_use = False
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
-        # (method, greedy) -> draft tokens kept and trials (kept plus rejections) of its earlier sequences, decayed
-        # by sequence: where the next one of that kind starts (recent_acceptance, Acceptance.start_from).
-        self._carried: dict[tuple[str, bool], tuple[float, float]] = {}
+        # (method, greedy) -> the acceptance of its earlier sequences, each folded in whole and decayed by sequence:
+        # where the next one of that kind starts (recent_acceptance, Acceptance.start_from).
+        self._carried: dict[tuple[str, bool], Acceptance] = {}
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
         self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
@@ -260,17 +260,15 @@ class Engine:
         """The per-token acceptance of this engine's earlier adaptive sequences of this method, greedy or sampled
         (sampling keeps fewer draft tokens), over all their rounds, the latest sequences weighing most; None before
         any drafted. Why over whole sequences: one that turned drafting off ended on the low rate that did it."""
-        kept, trials = self._carried.get((method, greedy), (0.0, 0.0))
-        return kept / trials if trials else None
+        pooled = self._carried.get((method, greedy))
+        return None if pooled is None else pooled.rate
 
     def _carry_acceptance(self, seq: Sequence) -> None:
         """Fold a leaving adaptive sequence's drafting rounds into recent_acceptance (nothing if none drafted)."""
         acceptance = _drafting_acceptance(seq) if seq.acceptance is not None else None
         if acceptance is not None and acceptance.observed_rate is not None:
-            key = seq.method, seq.cfg.sampling.greedy
-            kept, trials = self._carried.get(key, (0.0, 0.0))
-            self._carried[key] = (DECAY * kept + acceptance.kept,
-                                  DECAY * trials + acceptance.kept + acceptance.rejections)
+            pooled = self._carried.setdefault((seq.method, seq.cfg.sampling.greedy), Acceptance(0.0, 0.0))  # no prior
+            pooled.fold(acceptance.kept, acceptance.rejections)
 
     def _release(self, target, proposer) -> None:
         if target is self.target.default:
