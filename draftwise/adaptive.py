@@ -10,7 +10,8 @@ So both are measured as the engine runs:
 - acceptance `a`, per sequence (Acceptance): the maximum-likelihood per-token rate of a geometric run (kept
   tokens over kept tokens plus rejections), decayed so that recent rounds count most, and starting from what
   earlier sequences of the same method kept in this engine where that is above the default prior
-  (Acceptance.start_from), so that one bad first round does not turn drafting off;
+  (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
+  not turn drafting off;
 - the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
   of each width n = k + 1, and seconds per draft forward, decayed the same way.
 
@@ -44,6 +45,7 @@ MAX_PROBE_GAP = 64  # the widest the gap between probes grows
 MAX_STOP_CONFIDENCE = 0.5
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
 CARRIED_TRIALS = 4.0  # a prior carried from earlier sequences (Acceptance.start_from) is worth four tokens
+DRAFT_ESTIMATE = "draft"  # the name of a sequence's drafting acceptance among those an engine carries
 
 
 def interpolate(table: dict[int, float], n: float) -> float:
@@ -78,17 +80,18 @@ class Acceptance:
     rejections: int = 0  # rounds since the start that rejected a draft token
 
     def start_from(self, rate: float | None) -> None:
-        """Start over from a prior: `rate`, what earlier sequences of this kind kept, worth CARRIED_TRIALS tokens,
-        or without one the default. Why: under the default (0.5, worth two tokens) one first round that keeps nothing
-        drops a to 0.32, below break-even for the 0.5B draft on a CPU without BF16, and drafting stays off until a
-        probe 8 steps on (16 if that fails too): traced on one prompt, the same request drafted in 3 of 47 rounds in
-        one run and in 21 of 21 in the next. A prior near what the draft usually does, worth a little more, lets one
-        bad round pass; two in a row still turn drafting off. Never below the default, though: a start below it turns
-        drafting off before the sequence's own text is tried, and what the draft did on other texts says little of
-        this one (an 8-token warm-up ended on 0.29 where the requests after it kept about 0.7)."""
-        carried = rate is not None and rate > PRIOR_ACCEPTED / PRIOR_TRIALS
-        prior = (rate * CARRIED_TRIALS, CARRIED_TRIALS) if carried else (PRIOR_ACCEPTED, PRIOR_TRIALS)
-        self._accepted, self._trials = prior
+        """Start a fresh estimate from a prior: `rate`, what earlier sequences of this kind kept, worth CARRIED_TRIALS
+        tokens, where it is above the prior the estimate was made with (the default, 0.5 worth two tokens, or a
+        hybrid's pessimistic one for lookup after a short match); else that prior. Why: under the default one first
+        round that keeps nothing drops a to 0.32, below break-even for the 0.5B draft on a CPU without BF16, and
+        drafting stays off until a probe 8 steps on (16 if that fails too): traced on one prompt, the same request
+        drafted in 3 of 47 rounds in one run and in 21 of 21 in the next. A prior near what the draft usually does,
+        worth a little more, lets one bad round pass; two in a row still turn drafting off. Never below the made-with
+        prior, though: a start below it turns drafting off before the sequence's own text is tried, and what the draft
+        did on other texts says little of this one (an 8-token warm-up ended on 0.29 where the requests after it kept
+        about 0.7)."""
+        if rate is not None and rate > self.rate:
+            self._accepted, self._trials = rate * CARRIED_TRIALS, CARRIED_TRIALS
         self.kept = self.rejections = 0
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.adaptive import Acceptance, DraftLengthPolicy
+from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
@@ -78,9 +78,9 @@ class Engine:
         self._default_in_use = False
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
-        # (method, greedy) -> the acceptance of its earlier sequences, each folded in whole and decayed by sequence:
-        # where the next one of that kind starts (recent_acceptance, Acceptance.start_from).
-        self._carried: dict[tuple[str, bool], Acceptance] = {}
+        # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
+        # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
+        self._carried: dict[tuple[str, bool], dict[str, Acceptance]] = {}
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
         self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
@@ -193,15 +193,16 @@ class Engine:
         if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
             proposer.sizing.sized_by_cost = acceptance is not None
             proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
-        if hasattr(proposer, "free_round"):  # a hybrid prices lookup's rounds without the draft model by them too
-            proposer.costs = self.draft_policy.costs
+        if hasattr(proposer, "free_round"):  # a hybrid prices its picks and lookup's free rounds by them too
+            proposer.costs = self.draft_policy.costs if acceptance is not None else None  # (not a fixed k)
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                        acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
                        generator=generator, context=list(prompt_ids), prefilled=reused)
         if acceptance is not None:
-            _drafting_acceptance(seq).start_from(self.recent_acceptance(method, cfg.sampling.greedy))
+            pooled = self._carried.get((method, cfg.sampling.greedy), {})
+            _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
         return seq
 
     # -- the prompt cache --------------------------------------------------------------------------------
@@ -256,19 +257,22 @@ class Engine:
             self._release(seq.target, seq.proposer)
             seq.target = None
 
-    def recent_acceptance(self, method: str, greedy: bool) -> float | None:
+    def recent_acceptance(self, method: str, greedy: bool, estimate: str = DRAFT_ESTIMATE) -> float | None:
         """The per-token acceptance of this engine's earlier adaptive sequences of this method, greedy or sampled
         (sampling keeps fewer draft tokens), over all their rounds, the latest sequences weighing most; None before
-        any drafted. Why over whole sequences: one that turned drafting off ended on the low rate that did it."""
-        pooled = self._carried.get((method, greedy))
+        any drafted. Why over whole sequences: one that turned drafting off ended on the low rate that did it.
+        estimate: which of a sequence's estimates (_estimates: a hybrid keeps lookup's too, by match length)."""
+        pooled = self._carried.get((method, greedy), {}).get(estimate)
         return None if pooled is None else pooled.rate
 
     def _carry_acceptance(self, seq: Sequence) -> None:
-        """Fold a leaving adaptive sequence's drafting rounds into recent_acceptance (nothing if none drafted)."""
-        acceptance = _drafting_acceptance(seq) if seq.acceptance is not None else None
-        if acceptance is not None and acceptance.observed_rate is not None:
-            pooled = self._carried.setdefault((seq.method, seq.cfg.sampling.greedy), Acceptance(0.0, 0.0))  # no prior
-            pooled.fold(acceptance.kept, acceptance.rejections)
+        """Fold a leaving adaptive sequence's estimates into recent_acceptance (each that saw no round: nothing)."""
+        if seq.acceptance is None:
+            return
+        pools = self._carried.setdefault((seq.method, seq.cfg.sampling.greedy), {})
+        for name, estimate in _estimates(seq).items():
+            if estimate.observed_rate is not None:
+                pools.setdefault(name, Acceptance(0.0, 0.0)).fold(estimate.kept, estimate.rejections)  # no prior
 
     def _release(self, target, proposer) -> None:
         if target is self.target.default:
@@ -538,6 +542,22 @@ def _free_round(seq: Sequence, k: int, rows: int) -> int:
 def _free_depth(seq: Sequence) -> int:
     """The most a sequence drafts: its num_draft_tokens, and never past the last token it may emit (wasted work)."""
     return min(seq.cfg.num_draft_tokens, seq.remaining - 1)
+
+
+def _estimates(seq: Sequence) -> dict[str, Acceptance]:
+    """An adaptive sequence's acceptance estimates by name, what it carries to the next of its method: its
+    proposer's where it keeps several (a hybrid: its draft model's, and lookup's by match length), else its own."""
+    own = getattr(seq.proposer, "acceptances", None)
+    return own() if own is not None else {DRAFT_ESTIMATE: seq.acceptance}
+
+
+def _start_estimates(seq: Sequence, rates: dict[str, float]) -> None:
+    """Start a new adaptive sequence's estimates from the rates its method's earlier sequences kept, by name."""
+    start = getattr(seq.proposer, "start_acceptances", None)
+    if start is not None:
+        start(rates)
+    else:
+        seq.acceptance.start_from(rates.get(DRAFT_ESTIMATE))
 
 
 def _drafting_acceptance(seq: Sequence) -> Acceptance:

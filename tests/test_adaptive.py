@@ -18,6 +18,7 @@ from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
+from draftwise.proposers.hybrid import MIN_NGRAM, SHORT_MATCH_PRIOR, lookup_estimate
 
 
 def _feed(policy, acceptance, rounds, k, accepted, draft_s, verify_s, rows=1):
@@ -114,8 +115,12 @@ def test_a_prior_carried_from_earlier_sequences_outlasts_one_bad_first_round_but
     carried.observe(1, 0)
     assert policy.choose([carried.rate], k_max=4, rows=1) == 0
     for rate in (None, 0.3):  # nothing carried, or less than the default: the default prior
-        carried.start_from(rate)
-        assert carried.rate == PRIOR_ACCEPTED / PRIOR_TRIALS and carried.observed_rate is None
+        fresh = Acceptance()
+        fresh.start_from(rate)
+        assert fresh.rate == PRIOR_ACCEPTED / PRIOR_TRIALS and fresh.observed_rate is None
+    pessimistic = Acceptance(0.0, 2.0)  # (a hybrid's lookup after a short match): any rate above its own prior
+    pessimistic.start_from(0.3)
+    assert pessimistic.rate == pytest.approx(0.3)
 
 
 def test_what_a_sequence_carries_is_its_rate_over_every_round_not_the_decayed_one_it_ended_on():
@@ -149,6 +154,26 @@ def test_a_sequence_starts_from_the_acceptance_its_kind_ended_on_in_this_engine(
     # A seeded sampled sequence drafts a fixed k and has no acceptance to carry; the greedy rate is untouched.
     eng.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=3)
     assert eng.recent_acceptance(method, False) is None and eng.recent_acceptance(method, True) == ended
+
+
+@pytest.mark.parametrize("method", ["hybrid", "hybrid-tree"])
+def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_in_earlier_sequences(method):
+    """Carried for the draft model alone, a hybrid's first rounds went to it where lookup, at its default, would
+    have won them: lookup's estimates, one per match length, are carried too."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method=method)
+    prompt = "one two three four one two three four one two three four one two three"
+    eng.generate(prompt, max_new_tokens=24, ignore_eos=True)
+    names = [name for name, estimate in eng.proposer.acceptances().items() if estimate.observed_rate is not None]
+    lookup = {int(name.rsplit(" ", 1)[1]): eng.recent_acceptance(method, True, name)
+              for name in names if name.startswith("lookup")}
+    assert lookup and set(names) == {"draft", *(lookup_estimate(match) for match in lookup)}
+    seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    for match, carried in lookup.items():
+        made_with = Acceptance(*SHORT_MATCH_PRIOR) if match < MIN_NGRAM else Acceptance()
+        assert seq.proposer._lookup_acceptance_after(match).rate == pytest.approx(max(carried, made_with.rate))
+    assert _drafting_acceptance(seq).rate == pytest.approx(eng.recent_acceptance(method, True))
+    eng.close_sequence(seq)
 
 
 def test_expensive_draft_with_middling_acceptance_drafts_few():

@@ -388,7 +388,30 @@ def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_dr
     assert guess("lookup-tree", FakeTreeDraft(), 4) == (5, 6, 8, 9)
     assert guess("lookup-tree", FakeTreeDraft(), 0) == (5,)  # (nothing set: the draft model's k)
     assert guess("lookup-tree", FakeTreeDraft(), 4, by_cost=False) == (5,)  # a fixed k keeps it
-    assert guess("lookup", FakeDraft(), 4) == (5,)  # the chain's guess is not priced by its width: k
+    assert guess("lookup", FakeDraft(), 4) == (5,)  # no draft forward timed: the chain picks by rule, its guess k deep
+    costs.observe(1, 1, 0.05, 0.2)  # a draft forward timed: the chain's pick is measured, and its guess priced too
+    assert guess("lookup", FakeDraft(), 4) == (5, 6, 8, 9)
+
+
+def test_the_chain_hybrid_picks_by_measured_tokens_per_second_once_a_draft_forward_is_timed():
+    chain = hybrid_of(FakeDraft(), "lookup")
+    text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
+    chain.begin(text, None, None)
+    costs = StepCosts()
+    for width in (1, 3):
+        costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
+    chain.costs = costs
+    for _ in range(10):
+        chain._draft_acceptance.observe(2, 2)  # the draft model is nearly always right
+    # No draft forward timed yet: by rule, a three-token match is lookup's.
+    assert chain.propose(text, 2).token_ids == (5, 6)
+    chain.observe(0)
+    costs.observe(1, 2, 0.02, 0.2)  # 0.01 s per draft forward: the draft's 2.9 tokens in 0.22 s (13/s)
+    text += [9, 1, 2, 3]  # (lookup's last guess lost: after a 3-token match it is at 0.31, 1.4 tokens in 0.2 s)
+    assert chain.propose(text, 2).token_ids == (7, 7)  # measured, the draft model's, although the match is long
+    chain.observe(2)
+    chain.costs = None  # a fixed-k sequence (the engine sets no costs): by rule, whatever was measured
+    assert chain.propose(text + [8, 8, 1, 2, 3], 2).token_ids == (8, 8)
 
 
 def test_the_engine_lets_the_tree_hybrids_lookup_guess_deeper_than_the_draft_models_k(monkeypatch):

@@ -15,14 +15,18 @@ Exactness: the choice depends on the context alone, and the verifier handles bot
 hybrid-tree pairs the two tree proposers (lookup-tree, draft-tree) the same way. A draft-tree round leaves its
 tree in the draft's cache, so keep_path() goes to the draft model only after a round it made. The two share
 one tree sizing (how many nodes a round offers, by the measured costs), which the engine sets up once.
-Once those costs are measured, and the sequence's rounds may follow them (not a seeded sampled one), it picks
-by measurement instead of by MIN_NGRAM: lookup wins a round when its guess is expected to give more tokens per
-second than the draft model's, each priced by the measured pass and draft forward, and each judged by its own
-per-token acceptance in this sequence. Lookup's is kept per length of the match it found (a one-token match is
+Once those costs are measured, and the sequence's rounds may follow them (not a seeded sampled one), either
+hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its guess is expected to give more
+tokens per second than the draft model's, each priced by the measured pass and draft forward, and each judged by
+its own per-token acceptance in this sequence. Lookup's is kept per length of the match it found (a one-token match is
 mostly wrong in prose and mostly right in a summary that copies its article), and learnt every round for free:
 its guess is made every round, and the tokens the target emits next say how much of it would have been kept.
-A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence. The choice still
-depends on the past alone, as the draft length does (adaptive.py), so the output stays exact.
+A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence (the chain's lookup
+offers none: its guesses follow matches of MIN_NGRAM tokens). Each of these estimates starts from what the
+engine's earlier sequences of the method kept (acceptances, start_acceptances; Acceptance.start_from): carried
+for the draft model's alone, a new request's first rounds went to it where lookup's, at its default, would have
+won them (traced on the chain, 12% slower on one request in both repeats). The choice still depends on the past
+alone, as the draft length does (adaptive.py), so the output stays exact.
 
 hybrid-head pairs a trained feature head's trees (feature_head.py) with lookup-tree the same way: no draft model,
 and lookup covers what the head is weakest at, text that copies its prompt (on the Zen 4 bench the head kept 8% of
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.adaptive import Acceptance, StepCosts, expected_tokens
+from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, StepCosts, expected_tokens
 from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import PromptLookupProposer
@@ -63,6 +67,7 @@ class HybridProposer:
         # Per-token acceptance: the draft model's (the draft length follows it) and lookup's by the match length
         # (the tree hybrid's pick, and both hybrids' free rounds, are priced by them).
         self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
+        self._carried: dict[str, float] = {}  # the engine's earlier sequences' rates, by estimate (start_acceptances)
         self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
         self._shadow: tuple = ()  # the last round's lookup guess: (its match length, the guess, the context length)
         if getattr(draft, "sizing", None) is not None and lookup.sizing is not None:
@@ -81,7 +86,20 @@ class HybridProposer:
         self._last = None
         self.rounds = {"lookup": 0, "draft": 0}
         self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
+        self._carried = {}
         self._shadow = ()
+
+    def acceptances(self) -> dict[str, Acceptance]:
+        """This sequence's acceptance estimates by name, what the engine carries to the next sequence of the method:
+        the draft model's, and lookup's after each length of match."""
+        lookup = {lookup_estimate(match): acc for match, acc in self._lookup_acceptance.items()}
+        return {DRAFT_ESTIMATE: self._draft_acceptance, **lookup}
+
+    def start_acceptances(self, rates: dict[str, float]) -> None:
+        """Start each estimate from what the engine's earlier sequences kept (by the names acceptances() gives);
+        lookup's are made as its matches first occur, and start then."""
+        self._draft_acceptance.start_from(rates.get(DRAFT_ESTIMATE))
+        self._carried = dict(rates)
 
     @property
     def takes_rows(self) -> bool:  # a draft-tree's take() reads every row of a depth (batch.py)
@@ -133,9 +151,11 @@ class HybridProposer:
         tree by the measured cost of the wider pass, and costs no forward: it goes as deep as in a round the draft
         model sits out. Cut to the draft model's k, it lost rounds on copying text: on a Zen 4 code prompt, while
         the policy gave the draft model k = 2, the tree hybrid took 17 target passes where lookup-tree alone took
-        13. The chain's lookup (its guess unpriced by width) and a fixed-k sequence keep k."""
+        13. The chain's lookup does the same once its pick is measured, which prices the guess's width (by rule it
+        is not: k). A fixed-k sequence keeps k."""
         sizing = self.sizing
-        return max(k, self.lookup_depth) if sizing is not None and sizing.by_cost else k
+        priced = sizing.by_cost if sizing is not None else self._measured() is not None
+        return max(k, self.lookup_depth) if priced else k
 
     @property
     def drafting_acceptance(self) -> Acceptance:
@@ -184,14 +204,24 @@ class HybridProposer:
             return self.sizing.costs if self.sizing.by_cost else None
         return self.costs if self.costs is not None and self.costs.measured else None
 
-    def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
+    def _measured(self) -> tuple[float, StepCosts] | None:
+        """Seconds per draft-model forward and the step costs that price a round's pick, once both are measured and
+        where the sequence may follow them (not a fixed k, whose draws a seed must reproduce); else None: by rule."""
         sizing = self.sizing
-        if sizing is None or not sizing.by_cost or sizing.forward_s is None:
+        if sizing is not None:  # the tree hybrid's sizing times its own forwards
+            return (sizing.forward_s, sizing.costs) if sizing.by_cost and sizing.forward_s is not None else None
+        costs = self.costs  # the chain's: the engine's (set only for a sequence that follows them)
+        return (costs.draft(1), costs) if costs is not None and costs.measured and costs.draft(1) > 0 else None
+
+    def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
+        measured = self._measured()
+        if measured is None:
             # By rule (depth: a tree of siblings still guesses one token).
             return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
+        forward_s, costs = measured
         lookup_a = self._lookup_acceptance_after(match).rate
-        lookup_rate = expected_tokens(lookup_a, guess.depth) / sizing.costs.verify(1, len(guess) + 1)
-        draft_s = sizing.forward_s * k + sizing.costs.verify(1, k + 1)
+        lookup_rate = expected_tokens(lookup_a, guess.depth) / costs.verify(1, len(guess) + 1)
+        draft_s = forward_s * k + costs.verify(1, k + 1)
         return lookup_rate >= expected_tokens(self._draft_acceptance.rate, k) / draft_s
 
     def keep_path(self, path: list[int]) -> None:
@@ -203,7 +233,9 @@ class HybridProposer:
         """Lookup's per-token acceptance after a match of this many tokens."""
         if match not in self._lookup_acceptance:
             short = match < self.min_ngram
-            self._lookup_acceptance[match] = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
+            acceptance = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
+            acceptance.start_from(self._carried.get(lookup_estimate(match)))
+            self._lookup_acceptance[match] = acceptance
         return self._lookup_acceptance[match]
 
     def _learn_from_last_guess(self, context: list[int]) -> None:
@@ -281,6 +313,11 @@ class HybridProposer:
 
     def release(self) -> None:
         self.draft.release()
+
+
+def lookup_estimate(match: int) -> str:
+    """The name of lookup's acceptance after a match of this many tokens, among a hybrid's acceptances()."""
+    return f"lookup after {match}"
 
 
 def kept_depth(guess: Draft, tokens: list[int]) -> int:
