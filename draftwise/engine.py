@@ -347,7 +347,11 @@ class Engine:
         probe's first draft forward, which is timed as drafting: a probe of the 0.5B draft 8 tokens behind priced
         its forward at 1.5x what it costs, and kept drafting off for the rest of the request. So before a probe
         the draft is filled to the text (less the tokens a round's first forward feeds anyway). In a batch, a
-        probe is not worth every row's catch-up."""
+        probe is not worth every row's catch-up. A sequence drafting a fixed k always drafts, and its rounds must
+        not follow the engine's state (a seeded request's draws depend on them): its draft is filled whenever it
+        is too far behind (a hybrid's lookup rounds leave it behind), whatever the policy last chose."""
+        if seq.acceptance is None:
+            return seq.proposer is not None and seq.draft_behind > MAX_DRAFT_LAG
         if alone and self.draft_policy.probe_due:
             return seq.draft_behind > ROUND_FEED
         return self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG

@@ -176,6 +176,25 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
     eng.close_sequence(seq)
 
 
+def test_a_sequence_drafting_a_fixed_k_fills_its_lagging_draft_whatever_the_policy_last_chose():
+    """A hybrid's lookup rounds leave its draft model behind the text; a fixed-k sequence must catch it up on the
+    text alone, or a seeded request's rounds (and so its draws) would follow earlier requests' timings."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method="hybrid")
+    for fixed_k in (GenerationConfig(max_new_tokens=8, adaptive=False),
+                    GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1)):
+        seq = eng.open_sequence(tokenizer.encode("one two three"), fixed_k)
+        while not seq.prefill_done:
+            eng.prefill(seq)
+        seq.context += [5] * (MAX_DRAFT_LAG + 1)  # as lookup rounds that kept every token would leave it
+        for wanted in (True, False):  # what the last adaptive sequence's policy chose
+            eng.draft_wanted = wanted
+            assert eng.wants_catch_up(seq, alone=True) and eng.wants_catch_up(seq)
+        eng.catch_up_draft(seq)
+        assert not eng.wants_catch_up(seq, alone=True)
+        eng.close_sequence(seq)
+
+
 def test_expensive_draft_with_middling_acceptance_drafts_few():
     # c = 0.5 and a = 0.5: one token pays (1.5 / 1.5 = 1 step per token) no better than none; wider is worse.
     policy, acc = DraftLengthPolicy(), Acceptance()
