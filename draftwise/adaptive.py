@@ -9,7 +9,7 @@ So both are measured as the engine runs:
 
 - acceptance `a`, per sequence (Acceptance): the maximum-likelihood per-token rate of a geometric run (kept
   tokens over kept tokens plus rejections), decayed so that recent rounds count most, and starting from what
-  earlier sequences of the same method kept in this engine where that is above the default prior
+  earlier sequences of the same method kept in this engine where that is above the estimate's own prior
   (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
   not turn drafting off;
 - the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
@@ -90,6 +90,7 @@ class Acceptance:
         prior, though: a start below it turns drafting off before the sequence's own text is tried, and what the draft
         did on other texts says little of this one (an 8-token warm-up ended on 0.29 where the requests after it kept
         about 0.7)."""
+        assert not (self.kept or self.rejections), "start_from starts a fresh estimate"
         if rate is not None and rate > self.rate:
             self._accepted, self._trials = rate * CARRIED_TRIALS, CARRIED_TRIALS
         self.kept = self.rejections = 0

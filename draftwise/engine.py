@@ -552,7 +552,7 @@ def _estimates(seq: Sequence) -> dict[str, Acceptance]:
     """An adaptive sequence's acceptance estimates by name, what it carries to the next of its method: its
     proposer's where it keeps several (a hybrid: its draft model's, and lookup's by match length), else its own."""
     own = getattr(seq.proposer, "acceptances", None)
-    return own() if own is not None else {DRAFT_ESTIMATE: seq.acceptance}
+    return own() if own is not None else {DRAFT_ESTIMATE: _drafting_acceptance(seq)}
 
 
 def _start_estimates(seq: Sequence, rates: dict[str, float]) -> None:
@@ -561,7 +561,7 @@ def _start_estimates(seq: Sequence, rates: dict[str, float]) -> None:
     if start is not None:
         start(rates)
     else:
-        seq.acceptance.start_from(rates.get(DRAFT_ESTIMATE))
+        _drafting_acceptance(seq).start_from(rates.get(DRAFT_ESTIMATE))
 
 
 def _drafting_acceptance(seq: Sequence) -> Acceptance:

@@ -78,7 +78,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     own tokenizer as draft_tokenizer to have that checked.
 
     lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for the hybrids,
-    proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model.
+    proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model by rule
+    (until the hybrid's pick is measured, and always for a fixed k).
 
     compact_draft: propose with a cheaper copy of the draft (int8 kernels where faster, an output layer over the
     draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it.

@@ -174,6 +174,22 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
         assert seq.proposer._lookup_acceptance_after(match).rate == pytest.approx(max(carried, made_with.rate))
     assert _drafting_acceptance(seq).rate == pytest.approx(eng.recent_acceptance(method, True))
     eng.close_sequence(seq)
+    # Known pools: each estimate starts from its own, where that is above the prior it is made with.
+    pools = eng._carried[(method, True)] = {}
+    for name, (kept, rejections) in {"draft": (7, 3), lookup_estimate(3): (9, 1), lookup_estimate(1): (3, 7),
+                                     lookup_estimate(2): (0, 1)}.items():
+        pools[name] = Acceptance(0.0, 0.0)
+        pools[name].fold(kept, rejections)
+    seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    starts = {match: seq.proposer._lookup_acceptance_after(match).rate for match in (1, 2, 3, 4)}
+    assert _drafting_acceptance(seq).rate == pytest.approx(0.7)
+    assert starts == pytest.approx({1: 0.3, 2: 0.0, 3: 0.9, 4: 0.5})  # (2: none above its pessimistic prior)
+    eng.close_sequence(seq)
+    # A sequence drafting a fixed k (a seeded sampled one) starts from nothing carried, and follows no timings.
+    seq = eng.open_sequence(tokenizer.encode("Another prompt"),
+                            GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1))
+    assert seq.proposer.costs is None and seq.proposer._lookup_acceptance_after(3).rate == 0.5
+    eng.close_sequence(seq)
 
 
 def test_a_sequence_drafting_a_fixed_k_fills_its_lagging_draft_whatever_the_policy_last_chose():
@@ -472,3 +488,13 @@ def test_the_drafts_prompt_prefill_counts_as_prefill_time(monkeypatch):
     stats = eng.generate("The quick brown fox jumps over the lazy dog.", max_new_tokens=1, ignore_eos=True).stats
     assert fed and fed[0] > 5  # the whole prompt, before any round
     assert stats.prefill_s >= 0.2
+
+
+def test_lookup_rounds_are_not_timed_as_draft_forwards():
+    """Lookup runs no forward: timed as one, its near-zero time would make a draft model in the same batch (and a
+    chain hybrid's pick, priced by the seconds per draft forward) look free."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, method="lookup")
+    result = eng.generate("one two three one two three one two three one two", max_new_tokens=16, ignore_eos=True)
+    assert result.stats.proposed > 0 and eng.draft_policy.costs.measured
+    assert eng.draft_policy.costs.draft(1) == 0.0  # nothing recorded as a draft forward

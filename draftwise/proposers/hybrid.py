@@ -15,7 +15,8 @@ Exactness: the choice depends on the context alone, and the verifier handles bot
 hybrid-tree pairs the two tree proposers (lookup-tree, draft-tree) the same way. A draft-tree round leaves its
 tree in the draft's cache, so keep_path() goes to the draft model only after a round it made. The two share
 one tree sizing (how many nodes a round offers, by the measured costs), which the engine sets up once.
-Once those costs are measured, and the sequence's rounds may follow them (not a seeded sampled one), either
+Once those costs are measured, and the sequence's rounds may follow them (not a fixed k: `--fixed-k`, or a seeded
+sampled request), either
 hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its guess is expected to give more
 tokens per second than the draft model's, each priced by the measured pass and draft forward, and each judged by
 its own per-token acceptance in this sequence. Lookup's is kept per length of the match it found (a one-token match is
@@ -65,7 +66,7 @@ class HybridProposer:
         self.lookup = lookup
         self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
         # Per-token acceptance: the draft model's (the draft length follows it) and lookup's by the match length
-        # (the tree hybrid's pick, and both hybrids' free rounds, are priced by them).
+        # (both hybrids' measured picks and free rounds are priced by them).
         self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
         self._carried: dict[str, float] = {}  # the engine's earlier sequences' rates, by estimate (start_acceptances)
         self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
@@ -77,7 +78,9 @@ class HybridProposer:
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
         self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
-        self.costs: StepCosts | None = None  # the engine's step costs (it sets them): free_round's prices
+        # The engine's step costs, which price the chain's pick, its lookup's depth and free rounds; the engine sets
+        # them for an adaptive sequence only (None for a fixed k: its rounds must not follow timings).
+        self.costs: StepCosts | None = None
         self.lookup_depth = 0  # the deepest guess lookup may offer, a free round's k (the engine sets it each step)
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
@@ -161,9 +164,9 @@ class HybridProposer:
     def drafting_acceptance(self) -> Acceptance:
         """The acceptance the engine's draft length follows, instead of the sequence's as a whole: the draft-model
         rounds alone. k prices the draft model's forwards; lookup rounds cost none, and in free text they are won
-        on a lower acceptance (the chain's by rule, on any three-token match), which would pull the draft model's
-        depth down: on the Zen 4 bench the chain hybrid drafted 0.89 tokens a round against draft's 1.35, and ran
-        at 0.97x draft. A chain lookup round takes the same k, its guess cut to it."""
+        on a lower acceptance (by rule, on any three-token match), which would pull the draft model's depth down:
+        on the Zen 4 bench the chain hybrid, then picking by rule alone, drafted 0.89 tokens a round against
+        draft's 1.35, and ran at 0.97x draft."""
         return self._draft_acceptance
 
     @property
@@ -331,8 +334,8 @@ def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int | No
               corpus: ProposalCache | None = None) -> HybridProposer:
     """The hybrid of a draft-model proposer and prompt lookup's method (config.LOOKUP_BRANCHES). min_ngram: the
     shortest match that wins a round by rule (default MIN_NGRAM, at most max_ngram). The tree hybrid's lookup
-    offers every match (its rounds are picked by measurement once there is one); the chain hybrid's only those
-    that can win."""
+    offers every match (its rounds are picked by measurement once there is one); the chain hybrid's only matches
+    of min_ngram tokens or more, by rule or measured."""
     min_ngram = min(MIN_NGRAM, max_ngram) if min_ngram is None else min_ngram
     branches = LOOKUP_BRANCHES[lookup_method]
     lookup = PromptLookupProposer(max_ngram, 1 if branches > 1 else min_ngram, corpus, branches)

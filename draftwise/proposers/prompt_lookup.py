@@ -46,6 +46,10 @@ class PromptLookupProposer:
         self._follower: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start, oldest first
         self._indexed = 0  # context positions already in the index
 
+    # A guess runs no draft forward: the engine leaves its rounds out of the seconds per draft forward, which a
+    # draft model's rows in the same batch (and a chain hybrid's pick) are priced by.
+    drafted_free = True
+
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self._follower.clear()
         self._indexed = 0
