@@ -506,3 +506,16 @@ def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
     other = eng._new_proposer(HYBRIDS[1 - HYBRIDS.index(method)])
     assert other.lookup.branches == (1 if tree else 3) and (other.sizing is not None) == (not tree)
     other.release()
+
+
+def test_a_new_sequence_inherits_no_round_the_last_one_left_unfinished():
+    costs = StepCosts()
+    for width in (1, 3):
+        costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: lookup's guess after a 3-token match beats a plain step
+    chain = hybrid_of(FakeDraft(), "lookup")
+    text = [1, 2, 3, 5, 6, 1, 2, 3]
+    chain.begin(text, None, None)
+    chain.costs = costs
+    assert chain.free_round(text, 2) == 2  # armed for the next propose, which never comes: the step raised
+    chain.begin([8, 9, 10], None, None)  # the engine's proposer, reused for the next sequence
+    assert chain.propose([8, 9, 10], 2).token_ids == (7, 7) and not chain.drafted_free

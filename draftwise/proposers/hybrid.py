@@ -90,7 +90,8 @@ class HybridProposer:
         self.rounds = {"lookup": 0, "draft": 0}
         self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
         self._carried = {}
-        self._shadow = ()
+        # Nothing of a round the last sequence left unfinished (a step that raised between free_round and propose).
+        self._shadow, self._armed, self._guess, self._drafted_depth, self.lookup_round = (), None, None, None, False
 
     def acceptances(self) -> dict[str, Acceptance]:
         """This sequence's acceptance estimates by name, what the engine carries to the next sequence of the method:
