@@ -93,7 +93,6 @@ class Acceptance:
         assert not (self.kept or self.rejections), "start_from starts a fresh estimate"
         if rate is not None and rate > self.rate:
             self._accepted, self._trials = rate * CARRIED_TRIALS, CARRIED_TRIALS
-        self.kept = self.rejections = 0
 
     @property
     def observed_rate(self) -> float | None:

@@ -15,13 +15,13 @@ Exactness: the choice depends on the context alone, and the verifier handles bot
 hybrid-tree pairs the two tree proposers (lookup-tree, draft-tree) the same way. A draft-tree round leaves its
 tree in the draft's cache, so keep_path() goes to the draft model only after a round it made. The two share
 one tree sizing (how many nodes a round offers, by the measured costs), which the engine sets up once.
-Once those costs are measured, and the sequence's rounds may follow them (not a fixed k: `--fixed-k`, or a seeded
-sampled request), either
-hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its guess is expected to give more
-tokens per second than the draft model's, each priced by the measured pass and draft forward, and each judged by
-its own per-token acceptance in this sequence. Lookup's is kept per length of the match it found (a one-token match is
-mostly wrong in prose and mostly right in a summary that copies its article), and learnt every round for free:
-its guess is made every round, and the tokens the target emits next say how much of it would have been kept.
+Once those costs are measured, and the sequence's rounds may follow them (not a fixed k: `--fixed-k`, or a
+seeded sampled request), either hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its
+guess is expected to give more tokens per second than the draft model's, each priced by the measured pass and
+draft forward, and each judged by its own per-token acceptance in this sequence. Lookup's is kept per length of
+the match it found (a one-token match is mostly wrong in prose and mostly right in a summary that copies its
+article), and learnt every round for free: its guess is made every round, and the tokens the target emits next
+say how much of it would have been kept.
 A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence (the chain's lookup
 offers none: its guesses follow matches of MIN_NGRAM tokens). Each of these estimates starts from what the
 engine's earlier sequences of the method kept (acceptances, start_acceptances; Acceptance.start_from): carried
@@ -187,7 +187,7 @@ class HybridProposer:
         hybrids: the chain's k follows its draft-model rounds too, so without these rounds, where the draft model
         does not pay (float32 on a CPU without BF16), its lookup would be shut out with it."""
         self._armed = None
-        costs = self._free_round_costs()
+        costs = self._followed_costs()
         if costs is None or k < 1:
             return 0
         self._learn_from_last_guess(context)
@@ -202,20 +202,22 @@ class HybridProposer:
         self._armed = guess  # the engine proposes with this k next: _pick hands it over without a second search
         return k
 
-    def _free_round_costs(self) -> StepCosts | None:
-        """The measured step costs a free round is priced by, where this sequence may follow them, else None."""
+    def _followed_costs(self) -> StepCosts | None:
+        """The measured step costs that price a free round (and, with a draft forward's time, a pick), where this
+        sequence may follow them (not a fixed k, whose draws a seed must reproduce), else None."""
         if self.sizing is not None:  # the tree hybrid's: its sizing's, unless it drafts a fixed size
             return self.sizing.costs if self.sizing.by_cost else None
-        return self.costs if self.costs is not None and self.costs.measured else None
+        return self.costs if self.costs is not None and self.costs.measured else None  # (None for a fixed k)
 
     def _measured(self) -> tuple[float, StepCosts] | None:
         """Seconds per draft-model forward and the step costs that price a round's pick, once both are measured and
-        where the sequence may follow them (not a fixed k, whose draws a seed must reproduce); else None: by rule."""
-        sizing = self.sizing
-        if sizing is not None:  # the tree hybrid's sizing times its own forwards
-            return (sizing.forward_s, sizing.costs) if sizing.by_cost and sizing.forward_s is not None else None
-        costs = self.costs  # the chain's: the engine's (set only for a sequence that follows them)
-        return (costs.draft(1), costs) if costs is not None and costs.measured and costs.draft(1) > 0 else None
+        the sequence follows them; else None: by rule. The tree hybrid's sizing times its own forwards; the chain's
+        are the engine's (0 until one is timed)."""
+        costs = self._followed_costs()
+        if costs is None:
+            return None
+        forward_s = self.sizing.forward_s if self.sizing is not None else costs.draft(1) or None
+        return None if forward_s is None else (forward_s, costs)
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
         measured = self._measured()
