@@ -1,6 +1,7 @@
 """With speculation, the first generated tokens follow the target's own sampling distribution."""
 from __future__ import annotations
 
+import copy
 import functools
 import tempfile
 from collections import Counter
@@ -112,15 +113,20 @@ def engine(method):
 
 @functools.lru_cache(maxsize=None)
 def trained_head() -> Path:
-    """A feature head trained for the target on its own greedy answers to pieces of the test corpus."""
+    """A feature head trained for the target on its own greedy answers to pieces of the test corpus.
+
+    Trained on the CPU whatever the test device: a head trained on a GPU differs in its last bits, and at temperature
+    1 whether its 2-node trees branch turned on them (on an H100 they never did), so the check that trees were
+    drawn would depend on the device rather than on the engine."""
     from draftwise.head.answers import target_answers
     from draftwise.head.train import TrainConfig, train_head
 
+    model = copy.deepcopy(target()).cpu()
     texts = sorted({text[start:start + 24] for text in CORPUS for start in range(0, len(text) - 20, 3)})
     requests = [(f"request {i}", [{"role": "user", "content": text}]) for i, text in enumerate(texts)]
-    pieces = target_answers(target(), tiny_tokenizer(), requests, max_new_tokens=48, batch_size=32, progress=False)
+    pieces = target_answers(model, tiny_tokenizer(), requests, max_new_tokens=48, batch_size=32, progress=False)
     out = Path(tempfile.mkdtemp(prefix="draftwise-head-"))
-    train_head(target(), tiny_tokenizer(), out, TrainConfig(seq_len=64, epochs=3, lr=5e-3, warmup_steps=5,
+    train_head(model, tiny_tokenizer(), out, TrainConfig(seq_len=64, epochs=3, lr=5e-3, warmup_steps=5,
                intermediate_size=64, readout=300), progress=False, pieces=pieces, log=lambda _: None)
     return out
 
