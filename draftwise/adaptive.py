@@ -13,7 +13,8 @@ So both are measured as the engine runs:
   (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
   not turn drafting off;
 - the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
-  of each width n = k + 1, and seconds per draft forward, decayed the same way.
+  of each width n = k + 1, and seconds per draft forward, decayed the same way. A timing not renewed in STALE_STEPS
+  steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed.
 
 A row drafting k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al.); a step of
 `rows` sequences that all draft k costs k * draft(rows) + verify(rows, k + 1) seconds; k = 0 is a plain step.
@@ -43,6 +44,9 @@ DECAY = 0.9  # weight of the past in every running estimate, per round
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
 MAX_STOP_CONFIDENCE = 0.5
+# A timing not renewed in this many steps is stale (Timings): it may date from a slow spell, and a shape that looks
+# dear is not chosen, so it would never be timed again.
+STALE_STEPS = 64
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
 CARRIED_TRIALS = 4.0  # a prior carried from earlier sequences (Acceptance.start_from) is worth four tokens
 DRAFT_ESTIMATE = "draft"  # the name of a sequence's drafting acceptance among those an engine carries
@@ -118,12 +122,46 @@ class Acceptance:
         self._trials = DECAY * self._trials + kept + rejections
 
 
+class Timings:
+    """Seconds by shape (a pass's width, a batch's rows, a draft forward's nodes), decayed, each with the step it was
+    last timed at. A timing not renewed in STALE_STEPS steps is stale: it may date from a slow spell (a process
+    sharing the cores, an engine's first requests while the machine was busy), and a shape that looks dear is not
+    chosen, so it would never be timed again. Measured on the Zen 3: an engine whose first requests shared the CPU
+    with a busy process then offered 4-node trees in every round of the next 12 requests, the widths it no longer
+    ran priced at up to 2.3 times what a fresh engine measured. So a stale timing is priced at most as the fresh
+    ones imply (interpolated: optimism, as for a shape never timed; one too cheap is chosen, and timed, at once),
+    and its next timing replaces it instead of being averaged with it."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+        self._timed_at: dict[int, int] = {}
+
+    def observe(self, shape: int, seconds: float, now: int) -> None:
+        if self.stale(shape, now):
+            del self.seconds[shape]
+        decay_into(self.seconds, shape, seconds)
+        self._timed_at[shape] = now
+
+    def stale(self, shape: int, now: int) -> bool:
+        """Whether this shape was timed, but not in the STALE_STEPS steps before `now`."""
+        at = self._timed_at.get(shape)
+        return at is not None and now - at >= STALE_STEPS
+
+    def priced(self, now: int) -> dict[int, float]:
+        """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""
+        fresh = {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+        if not fresh or len(fresh) == len(self.seconds):
+            return self.seconds
+        return {shape: s if shape in fresh else min(s, interpolate(fresh, shape)) for shape, s in self.seconds.items()}
+
+
 @dataclass
 class StepCosts:
     """Seconds of a step's parts, by the number of rows (sequences) in it."""
 
-    _verify_s: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> width n -> seconds per pass
-    _draft_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds per draft forward
+    _verify_s: dict[int, Timings] = field(default_factory=dict)  # rows -> seconds per pass by width n
+    _draft_s: Timings = field(default_factory=Timings)  # seconds per draft forward by rows
+    steps: int = 0  # steps timed: the clock that stale timings are judged by
 
     @property
     def measured(self) -> bool:
@@ -131,31 +169,36 @@ class StepCosts:
 
     def knows(self, rows: int, n: int) -> bool:
         """Whether a pass of this many rows and this width has been timed."""
-        return n in self._verify_s.get(rows, {})
+        return rows in self._verify_s and n in self._verify_s[rows].seconds
 
     def verify(self, rows: int, n: int) -> float:
-        near = self._verify_s[nearest(self._verify_s, rows)]
+        near = self._widths(nearest(self._verify_s, rows))
         if n in near:
             return near[n]
         # An unmeasured width at a batch size whose plain step is known: that step times what the width costs
         # over a plain step at the nearest batch size that measured both, so that a batch size only just reached
         # (a row joined) inherits its neighbour's verdict on drafting instead of finding every width free.
-        shaped = [r for r, widths in self._verify_s.items() if 1 in widths and len(widths) > 1]
+        shaped = [r for r, widths in self._verify_s.items() if 1 in widths.seconds and len(widths.seconds) > 1]
         if 1 in near and shaped:
-            ref = self._verify_s[nearest(shaped, rows)]
+            ref = self._widths(nearest(shaped, rows))
             return near[1] * interpolate(ref, n) / ref[1]
         return interpolate(near, n)
 
+    def _widths(self, rows: int) -> dict[int, float]:
+        return self._verify_s[rows].priced(self.steps)
+
     def draft(self, rows: int) -> float:
-        return self._draft_s[nearest(self._draft_s, rows)] if self._draft_s else 0.0
+        by_rows = self._draft_s.priced(self.steps)
+        return by_rows[nearest(by_rows, rows)] if by_rows else 0.0
 
     def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
         (default k; a tree's depth): what drafting and verifying took."""
-        decay_into(self._verify_s.setdefault(rows, {}), k + 1, verify_s)
+        self.steps += 1
+        self._verify_s.setdefault(rows, Timings()).observe(k + 1, verify_s, self.steps)
         steps = k if draft_steps is None else draft_steps
         if steps > 0:
-            decay_into(self._draft_s, rows, draft_s / steps)
+            self._draft_s.observe(rows, draft_s / steps, self.steps)
 
 
 def decay_into(table: dict[int, float], key: int, value: float) -> None:

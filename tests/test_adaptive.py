@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import (MAX_PROBE_GAP, PRIOR_ACCEPTED, PRIOR_TRIALS, PROBE_EVERY, Acceptance,
-                               DraftLengthPolicy, expected_tokens)
+from draftwise.adaptive import (MAX_PROBE_GAP, PRIOR_ACCEPTED, PRIOR_TRIALS, PROBE_EVERY, STALE_STEPS, Acceptance,
+                               DraftLengthPolicy, StepCosts, expected_tokens)
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
-from draftwise.proposers.hybrid import MIN_NGRAM, SHORT_MATCH_PRIOR, lookup_estimate
+from draftwise.proposers.hybrid import MIN_NGRAM, SHORT_MATCH_PRIOR, hybrid_of, lookup_estimate
+from draftwise.proposers.tree_growth import TreeSizing
 
 
 def _feed(policy, acceptance, rounds, k, accepted, draft_s, verify_s, rows=1):
@@ -220,6 +221,56 @@ def test_expensive_draft_with_middling_acceptance_drafts_few():
     assert policy.choose([acc.rate], k_max=8, rows=1) <= 2
 
 
+def test_a_width_last_timed_in_a_slow_spell_is_tried_again_once_its_time_is_stale():
+    """A width timed while another process shared the cores looks dear; not chosen, it would never be timed again."""
+    policy = DraftLengthPolicy()
+    policy.costs.observe(1, 0, 0.0, 0.25)  # a plain step
+    for _ in range(5):  # a slow spell: passes 2 and 9 wide both cost twice their time
+        policy.costs.observe(1, 8, 0.08, 0.8), policy.costs.observe(1, 1, 0.01, 0.6)
+    for _ in range(STALE_STEPS // 2):  # the spell is over; only narrow passes run
+        policy.costs.observe(1, 1, 0.01, 0.3)
+    # k = 8 as priced in the spell: 4.33 tokens in 0.88 s (4.9/s), less than narrower ks (k = 1: 1.8 in 0.31 s).
+    assert policy.choose([0.8], k_max=8, rows=1) < 8 and policy.costs.verify(1, 9) == pytest.approx(0.8)
+    for _ in range(STALE_STEPS // 2):
+        policy.costs.observe(1, 1, 0.01, 0.3)
+    # Width 9's time is stale now: priced at most as width 2's, k = 8 is tried. Timed at its true 0.4 s, that time
+    # replaces the spell's rather than being averaged with it, and deep drafts go on paying (k = 6: 3.95 tokens in
+    # 0.43 s, width 7 interpolated between 2 and 9).
+    assert policy.costs.verify(1, 9) == pytest.approx(0.3, rel=0.01) and policy.choose([0.8], k_max=8, rows=1) == 8
+    policy.costs.observe(1, 8, 0.08, 0.4)
+    assert policy.costs.verify(1, 9) == pytest.approx(0.4) and policy.choose([0.8], k_max=8, rows=1) == 6
+
+
+class FakeTreeDraft:
+    """Stands in for a draft-tree proposer: its sizing is all the hybrid's pick reads of it."""
+
+    def __init__(self, sizing):
+        self.sizing = sizing
+
+
+def test_a_draft_forward_timed_in_a_slow_spell_is_not_trusted_once_stale():
+    """A tree proposer's forward and expansion times, and the engine's draft step, go stale as pass widths do: a
+    hybrid whose draft model looked slow would give every round to lookup and never time that model again."""
+    costs, sizing = StepCosts(), TreeSizing()
+    sizing.costs = costs
+    costs.observe(1, 2, 0.6, 0.8)  # a slow spell: a draft forward of 0.3 s, a pass of 0.8 s
+    sizing.time_forwards(0.6, 2), sizing.time_expansion(1, 0.3), sizing.time_expansion(4, 0.4)
+    hybrid = hybrid_of(FakeTreeDraft(sizing), "lookup-tree")
+    assert sizing.forward_s == pytest.approx(0.3) and hybrid._measured() is not None
+    for _ in range(STALE_STEPS - 1):  # plain steps (lookup's rounds), no draft forward
+        costs.observe(1, 0, 0.0, 0.2)
+    assert sizing.forward_s == pytest.approx(0.3) and sizing.expansion_cost(4) == pytest.approx(0.4)
+    costs.observe(1, 0, 0.0, 0.2)
+    # Stale: the hybrid picks by rule, so its draft model gets rounds again; the draft step is still what was
+    # timed, until it is timed again.
+    assert sizing.forward_s is None and hybrid._measured() is None and costs.draft(1) == pytest.approx(0.3)
+    sizing.time_expansion(1, 0.05)  # replaces the spell's 0.3; a 4-node expansion, left from the spell, is priced
+    assert sizing.expansion_cost(4) == pytest.approx(0.05)  # at most as the fresh 1-node one
+    sizing.time_forwards(0.1, 2), costs.observe(1, 2, 0.1, 0.25)
+    # Timed again, replaced rather than averaged with the spell's times.
+    assert sizing.forward_s == pytest.approx(0.05) and costs.draft(1) == pytest.approx(0.05)
+
+
 def test_stop_confidence_is_the_cost_ratio_capped():
     policy, acc = DraftLengthPolicy(), Acceptance()
     assert policy.stop_confidence(rows=1) == 0.0
@@ -411,9 +462,10 @@ def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
         eng.step(seqs)
     assert not eng.draft_wanted and not any(eng.wants_catch_up(seq) for seq in seqs)
     assert all(seq.stats.proposed == 0 and seq.draft_behind > MAX_DRAFT_LAG for seq in seqs)
-    # Drafting pays now (as when the load fell): the drafts catch up in chunks, then draft.
-    for k in range(5):
-        for _ in range(40):
+    # Drafting pays now (as when the load fell): the drafts catch up in chunks, then draft. (Every width timed in
+    # turn, as steps would time them: none of these timings is stale by the time the next real step is timed.)
+    for _ in range(40):
+        for k in range(5):
             eng.draft_policy.costs.observe(2, k, 0.001 * k, 0.1)
     eng.step(seqs)
     assert eng.draft_wanted and all(eng.wants_catch_up(seq) for seq in seqs)

@@ -31,7 +31,7 @@ from itertools import accumulate
 
 import torch
 
-from draftwise.adaptive import StepCosts, decay_into, interpolate
+from draftwise.adaptive import StepCosts, Timings, interpolate
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
 
@@ -49,8 +49,8 @@ class TreeSizing:
         self.costs = costs  # the engine's measured step costs (the engine sets them); None: trees of k nodes
         self.max_nodes = max_nodes
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
-        self.forward_s: float | None = None  # seconds per proposer forward, measured
-        self._expansion_s: dict[int, float] = {}  # seconds of a forward that expands a depth, by its nodes, decayed
+        self._forward_s = Timings()  # seconds per proposer forward (one shape, 1), measured
+        self._expansion_s = Timings()  # seconds of a forward that expands a depth, by its nodes, decayed
         # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
         self._kept_at: dict[int, float] = {}
         self._claimed_at: dict[int, float] = {}
@@ -62,19 +62,35 @@ class TreeSizing:
         """Whether sizes follow the measured costs: the sequence may (not a fixed k) and a pass has been timed."""
         return self.sized_by_cost and self.costs is not None and self.costs.measured
 
+    @property
+    def _now(self) -> int:  # the engine's step clock, which stale timings are judged by
+        return self.costs.steps if self.costs is not None else 0
+
+    @property
+    def forward_s(self) -> float | None:
+        """Seconds per proposer forward, measured; None before the first, or once stale (Timings): a proposer
+        priced by a forward timed in a slow spell loses every round a cheaper one can win (a hybrid's lookup), and
+        would never be timed again. Unmeasured, the tree hybrid picks by rule and its draft model gets rounds."""
+        if self._forward_s.stale(1, self._now):
+            return None
+        return self._forward_s.seconds.get(1)
+
+    @forward_s.setter
+    def forward_s(self, seconds: float) -> None:
+        self._forward_s.seconds[1] = seconds
+
     def time_forwards(self, seconds: float, forwards: int) -> None:
-        per = seconds / max(1, forwards)
-        self.forward_s = per if self.forward_s is None else DECAY * self.forward_s + (1 - DECAY) * per
+        self._forward_s.observe(1, seconds / max(1, forwards), self._now)
 
     def time_expansion(self, nodes: int, seconds: float) -> None:
         """What a forward expanding this many nodes of a depth cost (in a batch, the shared forward's time)."""
-        decay_into(self._expansion_s, nodes, seconds)
+        self._expansion_s.observe(nodes, seconds, self._now)
 
     def expansion_cost(self, nodes: int) -> float:
         """Seconds of a forward expanding this many nodes: measured, else interpolated between measured widths.
         Unmeasured widths are priced as optimists, so that they get tried: a wider one as the widest measured, a
         narrower one in proportion to the narrowest. Nothing measured by width: the mean forward."""
-        table = self._expansion_s
+        table = self._expansion_s.priced(self._now)
         if not table:
             return self.forward_s
         narrowest = min(table)
