@@ -135,12 +135,16 @@ class Timings:
     def __init__(self):
         self.seconds: dict[int, float] = {}
         self._timed_at: dict[int, int] = {}
+        # priced() as of one step: the cost model reads a table dozens of times a round (each k, each tree size),
+        # and it changes only with the clock or a timing.
+        self._priced: tuple[int, dict[int, float]] | None = None
 
     def observe(self, shape: int, seconds: float, now: int) -> None:
         if self.stale(shape, now):
             del self.seconds[shape]
         decay_into(self.seconds, shape, seconds)
         self._timed_at[shape] = now
+        self._priced = None
 
     def stale(self, shape: int, now: int) -> bool:
         """Whether this shape was timed, but not in the STALE_STEPS steps before `now`."""
@@ -149,6 +153,11 @@ class Timings:
 
     def priced(self, now: int) -> dict[int, float]:
         """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""
+        if self._priced is None or self._priced[0] != now:
+            self._priced = now, self._price(now)
+        return self._priced[1]
+
+    def _price(self, now: int) -> dict[int, float]:
         fresh = {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
         if not fresh or len(fresh) == len(self.seconds):
             return self.seconds
