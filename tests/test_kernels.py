@@ -106,8 +106,12 @@ def test_a_kernel_that_fails_to_build_is_left_out(monkeypatch):
     assert all(set(per_kernel) == {"dense"} for per_kernel in plan.timings.values())
 
 
-def test_dense_only_changes_nothing():
-    model = tiny_model("llama", seed=0)
+def test_dense_only_changes_no_linear_and_copies_only_to_group_attention():
+    model = tiny_model("llama", seed=0)  # grouped queries: the copy runs them without copies of the cache
+    fast = with_kernels(model, plan_kernels(model, kernels=("dense",)))
+    assert kernel_counts(fast) == kernel_counts(model) == {"dense": 15}
+    assert all(ours is theirs for ours, theirs in zip(fast.parameters(), model.parameters()))
+    model.config._attn_implementation = "eager"  # nothing to change at all: no copy
     assert with_kernels(model, plan_kernels(model, kernels=("dense",))) is model
 
 
@@ -115,7 +119,7 @@ def test_off_the_cpu_every_linear_stays_dense_and_nothing_is_timed(home):
     model = tiny_model("llama", seed=0).to("meta")  # no data: any timing on it would fail
     plan = plan_kernels(model, kernels=("dense", "onednn", "int8"))
     assert set(plan.choices.values()) == {"dense"} and not plan.timings
-    assert with_kernels(model, plan) is model and not (home / "calibration").exists()
+    assert kernel_counts(with_kernels(model, plan)) == {"dense": 15} and not (home / "calibration").exists()
 
 
 # -- applying a plan -------------------------------------------------------------------------------------------

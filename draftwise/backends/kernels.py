@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftwise.backends.attention import groups_queries, use_grouped_attention
+
 EXACT_KERNELS = ("dense", "onednn", "split")  # what the target may use: the model's own values
 DRAFT_KERNELS = ("dense", "onednn", "split", "int8", "int8-dynamic")
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
@@ -173,9 +175,10 @@ def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, 
 
 
 def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
-    """model with each linear on its planned kernel. The model passed in is left untouched (the bench runs
-    transformers' own generate on it); the copy shares every tensor that keeps its kernel."""
-    if all(kernel == "dense" for kernel in plan.choices.values()):
+    """model as the engine runs it: each linear on its planned kernel, and grouped-query attention without
+    copies of the cache (attention.py). The model passed in is left untouched (the bench runs transformers' own
+    generate on it); the copy shares every tensor that keeps its kernel."""
+    if all(kernel == "dense" for kernel in plan.choices.values()) and not groups_queries(model):
         return model
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     fast = copy.deepcopy(model, memo=shared)
@@ -185,6 +188,7 @@ def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
                 kernel = plan.choices.get(_shape_key(child), "dense")
                 if kernel != "dense":
                     setattr(parent, name, _BUILDERS[kernel](child))
+    use_grouped_attention(fast)
     return fast.eval()
 
 

@@ -1,0 +1,90 @@
+"""Grouped-query attention without copies of the cache: the same values as transformers' SDPA, for a token tree and
+a ragged batch, with a control that folds the mask in the wrong order and must differ."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from draftwise.backends import attention
+from draftwise.backends.hf import HFBackend
+from draftwise.backends.kernels import kernel_counts, plan_kernels, with_kernels
+from draftwise.verify.tree import TreeLayout
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+TOKENS, PARENTS = (3, 1, 4, 0, 2), (-1, -1, 0, 0, 1)  # a root with two children, three grandchildren
+
+
+def _random_attention(seed=0, batch=2, kv_heads=2, groups=3, n=4, keys=9, dim=8):
+    """query [B, H, n, d], key and value [B, Hkv, keys, d], a bool mask [B, 1, n, keys] that differs row by row."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, kv_heads * groups, n, dim, generator=g)
+    key, value = (torch.randn(batch, kv_heads, keys, dim, generator=g) for _ in range(2))
+    mask = torch.rand(batch, 1, n, keys, generator=g) < 0.6
+    mask[..., 0] = True  # every row sees at least one key
+    return query, key, value, mask, types.SimpleNamespace(num_key_value_groups=groups, is_causal=True)
+
+
+def test_folded_query_heads_attend_as_repeated_keys_do():
+    query, key, value, mask, layer = _random_attention()
+    ours, _ = attention.grouped_sdpa(layer, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    assert ours.shape == theirs.shape == (2, 4, 6, 8)  # [B, n, H, d]
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_the_control_that_folds_the_mask_token_by_token_differs():
+    """The rows are group-major (row g * n + t is token t): a mask repeated token-major pairs rows with the wrong
+    token's mask. The comparison above must be able to see that."""
+    query, key, value, mask, layer = _random_attention()
+    batch, heads, n, dim = query.shape
+    groups = layer.num_key_value_groups
+    rows = query.reshape(batch, key.shape[1], groups * n, dim)
+    wrong = mask.repeat_interleave(groups, dim=2)  # [B, 1, n * groups, keys], token-major
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=wrong, scale=0.3)
+    out = out.reshape(batch, heads, n, dim).transpose(1, 2)
+    theirs, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    assert not torch.allclose(out, theirs, atol=1e-3)
+
+
+def test_one_token_and_no_groups_keep_transformers_path(monkeypatch):
+    folded = []
+    real = attention._groups_rows
+    monkeypatch.setattr(attention, "_groups_rows", lambda *a: folded.append(real(*a)) or folded[-1])
+    for n, groups in ((1, 3), (4, 1)):
+        query, key, value, mask, layer = _random_attention(n=n, groups=groups)
+        ours, _ = attention.grouped_sdpa(layer, query, key, value, mask)
+        assert torch.equal(ours, sdpa_attention_forward(layer, query, key, value, mask)[0])
+    assert folded == [False, False]
+
+
+def test_the_engine_copy_uses_it_and_the_model_as_loaded_does_not():
+    model = tiny_model("qwen2", seed=0)  # 4 query heads over 2 key/value heads
+    fast = with_kernels(model, plan_kernels(model, kernels=("dense",)))
+    assert fast is not model and kernel_counts(fast) == kernel_counts(model) == {"dense": 15}
+    assert fast.config._attn_implementation == attention.NAME
+    assert model.config._attn_implementation == "sdpa"  # transformers' generate runs on it in the bench
+    assert fast.model.embed_tokens.weight is model.model.embed_tokens.weight  # a copy of the structure only
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_tree_and_a_ragged_batch_score_as_on_transformers_attention(arch, monkeypatch):
+    model = tiny_model(arch, seed=1)
+    fast = with_kernels(model, plan_kernels(model, kernels=("dense",)))
+    folded = []
+    real = attention._groups_rows
+    monkeypatch.setattr(attention, "_groups_rows", lambda *a: folded.append(real(*a)) or folded[-1])
+    context, chain = list(range(10, 30)), [7, 8, 9]
+    rows = {}
+    for name, backend in (("loaded", HFBackend(model)), ("grouped", HFBackend(fast))):
+        tree, other = backend.open_slot(), backend.open_slot()
+        tree.prefill(context[:-1])
+        other.prefill(context[:12])
+        rows[name] = backend.forward_batch([(tree, [context[-1], *TOKENS]), (other, chain)],
+                                           trees=[TreeLayout.of(PARENTS), None])
+    assert any(folded)  # the grouped path ran (the prefills keep transformers')
+    for ours, theirs in zip(rows["grouped"], rows["loaded"]):
+        assert torch.allclose(ours, theirs, atol=1e-4)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
