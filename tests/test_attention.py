@@ -12,6 +12,7 @@ from draftwise.backends import attention
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.kernels import kernel_counts, plan_kernels, with_kernels
 from draftwise.verify.tree import TreeLayout
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 TOKENS, PARENTS = (3, 1, 4, 0, 2), (-1, -1, 0, 0, 1)  # a root with two children, three grandchildren
@@ -27,10 +28,24 @@ def _random_attention(seed=0, batch=2, kv_heads=2, groups=3, n=4, keys=9, dim=8)
     return query, key, value, mask, types.SimpleNamespace(num_key_value_groups=groups, is_causal=True)
 
 
-def test_folded_query_heads_attend_as_repeated_keys_do():
+def _spy_folds(monkeypatch) -> list[bool]:
+    """Whether each grouped_sdpa call folded its query heads, in order."""
+    folded, real = [], attention._groups_rows
+    monkeypatch.setattr(attention, "_groups_rows", lambda *a: folded.append(real(*a)) or folded[-1])
+    return folded
+
+
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("mask_batch", [2, 1])  # a mask per row, or one broadcast over the batch
+def test_folded_query_heads_attend_as_repeated_keys_do(additive, mask_batch, monkeypatch):
+    folded = _spy_folds(monkeypatch)
     query, key, value, mask, layer = _random_attention()
+    mask = mask[:mask_batch]
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     ours, _ = attention.grouped_sdpa(layer, query, key, value, mask, scaling=0.3)
     theirs, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    assert folded == [True]
     assert ours.shape == theirs.shape == (2, 4, 6, 8)  # [B, n, H, d]
     assert torch.allclose(ours, theirs, atol=1e-6)
 
@@ -50,9 +65,7 @@ def test_the_control_that_folds_the_mask_token_by_token_differs():
 
 
 def test_one_token_and_no_groups_keep_transformers_path(monkeypatch):
-    folded = []
-    real = attention._groups_rows
-    monkeypatch.setattr(attention, "_groups_rows", lambda *a: folded.append(real(*a)) or folded[-1])
+    folded = _spy_folds(monkeypatch)
     for n, groups in ((1, 3), (4, 1)):
         query, key, value, mask, layer = _random_attention(n=n, groups=groups)
         ours, _ = attention.grouped_sdpa(layer, query, key, value, mask)
@@ -69,13 +82,22 @@ def test_the_engine_copy_uses_it_and_the_model_as_loaded_does_not():
     assert fast.model.embed_tokens.weight is model.model.embed_tokens.weight  # a copy of the structure only
 
 
+def test_a_model_without_grouped_queries_keeps_the_name_sdpa():
+    """Some model code tests for the name "sdpa" itself (Falcon): only layers that group queries are switched."""
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(config).eval()
+    assert not attention.groups_queries(model)
+    attention.use_grouped_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert with_kernels(model, plan_kernels(model, kernels=("dense",))) is model
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_tree_and_a_ragged_batch_score_as_on_transformers_attention(arch, monkeypatch):
     model = tiny_model(arch, seed=1)
     fast = with_kernels(model, plan_kernels(model, kernels=("dense",)))
-    folded = []
-    real = attention._groups_rows
-    monkeypatch.setattr(attention, "_groups_rows", lambda *a: folded.append(real(*a)) or folded[-1])
+    folded = _spy_folds(monkeypatch)
     context, chain = list(range(10, 30)), [7, 8, 9]
     rows = {}
     for name, backend in (("loaded", HFBackend(model)), ("grouped", HFBackend(fast))):

@@ -31,7 +31,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     attention_mask [B, 1, n, keys] (bool, or additive). Returns ([B, n, H, d], None), as transformers' SDPA does."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, n, dim = query.shape
-    if not _groups_rows(groups, n, dim, attention_mask, dropout, kwargs):
+    if not _groups_rows(groups, n, dim, attention_mask, dropout, kwargs) or value.shape[-1] != dim:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -55,30 +55,25 @@ AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # i
 
 
 def groups_queries(model) -> bool:
-    """Whether use_grouped_attention would change model: it runs transformers' SDPA with grouped queries."""
-    return any(_on_sdpa(config) and _kv_heads(config) < config.num_attention_heads for config in _configs(model))
+    """Whether use_grouped_attention would change model: an attention layer with grouped queries runs on
+    transformers' SDPA."""
+    return bool(_grouped_configs(model))
 
 
 def use_grouped_attention(model) -> None:
-    """Switch a model that runs transformers' SDPA to grouped_sdpa (the same values); other attention stays."""
-    for config in _configs(model):
-        if _on_sdpa(config):
-            config._attn_implementation = NAME
+    """Switch the attention layers with grouped queries that run transformers' SDPA to grouped_sdpa (the same
+    values). Only those: a model whose code tests for the name "sdpa" itself (Falcon) and has no grouped queries
+    must keep it."""
+    for config in _grouped_configs(model):
+        config._attn_implementation = NAME
 
 
-def _on_sdpa(config) -> bool:
-    return getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(config, "num_attention_heads")
-
-
-def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _configs(model):
-    """The model's config and every sub-model's, once each: an attention layer reads the one it was built with."""
-    seen = {}
+def _grouped_configs(model) -> list:
+    """The configs, once each, read by attention layers that group their queries and run on transformers' SDPA."""
+    found = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in seen:
-            seen[id(config)] = config
-    return list(seen.values())
+        if getattr(module, "num_key_value_groups", 1) > 1 and config is not None \
+                and getattr(config, "_attn_implementation", None) == "sdpa":
+            found[id(config)] = config
+    return list(found.values())
