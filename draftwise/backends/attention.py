@@ -31,23 +31,25 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     attention_mask [B, 1, n, keys] (bool, or additive). Returns ([B, n, H, d], None), as transformers' SDPA does."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, n, dim = query.shape
-    if not _groups_rows(groups, n, dim, attention_mask, dropout, kwargs) or value.shape[-1] != dim:
+    if not _groups_rows(groups, n, dim, value.shape[-1], attention_mask, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     kv_heads, keys = key.shape[1], key.shape[2]
     rows = query.reshape(batch, kv_heads, groups * n, dim)  # row g * n + t: query head g of the group, token t
-    mask = attention_mask.expand(-1, -1, n, keys)[:, :, None]  # [B, 1, 1, n, keys]
-    mask = mask.expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * n, keys)  # row g * n + t: t's
+    # [B, 1, groups * n, keys]: row g * n + t is token t's mask row, as the query's rows are laid out
+    mask = attention_mask.expand(-1, -1, n, keys).repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)  # [B, Hkv, groups * n, d]
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
-def _groups_rows(groups: int, n: int, dim: int, mask: torch.Tensor | None, dropout: float, extra: dict) -> bool:
-    """Whether grouped_sdpa folds the query heads: several tokens against shared key/value heads, a mask
-    shared by every head, and none of the features (position bias, attention sinks) only transformers' path has."""
+def _groups_rows(groups: int, n: int, dim: int, value_dim: int, mask: torch.Tensor | None, dropout: float,
+                 extra: dict) -> bool:
+    """Whether grouped_sdpa folds the query heads: several tokens against shared key/value heads (values as wide
+    as queries), a mask shared by every head, and none of the features (position bias, attention sinks) only
+    transformers' path has."""
     shared_mask = mask is not None and mask.dim() == 4 and mask.shape[1] == 1
     plain = not dropout and all(extra.get(name) is None for name in ("position_bias", "s_aux", "sinks", "softcap"))
-    return groups > 1 and 1 < n <= dim and shared_mask and plain
+    return groups > 1 and 1 < n <= dim == value_dim and shared_mask and plain
 
 
 AttentionInterface.register(NAME, grouped_sdpa)
