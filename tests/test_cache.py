@@ -1,6 +1,8 @@
 """Caches: trim and regenerate gives the same tokens and logits; an exception leaves no cache ahead of the text."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -103,3 +105,15 @@ def test_an_exception_mid_round_leaves_no_cache_ahead_of_the_text(who):
 def fresh_tokens(prompt, n):
     eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none")
     return eng.generate(prompt, max_new_tokens=n).token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+def test_a_forward_passes_the_cache_by_the_name_the_model_takes_without_a_deprecation_warning(arch):
+    """transformers renamed `past_key_values` to `cache` and warns on the old name (a user saw it mid-stream)."""
+    backend = HFBackend(tiny_model(arch))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.prefill([1, 2, 3])
+        backend.forward([4, 5])
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert backend.cache_len == 5

@@ -1,6 +1,7 @@
 """Hugging Face transformers as a backend: any causal LM, one slot cache shared by many sequences."""
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +29,7 @@ class HFBackend:
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self._windows = attention_windows(config)
         self._bool_mask = getattr(config, "_attn_implementation", "sdpa") != "eager"
+        self._cache_keyword = cache_keyword(model)
         self.cache = SlotCache()
         self.default = self.open_slot()
         self.prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
@@ -130,7 +132,7 @@ class HFBackend:
                                      f"{slots[row].length}")
                 root = positions[row, 0] - behind
                 position_ids[row, :n] = root + torch.tensor(tree.depth[behind:], device=device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=input_ids, **{self._cache_keyword: self.cache}, use_cache=True,
                          attention_mask=self._masks(positions, end, trees, position_ids, lengths),
                          position_ids=position_ids, logits_to_keep=logits_to_keep)
         return out.logits  # [B, logits_to_keep, vocab]
@@ -241,6 +243,12 @@ def last_hidden_states(model, enabled: bool = True):
         yield captured
     finally:
         hook.remove()
+
+
+def cache_keyword(model) -> str:
+    """The name model.forward takes its cache by: `cache` in the transformers releases that renamed it (they warn
+    on every process's first `past_key_values`, which a user would see mid-stream), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_windows(config) -> dict[str | None, int | None]:
