@@ -396,3 +396,27 @@ def test_speedup_plot_reference_falls_back_to_none_and_says_so():
     field, label = speedup_reference(without_peer)
     assert field == "speedup_vs_none" and "none" in label and "hf-plain not run" in label
     assert speedup_reference([row for row in summary if row["method"] == "draft"]) is None
+
+
+def _plain_runs(seconds_per_pass):
+    """`none` runs of 10 passes each: {(category, qid): [seconds per pass of each repeat]}."""
+    return [run("none", category, qid, repeat, 10 * s, verify_s=10 * s)
+            for (category, qid), repeats in seconds_per_pass.items() for repeat, s in enumerate(repeats)]
+
+
+def test_steadiness_names_the_spread_between_repeats_and_warns_when_the_machine_moved(tmp_path):
+    # Prompt 1's repeats ran at 60 and 85 ms a pass (1.42x); the others within 2%: the median spread is 2%.
+    runs = _plain_runs({("qa", 1): [0.060, 0.085], ("qa", 2): [0.060, 0.0612], ("code", 3): [0.070, 0.0714]})
+    text = write_report({"meta": {"methods": ["none"]}, "runs": runs}, tmp_path, None).read_text()
+    section = text.split("## Machine steadiness\n\n")[1].split("\n\n")[0]
+    assert "by 2% at the median and 42% at most (qa #1), over 3 prompts" in section
+    assert "speed changed during the run" in section
+
+
+def test_steadiness_says_no_more_when_repeats_agree_and_is_absent_without_repeats(tmp_path):
+    steady = _plain_runs({("qa", 1): [0.060, 0.061], ("qa", 2): [0.060, 0.0612]})
+    text = write_report({"meta": {"methods": ["none"]}, "runs": steady}, tmp_path, None).read_text()
+    assert "at most (qa #" in text and "speed changed" not in text
+    single = _plain_runs({("qa", 1): [0.060], ("qa", 2): [0.090]})  # different prompts are not compared
+    text = write_report({"meta": {"methods": ["none"]}, "runs": single}, tmp_path, None).read_text()
+    assert "Machine steadiness" not in text

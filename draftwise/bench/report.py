@@ -1,5 +1,5 @@
-"""results.json -> report.md: the setup, the methods slower than `none`, then per dtype four tables, a reading
-of the roofline, and the plots."""
+"""results.json -> report.md: the setup, the methods slower than `none`, how steady the machine was, then per
+dtype four tables, a reading of the roofline, and the plots."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,8 @@ from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, s
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
 # Below this share of `none`'s tokens/s a method loses time rather than saves it; the 5% is room for noise.
 PROMISE_FLOOR = 0.95
+# Repeats of one prompt's plain step further apart than this mean the machine's speed moved during the run.
+STEADY_SPREAD = 1.15
 PLOT_TITLES = {
     "speedup_by_category": "Speedup by category",
     "acceptance_by_position": "Acceptance by draft position",
@@ -162,6 +164,35 @@ def _promise_section(parts: dict[str, dict], floor: float = PROMISE_FLOOR) -> st
     intro = (f"Below {floor:.2f}x of `{REFERENCE_OWN}`'s tokens/s (the target alone through the same backend, "
              f"in the same dtype and category):")
     return f"{title}\n\n{intro}\n\n" + md_table(header, body, align_left=len(header) - 2)
+
+
+def _steadiness_section(parts: dict[str, dict], limit: float = STEADY_SPREAD) -> str | None:
+    """How steady the machine was: `none`'s seconds per target pass, compared between repeats of one prompt (the
+    same shapes, so only the machine moved). A shared VM can run at two speeds for tens of seconds at a time (a
+    2-core Zen 5 went from 60 to 85 ms a step and back within one prompt's runs), and a category of few prompts
+    carries that noise into every ratio of its row."""
+    spreads = []  # (max over min of a prompt's repeats, dtype, category, question id)
+    for dtype, part in parts.items():
+        per_pass: dict[tuple, list[float]] = {}
+        for run in part["runs"]:
+            if run["method"] == REFERENCE_OWN and run.get("verify_s") and run.get("target_forwards"):
+                key = (run["category"], run["question_id"])
+                per_pass.setdefault(key, []).append(run["verify_s"] / run["target_forwards"])
+        spreads += [(max(s) / min(s), dtype, *key) for key, s in per_pass.items() if len(s) > 1 and min(s) > 0]
+    if not spreads:
+        return None
+    spreads.sort()
+    median = spreads[len(spreads) // 2][0]
+    worst, dtype, category, qid = spreads[-1]
+    where = f"{category} #{qid}" + (f" in {dtype}" if len(parts) > 1 else "")
+    text = (f"`{REFERENCE_OWN}`'s seconds per target pass differed between repeats of the same prompt by "
+            f"{100 * (median - 1):.0f}% at the median and {100 * (worst - 1):.0f}% at most ({where}), over "
+            f"{len(spreads)} prompts.")
+    if worst > limit:
+        text += (" The machine's speed changed during the run (another process on the cores, a throttled CPU, a "
+                 "busy host): a category of few prompts carries that much noise in every ratio of its row; more "
+                 "prompts (`--per-category`) and repeats average it out.")
+    return "## Machine steadiness\n\n" + text
 
 
 def _table_by_category(summary: list[dict], methods: list[str], categories: list[str]) -> str:
@@ -322,7 +353,7 @@ def write_report(results: dict, out_dir: Path, plots: dict[str, dict[str, str]] 
     """
     out_dir = Path(out_dir)
     parts = split_by_dtype(results)
-    sections = [_header(results.get("meta", {}), list(parts)), _promise_section(parts)]
+    sections = [_header(results.get("meta", {}), list(parts)), _promise_section(parts), _steadiness_section(parts)]
     for dtype, part in parts.items():
         own = _dtype_sections(part, (plots or {}).get(dtype), out_dir)
         sections += _under_heading(dtype, own) if len(parts) > 1 else own
