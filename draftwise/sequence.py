@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.adaptive import Acceptance
+from draftwise.adaptive import Acceptance, TreeSpread
 from draftwise.config import GenerationConfig
 from draftwise.metrics import Stats
 from draftwise.text import TextStream
@@ -26,6 +26,7 @@ class Sequence:
     text: TextStream
     stats: Stats
     generator: torch.Generator
+    spread: TreeSpread = field(default_factory=TreeSpread)  # nodes beside its drafts' deepest paths
     context: list[int] = field(default_factory=list)  # prompt + every token emitted so far
     prefilled: int = 0  # prompt tokens (of all but the last) already in the target's cache
     finish: str | None = None  # set once the sequence has ended

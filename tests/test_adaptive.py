@@ -13,7 +13,7 @@ import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import (MAX_PROBE_GAP, PRIOR_ACCEPTED, PRIOR_TRIALS, PROBE_EVERY, STALE_STEPS, Acceptance,
-                               DraftLengthPolicy, StepCosts, expected_tokens)
+                               DraftLengthPolicy, StepCosts, TreeSpread, expected_tokens)
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
@@ -488,7 +488,7 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
     plain = Engine.from_models(target, tokenizer, method="none")
     # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes.
-    eng.draft_policy.rate = lambda rates, k, rows, fixed=(): 1.0 if k == 0 else 0.5
+    eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(): 1.0 if k == 0 else 0.5
     drafted, behind = [], []
     eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
     start = eng.proposer.start
@@ -550,3 +550,30 @@ def test_lookup_rounds_are_not_timed_as_draft_forwards():
     result = eng.generate("one two three one two three one two three one two", max_new_tokens=16, ignore_eos=True)
     assert result.stats.proposed > 0 and eng.draft_policy.costs.measured
     assert eng.draft_policy.costs.draft(1) == 0.0  # nothing recorded as a draft forward
+
+
+def test_a_tree_is_priced_by_the_width_of_its_pass_not_its_depth():
+    # A flat-ish pass: 2 positions cost 0.26 s, 4 cost 0.30, against 0.25 for a plain step; drafting is nearly free.
+    policy = DraftLengthPolicy()
+    for k, seconds in ((0, 0.25), (1, 0.26), (2, 0.28), (3, 0.30), (4, 0.32)):
+        policy.costs.observe(1, k, 0.001 * k, seconds)
+    # a = 0.2: one guess gives 1.2 tokens; a chain's 2-position pass pays for it (4.6 against 4.0 tokens a second).
+    assert policy.choose([0.2], k_max=4, rows=1) == 1
+    # A tree with 2 nodes beside its path is verified over 4 positions at depth 1: 1.2 tokens for 0.30 s does not pay.
+    spread = TreeSpread()
+    for _ in range(5):
+        spread.observe(nodes=3, depth=1)
+    assert spread.extra == 2.0
+    assert policy.choose([0.2], k_max=4, rows=1, spreads=[spread.extra]) == 0
+    assert policy.choose([0.9], k_max=4, rows=1, spreads=[spread.extra]) > 0  # where it keeps 90%, it does pay
+
+
+def test_tree_spread_starts_as_a_chain_and_follows_the_rounds():
+    spread = TreeSpread()
+    assert spread.extra == 0.0
+    spread.observe(nodes=6, depth=2)
+    assert spread.extra == 4.0  # the first round replaces the chain's 0
+    spread.observe(nodes=0, depth=0)  # a round that drafted nothing says nothing
+    assert spread.extra == 4.0
+    spread.observe(nodes=2, depth=2)
+    assert spread.extra == pytest.approx(0.9 * 4.0)
