@@ -18,7 +18,7 @@ So both are measured as the engine runs:
 
 A row drafting k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al.); a step of
 `rows` sequences that all draft k costs k * draft(rows) + verify(rows, k + 1) seconds; k = 0 is a plain step. A
-tree k deep is verified over all its nodes, so its pass is priced k wide plus its measured side branches
+tree k deep is verified over all its nodes, so its pass is priced verify(rows, k + 1 + its measured side nodes)
 (TreeSpread).
 The target pass pads every row to the widest, so the batch shares one k (DraftLengthPolicy.choose): the one
 whose summed expected tokens per second is highest. That turns speculation off when a full batch makes wide
@@ -213,9 +213,10 @@ class StepCosts:
 
 
 class TreeSpread:
-    """A sequence's nodes beside its deepest path, per round, decayed: 0 for a chain, more for a tree, whose
-    verification pass is as wide as all its nodes. Why the draft length needs it: k prices a pass of k + 1
-    positions, and a tree k deep is verified in a pass of k + this many. On the 2-core Zen 5 the head offered 3.2
+    """A sequence's nodes beside its deepest path, per round its draft length priced (a hybrid's lookup rounds
+    apart, as for its acceptance), decayed: 0 for a chain, more for a tree, whose verification pass is as wide as
+    all its nodes. Why the draft length needs it: k prices a pass of k + 1 positions, and a tree k deep is verified
+    in a pass of k + 1 + this many. On the 2-core Zen 5 the head offered 3.2
     nodes a round at depth 1 on prompts where it kept 9% of them, drafting in almost every round: priced as a
     2-token pass, the round looked like it paid, and the 4-token pass it ran cost 1.1x a plain step for 1.09
     tokens. Beside the path, not per position: a grown tree's side branches sit mostly near its root (its
@@ -223,13 +224,13 @@ class TreeSpread:
     lost 2% to its old self in an A/B; priced so, the head 1.02x, `hybrid-tree` 1.03x, `draft-tree` 1.00x)."""
 
     def __init__(self):
-        self.extra = 0.0  # a chain's, until a round says otherwise
+        self.side_nodes = 0.0  # a chain's, until a round says otherwise
         self._seen = False
 
     def observe(self, nodes: int, depth: int) -> None:
         if depth > 0:
-            extra = nodes - depth
-            self.extra = extra if not self._seen else DECAY * self.extra + (1 - DECAY) * extra
+            side = nodes - depth
+            self.side_nodes = side if not self._seen else DECAY * self.side_nodes + (1 - DECAY) * side
             self._seen = True
 
 
@@ -254,7 +255,7 @@ class DraftLengthPolicy:
                spreads: list[float] = ()) -> int:
         """k in [0, k_max] for the sequences whose acceptance rates are `rates`, in a step of `rows` rows; the
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass.
-        spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.extra; none given: chains)."""
+        spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.side_nodes; none: chains)."""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
         if not self.costs.knows(rows, max(fixed, default=0) + 1):

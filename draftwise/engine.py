@@ -444,7 +444,7 @@ class Engine:
         fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
         shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
-                                          fixed, [seq.spread.extra for seq in adaptive]) if adaptive else 0
+                                          fixed, [seq.spread.side_nodes for seq in adaptive]) if adaptive else 0
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
@@ -504,7 +504,8 @@ class Engine:
                 pass
         if seq.acceptance:
             seq.acceptance.observe(draft.depth, verdict.num_accepted)
-            seq.spread.observe(len(draft.token_ids), draft.depth)
+            if not getattr(seq.proposer, "lookup_round", False):  # a hybrid's lookup tree is not what its k prices
+                seq.spread.observe(len(draft.token_ids), draft.depth)
         events = []
         for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
             seq.context.append(token)

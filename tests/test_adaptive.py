@@ -563,17 +563,17 @@ def test_a_tree_is_priced_by_the_width_of_its_pass_not_its_depth():
     spread = TreeSpread()
     for _ in range(5):
         spread.observe(nodes=3, depth=1)
-    assert spread.extra == 2.0
-    assert policy.choose([0.2], k_max=4, rows=1, spreads=[spread.extra]) == 0
-    assert policy.choose([0.9], k_max=4, rows=1, spreads=[spread.extra]) > 0  # where it keeps 90%, it does pay
+    assert spread.side_nodes == 2.0
+    assert policy.choose([0.2], k_max=4, rows=1, spreads=[spread.side_nodes]) == 0
+    assert policy.choose([0.9], k_max=4, rows=1, spreads=[spread.side_nodes]) > 0  # where it keeps 90%, it does pay
 
 
 def test_tree_spread_starts_as_a_chain_and_follows_the_rounds():
     spread = TreeSpread()
-    assert spread.extra == 0.0
+    assert spread.side_nodes == 0.0
     spread.observe(nodes=6, depth=2)
-    assert spread.extra == 4.0  # the first round replaces the chain's 0
+    assert spread.side_nodes == 4.0  # the first round replaces the chain's 0
     spread.observe(nodes=0, depth=0)  # a round that drafted nothing says nothing
-    assert spread.extra == 4.0
+    assert spread.side_nodes == 4.0
     spread.observe(nodes=2, depth=2)
-    assert spread.extra == pytest.approx(0.9 * 4.0)
+    assert spread.side_nodes == pytest.approx(0.9 * 4.0)

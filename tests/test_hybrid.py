@@ -16,7 +16,7 @@ import torch
 
 from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
-from draftwise.adaptive import StepCosts
+from draftwise.adaptive import StepCosts, TreeSpread
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
 from draftwise.proposers import HybridProposer, PromptLookupProposer
@@ -482,6 +482,25 @@ def test_the_engine_prices_draft_forwards_by_the_hybrids_draft_model_rounds_alon
     assert all(steps == 0 for lookup, steps in seen if lookup)  # a lookup round ran no draft forward
     assert any(steps > 0 for lookup, steps in seen if not lookup)
     assert rates[-1] == [hybrid.drafting_acceptance.rate]  # the policy reads the draft model's acceptance
+
+
+@pytest.mark.parametrize("method", HYBRIDS)
+def test_the_hybrids_tree_spread_follows_its_draft_model_rounds_alone(method, monkeypatch):
+    """The draft length prices the draft model's rounds: lookup's trees (whole continuations side by side) must not
+    widen the pass it is priced by."""
+    eng = engine("llama", "unrelated", method)
+    hybrid, spread_rounds, rounds = eng.proposer, [], []
+    real_spread, real_costs = TreeSpread.observe, eng.draft_policy.costs.observe
+
+    def observe(self, nodes, depth):
+        spread_rounds.append(hybrid.lookup_round)
+        real_spread(self, nodes, depth)
+
+    monkeypatch.setattr(TreeSpread, "observe", observe)
+    eng.draft_policy.costs.observe = lambda *args, **kw: rounds.append(hybrid.lookup_round) or real_costs(*args, **kw)
+    eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+    assert True in rounds and False in rounds  # both kinds of round ran
+    assert spread_rounds and not any(spread_rounds)  # only the draft model's were measured
 
 
 @pytest.mark.parametrize("method", HYBRIDS)
