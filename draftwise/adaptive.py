@@ -216,22 +216,22 @@ class TreeSpread:
     """A sequence's nodes beside its deepest path, per round its draft length priced (a hybrid's lookup rounds
     apart, as for its acceptance), decayed: 0 for a chain, more for a tree, whose verification pass is as wide as
     all its nodes. Why the draft length needs it: k prices a pass of k + 1 positions, and a tree k deep is verified
-    in a pass of k + 1 + this many. On the 2-core Zen 5 the head offered 3.2
-    nodes a round at depth 1 on prompts where it kept 9% of them, drafting in almost every round: priced as a
-    2-token pass, the round looked like it paid, and the 4-token pass it ran cost 1.1x a plain step for 1.09
-    tokens. Beside the path, not per position: a grown tree's side branches sit mostly near its root (its
+    in a pass of k + 1 + this many. On the 2-core Zen 5 the head offered 3.2 nodes a round at depth 1 on prompts
+    where it kept 9% of them, drafting in almost every round: priced as a 2-token pass, the round looked like it
+    paid, and the 4-token pass it ran cost 1.1x a plain step for 1.09 tokens. Beside the path, not per position: a grown tree's side branches sit mostly near its root (its
     likeliest alternatives), so a deeper tree is not proportionally wider (priced per position, the tree hybrid
     lost 2% to its old self in an A/B; priced so, the head 1.02x, `hybrid-tree` 1.03x, `draft-tree` 1.00x)."""
 
     def __init__(self):
-        self.side_nodes = 0.0  # a chain's, until a round says otherwise
-        self._seen = False
+        self._side: dict[int, float] = {}  # {0: side nodes, decayed} once a round has drafted
+
+    @property
+    def side_nodes(self) -> float:
+        return self._side.get(0, 0.0)  # a chain's, until a round says otherwise
 
     def observe(self, nodes: int, depth: int) -> None:
         if depth > 0:
-            side = nodes - depth
-            self.side_nodes = side if not self._seen else DECAY * self.side_nodes + (1 - DECAY) * side
-            self._seen = True
+            decay_into(self._side, 0, nodes - depth)
 
 
 def decay_into(table: dict[int, float], key: int, value: float) -> None:

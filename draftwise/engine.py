@@ -505,7 +505,7 @@ class Engine:
         if seq.acceptance:
             seq.acceptance.observe(draft.depth, verdict.num_accepted)
             if not getattr(seq.proposer, "lookup_round", False):  # a hybrid's lookup tree is not what its k prices
-                seq.spread.observe(len(draft.token_ids), draft.depth)
+                seq.spread.observe(len(draft), draft.depth)
         events = []
         for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
             seq.context.append(token)
