@@ -439,8 +439,9 @@ class Engine:
 
     def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
-        the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens."""
-        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance]
+        the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Prompt lookup's
+        methods judge each round after their free guess (_judges_rounds, _free_round)."""
+        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
         fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
         shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
@@ -449,7 +450,7 @@ class Engine:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
         depths = [_free_depth(seq) for seq in seqs]
-        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
+        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or _judges_rounds(seq) else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
@@ -543,6 +544,13 @@ def _free_round(seq: Sequence, k: int, rows: int) -> int:
     free guess (a hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
     free_round = getattr(seq.proposer, "free_round", None)
     return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
+
+
+def _judges_rounds(seq: Sequence) -> bool:
+    """Whether an adaptive sequence's proposer decides each round itself, after its free guess (prompt lookup's
+    methods): the shared k, priced by draft forwards and by an acceptance learnt only on drafted rounds, is not
+    for it, and every round is a free round."""
+    return seq.acceptance is not None and getattr(seq.proposer, "judges_rounds", False)
 
 
 def _free_depth(seq: Sequence) -> int:

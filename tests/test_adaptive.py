@@ -18,7 +18,8 @@ from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
-from draftwise.proposers.hybrid import MIN_NGRAM, SHORT_MATCH_PRIOR, hybrid_of, lookup_estimate
+from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of
+from draftwise.proposers.prompt_lookup import SHORT_MATCH_PRIOR, lookup_estimate
 from draftwise.proposers.tree_growth import TreeSizing
 
 
@@ -172,7 +173,7 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
     seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=8, ignore_eos=True))
     for match, carried in lookup.items():
         made_with = Acceptance(*SHORT_MATCH_PRIOR) if match < MIN_NGRAM else Acceptance()
-        assert seq.proposer._lookup_acceptance_after(match).rate == pytest.approx(max(carried, made_with.rate))
+        assert seq.proposer.lookup.acceptance_after(match).rate == pytest.approx(max(carried, made_with.rate))
     assert _drafting_acceptance(seq).rate == pytest.approx(eng.recent_acceptance(method, True))
     eng.close_sequence(seq)
     # Known pools: each estimate starts from its own, where that is above the prior it is made with.
@@ -182,14 +183,14 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
         pools[name] = Acceptance(0.0, 0.0)
         pools[name].fold(kept, rejections)
     seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=8, ignore_eos=True))
-    starts = {match: seq.proposer._lookup_acceptance_after(match).rate for match in (1, 2, 3, 4)}
+    starts = {match: seq.proposer.lookup.acceptance_after(match).rate for match in (1, 2, 3, 4)}
     assert _drafting_acceptance(seq).rate == pytest.approx(0.7)
     assert starts == pytest.approx({1: 0.3, 2: 0.0, 3: 0.9, 4: 0.5})  # (2: none above its pessimistic prior)
     eng.close_sequence(seq)
     # A sequence drafting a fixed k (a seeded sampled one) starts from nothing carried, and follows no timings.
     seq = eng.open_sequence(tokenizer.encode("Another prompt"),
                             GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1))
-    assert seq.proposer.costs is None and seq.proposer._lookup_acceptance_after(3).rate == 0.5
+    assert seq.proposer.costs is None and seq.proposer.lookup.acceptance_after(3).rate == 0.5
     eng.close_sequence(seq)
 
 
@@ -577,3 +578,29 @@ def test_tree_spread_starts_as_a_chain_and_follows_the_rounds():
     assert spread.side_nodes == 4.0
     spread.observe(nodes=2, depth=2)
     assert spread.side_nodes == pytest.approx(0.9 * 4.0)
+
+
+def test_lookup_judges_every_round_by_its_own_guess_whatever_the_shared_draft_length():
+    """A lookup method's round is decided after its free guess, by lookup's acceptance after a match of that length
+    (learnt in hindsight, every round), not by the shared k: that k, learnt on drafted rounds alone, cut a copying
+    span to its depth, and turned drafting off after a few misses (but for probes) where the text later copied."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, method="lookup")
+    ids = tokenizer.encode("one two three four five one two three four five one two three")
+    seq = eng.open_sequence(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    for width in (1, 5):
+        eng.draft_policy.costs.observe(1, width - 1, 0.0, 0.15 + 0.05 * width)  # 0.05 s more per token of width
+    seq.acceptance = Acceptance(3.0, 10.0)  # the sequence's drafted rounds kept 30%
+    assert eng.draft_policy.choose([seq.acceptance.rate], 4, 1) == 1  # the shared k: one token
+    seq.proposer.begin(ids, None, None)
+    seq.proposer.propose(seq.context, 4)
+    match = seq.proposer.last_match
+    assert match >= 3
+    for _ in range(10):
+        seq.proposer.acceptance_after(match).observe(4, 4)  # lookup after such a match has been right
+    assert eng._draft_lengths([seq]) == [4]  # its whole guess: 4.5 tokens in 0.4 s
+    assert seq.proposer.propose(seq.context, 4).depth == 4  # the guess free_round priced, handed over
+    for _ in range(30):
+        seq.proposer.acceptance_after(match).observe(4, 0)  # then turns out wrong
+    assert eng._draft_lengths([seq]) == [0]  # a plain step
+    eng.close_sequence(seq)

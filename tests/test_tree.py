@@ -291,13 +291,27 @@ def test_a_depth_that_did_badly_is_grown_again_once_it_has_gone_unoffered_for_a_
 
 def test_lookup_tree_widens_only_where_a_wider_pass_pays():
     context = [5, 1, 6, 5, 2, 7, 5, 3, 8, 5]  # "5" was followed by 1 6, 2 7 and 3 8: 6 nodes at k = 2
-    for per_extra_token, nodes in ((0.0, 6), (0.2, 1)):
-        lookup = PromptLookupProposer(max_ngram=1, branches=3)
+    for per_extra_token, nodes in ((0.0, 6), (0.2, 0)):  # (0: a plain step gives more than any of them)
+        lookup = PromptLookupProposer(max_ngram=1, branches=3, trusted_ngram=1)
         lookup.begin([], SamplingConfig(), gen())
         lookup.sizing.costs = _costs(per_extra_token)
         assert len(lookup.propose(context, k=2)) == nodes
     lookup.sizing.sized_by_cost = False
     assert len(lookup.propose(context, k=2)) == 2
+
+
+def test_lookup_tree_drops_side_branches_the_target_does_not_bear_out():
+    """Every guess's side branches are judged at the next one, offered or not: where the target goes on as the
+    most recent occurrence did, the tree shrinks to that chain."""
+    context = [5, 1, 6, 5, 2, 7, 5, 3, 8, 5]
+    lookup = PromptLookupProposer(max_ngram=1, branches=3, trusted_ngram=1)
+    lookup.begin([], SamplingConfig(), gen())
+    lookup.sizing.costs = _costs(0.01)
+    assert lookup.propose(context, k=2) == Draft((3, 2, 1, 8), parents=(-1, -1, -1, 0))  # the chain 3 8, and 2, 1
+    for _ in range(5):
+        lookup.propose(context + [3], k=2)  # judges the last guess: the target went on with the chain's 3
+        lookup.propose(context, k=2)  # (a shorter text is a new one: nothing to judge)
+    assert lookup.propose(context, k=2) == Draft((3, 8))
 
 
 def _reference(prompt, n):

@@ -18,10 +18,9 @@ one tree sizing (how many nodes a round offers, by the measured costs), which th
 Once those costs are measured, and the sequence's rounds may follow them (not a fixed k: `--fixed-k`, or a
 seeded sampled request), either hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its
 guess is expected to give more tokens per second than the draft model's, each priced by the measured pass and
-draft forward, and each judged by its own per-token acceptance in this sequence. Lookup's is kept per length of
-the match it found (a one-token match is mostly wrong in prose and mostly right in a summary that copies its
-article), and learnt every round for free: its guess is made every round, and the tokens the target emits next
-say how much of it would have been kept.
+draft forward, and each judged by its own per-token acceptance in this sequence. Lookup keeps its own per length
+of the match it found, learnt every round for free (prompt_lookup.py): its guess is made every round, and the
+tokens the target emits next say how much of it would have been kept.
 A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence (the chain's lookup
 offers none: its guesses follow matches of MIN_NGRAM tokens). Each of these estimates starts from what the
 engine's earlier sequences of the method kept (acceptances, start_acceptances; Acceptance.start_from): carried
@@ -42,18 +41,14 @@ import torch
 from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, StepCosts, expected_tokens
 from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.prompt_lookup import PromptLookupProposer
+from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.types import Draft
-from draftwise.verify.tree import TreeLayout, chain_parents, follow
 
-# Lookup replaces the draft model only on evidence of copying: a match of the text's last MIN_NGRAM tokens.
-# A shorter shared tail (one token, a common pair such as ", the") recurs in any prose, and what followed it
-# there is mostly wrong here, where the draft model is usually right.
-MIN_NGRAM = 3
-# The per-token acceptance a lookup guess after a shorter match starts from, as (kept, tried): none, worth two
-# tokens. Lookup costs nothing to run, so any hope would win it rounds; each lost one costs a target pass.
-SHORT_MATCH_PRIOR = (0.0, 2.0)
+# Lookup replaces the draft model only on evidence of copying: a match of the text's last MIN_NGRAM tokens (lookup's
+# trusted length: what followed a shorter shared tail elsewhere is mostly wrong here, where the draft model is
+# usually right).
+MIN_NGRAM = TRUSTED_NGRAM
 # A lookup guess of one token (the match ends right before the tail, as in a loop) keeps at most one token,
 # where the draft model's could keep k: it wins only when k is 1.
 MIN_LOOKUP_TOKENS = 2
@@ -65,12 +60,10 @@ class HybridProposer:
         self.draft = draft
         self.lookup = lookup
         self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
-        # Per-token acceptance: the draft model's (the draft length follows it) and lookup's by the match length
-        # (both hybrids' measured picks and free rounds are priced by them).
-        self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
-        self._carried: dict[str, float] = {}  # the engine's earlier sequences' rates, by estimate (start_acceptances)
+        lookup.trusted_ngram = self.min_ngram  # shorter matches start pessimistic (lookup's acceptance by match)
+        # The draft model's per-token acceptance (the draft length follows it); lookup keeps its own by match length.
+        self._draft_acceptance = Acceptance()
         self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
-        self._shadow: tuple = ()  # the last round's lookup guess: (its match length, the guess, the context length)
         if getattr(draft, "sizing", None) is not None and lookup.sizing is not None:
             lookup.sizing = draft.sizing  # one tree sizing for the pair: the engine sets its costs once
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
@@ -88,22 +81,20 @@ class HybridProposer:
         self.lookup.begin(prompt_ids, sampling, generator)
         self._last = None
         self.rounds = {"lookup": 0, "draft": 0}
-        self._draft_acceptance, self._lookup_acceptance = Acceptance(), {}
-        self._carried = {}
+        self._draft_acceptance = Acceptance()
         # Nothing of a round the last sequence left unfinished (a step that raised between free_round and propose).
-        self._shadow, self._armed, self._guess, self._drafted_depth, self.lookup_round = (), None, None, None, False
+        self._armed, self._guess, self._drafted_depth, self.lookup_round = None, None, None, False
 
     def acceptances(self) -> dict[str, Acceptance]:
         """This sequence's acceptance estimates by name, what the engine carries to the next sequence of the method:
         the draft model's, and lookup's after each length of match."""
-        lookup = {lookup_estimate(match): acc for match, acc in self._lookup_acceptance.items()}
-        return {DRAFT_ESTIMATE: self._draft_acceptance, **lookup}
+        return {DRAFT_ESTIMATE: self._draft_acceptance, **self.lookup.acceptances()}
 
     def start_acceptances(self, rates: dict[str, float]) -> None:
         """Start each estimate from what the engine's earlier sequences kept (by the names acceptances() gives);
         lookup's are made as its matches first occur, and start then."""
         self._draft_acceptance.start_from(rates.get(DRAFT_ESTIMATE))
-        self._carried = dict(rates)
+        self.lookup.start_acceptances(rates)
 
     @property
     def takes_rows(self) -> bool:  # a draft-tree's take() reads every row of a depth (batch.py)
@@ -137,12 +128,8 @@ class HybridProposer:
             self.lookup_round = True
             self.rounds["lookup"] += 1
             return armed
-        self._learn_from_last_guess(context)
-        guess = self.lookup.propose(context, self._lookup_k(k))
-        match = self.lookup.last_match
-        # Judged next round, won or not: what the tree hybrid picks by, and what both price free rounds by.
-        self._shadow = (match, guess, len(context)) if guess.depth > 0 else ()
-        self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, match, k)
+        guess = self.lookup.propose(context, self._lookup_k(k))  # (judged next round, won or not)
+        self.lookup_round = guess.depth > 0 and self._lookup_wins(guess, self.lookup.last_match, k)
         if self.lookup_round:
             self.rounds["lookup"] += 1
             return guess
@@ -190,13 +177,10 @@ class HybridProposer:
         costs = self._followed_costs()
         if costs is None or k < 1:
             return 0
-        self._learn_from_last_guess(context)
-        guess = self.lookup.propose(context, k)
+        guess = self.lookup.propose(context, k)  # (judged next round, offered or not)
         if guess.depth == 0:
             return 0
-        match = self.lookup.last_match
-        self._shadow = (match, guess, len(context))  # judged next round, offered or not
-        tokens = expected_tokens(self._lookup_acceptance_after(match).rate, guess.depth) + rows - 1
+        tokens = self.lookup.last_expected + rows - 1
         if tokens / costs.verify(rows, len(guess) + 1) <= rows / costs.verify(rows, 1):
             return 0
         self._armed = guess  # the engine proposes with this k next: _pick hands it over without a second search
@@ -225,8 +209,7 @@ class HybridProposer:
             # By rule (depth: a tree of siblings still guesses one token).
             return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
         forward_s, costs = measured
-        lookup_a = self._lookup_acceptance_after(match).rate
-        lookup_rate = expected_tokens(lookup_a, guess.depth) / costs.verify(1, len(guess) + 1)
+        lookup_rate = self.lookup.last_expected / costs.verify(1, len(guess) + 1)
         draft_s = forward_s * k + costs.verify(1, k + 1)
         return lookup_rate >= expected_tokens(self._draft_acceptance.rate, k) / draft_s
 
@@ -234,27 +217,6 @@ class HybridProposer:
         """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""
         if self._last is self.draft and hasattr(self.draft, "keep_path"):
             self.draft.keep_path(path)
-
-    def _lookup_acceptance_after(self, match: int) -> Acceptance:
-        """Lookup's per-token acceptance after a match of this many tokens."""
-        if match not in self._lookup_acceptance:
-            short = match < self.min_ngram
-            acceptance = Acceptance(*SHORT_MATCH_PRIOR) if short else Acceptance()
-            acceptance.start_from(self._carried.get(lookup_estimate(match)))
-            self._lookup_acceptance[match] = acceptance
-        return self._lookup_acceptance[match]
-
-    def _learn_from_last_guess(self, context: list[int]) -> None:
-        """How much of the last round's lookup guess the target kept, or would have kept had it been offered: the
-        tokens emitted since then (accepted and the target's own) against the guess's paths."""
-        if not self._shadow:
-            return
-        match, guess, at = self._shadow
-        self._shadow = ()
-        emitted = context[at:]
-        if emitted:  # (otherwise a new text, or a round that failed)
-            seen = min(guess.depth, len(emitted))  # a guess deeper than what was emitted is judged as far as it goes
-            self._lookup_acceptance_after(match).observe(seen, kept_depth(guess, emitted))
 
     def observe(self, num_accepted: int) -> None:
         if self._drafted_depth is not None:
@@ -319,18 +281,6 @@ class HybridProposer:
 
     def release(self) -> None:
         self.draft.release()
-
-
-def lookup_estimate(match: int) -> str:
-    """The name of lookup's acceptance after a match of this many tokens, among a hybrid's acceptances()."""
-    return f"lookup after {match}"
-
-
-def kept_depth(guess: Draft, tokens: list[int]) -> int:
-    """How many of `tokens` the guess's tree follows from its root: the greedy verifier's kept length."""
-    layout = guess.layout if guess.layout is not None else TreeLayout.of(chain_parents(len(guess)))
-    path, _ = follow(guess.token_ids, layout, lambda _, depth: tokens[depth] if depth < len(tokens) else None)
-    return len(path)
 
 
 def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int | None = None,

@@ -7,28 +7,51 @@ With a proposal cache (proposal_cache.py, shared by the engine's sequences) the 
 searched too: the longer of the two matches proposes, the request's own text on a tie (it is the more specific).
 
 With branches > 1 (method lookup-tree) the guess is a token tree: the continuations (k tokens each) of the last
-`branches` earlier occurrences of the matched tail, merged where they agree. The nodes that most occurrences
-share come first (then the shallower, then the more recent). How many are offered is the tree proposers' rule
-(tree_growth.TreeSizing): exactly k for a sequence drafting a fixed k; otherwise as many as pay for the wider
-pass by the engine's measured costs, a node's chance of being kept taken as its share of the occurrences times
-a^depth, where a is this lookup's own measured per-token acceptance.
+`branches` earlier occurrences of the matched tail, merged where they agree.
+
+How much of a guess to offer. A sequence drafting a fixed k gets k tokens (a tree: k nodes, the most shared first,
+then the shallower, then the more recent). Otherwise, once the engine has timed a pass, the guess is priced: the
+chain (the most recent occurrence's continuation, what lookup alone would guess) has its node at depth d kept
+with chance a^d, a being lookup's per-token acceptance after a match of this length; a node of the other
+continuations (a tree's side branches) has its share of the continuations times a^d, times how far such side
+nodes have been borne out in this sequence. The nodes are offered likeliest first, as many as give the round the
+most expected tokens per second by the engine's measured pass costs, and none where a plain step gives more.
+So a tree is the chain plus side nodes that pay for their width, and a chain stops at the depth that pays.
+
+Lookup learns in hindsight, for free: each guess (its chain, and its side branches' first nodes), offered or
+not, is judged at the next guess against the tokens the target emitted since. Why every round and by match
+length: a one-token match is mostly wrong in prose and mostly right in a summary that copies its article, and an
+estimate learnt only from the rounds it drafted, turned off after a few misses, learns nothing until a probe: on
+the head's off-bench answers, replayed, lookup drafted in 2 of 256 rounds of an answer whose later text it
+could have copied. A match shorter than trusted_ngram starts pessimistic (SHORT_MATCH_PRIOR) and is offered only
+on that evidence.
+
+For the methods lookup and lookup-tree (not a hybrid's lookup, which the hybrid asks), the engine gives every
+round to free_round: judges_rounds. The choice depends on the past alone, so the output stays exact.
 """
 from __future__ import annotations
 
 import torch
 
-from draftwise.adaptive import Acceptance
+from draftwise.adaptive import DECAY, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
-from draftwise.proposers.tree_growth import TreeSizing
+from draftwise.proposers.tree_growth import MAX_NODES, TreeSizing
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
+
+# Matches shorter than this start pessimistic: a shorter shared tail (one token, a common pair such as ", the")
+# recurs in any prose, and what followed it there is mostly wrong here.
+TRUSTED_NGRAM = 3
+# The per-token acceptance a guess after a shorter match starts from, as (kept, tried): none, worth two tokens.
+# Lookup costs nothing to run, so any hope would win it rounds; each lost one costs a wider pass.
+SHORT_MATCH_PRIOR = (0.0, 2.0)
 
 
 class PromptLookupProposer:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None,
-                 branches: int = 1):
+                 branches: int = 1, trusted_ngram: int = TRUSTED_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftwiseError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got min={min_ngram} max={max_ngram}")
         if branches < 1:
@@ -36,51 +59,141 @@ class PromptLookupProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.branches = branches
-        self.sizing = TreeSizing() if branches > 1 else None  # a tree's node count (the engine sets its costs)
-        self._acceptance = Acceptance()  # per token, for the chance a node is kept
-        self._depth = 0  # of the last guess
+        self.trusted_ngram = trusted_ngram
+        self.sizing = TreeSizing() if branches > 1 else None  # a tree's costs (the engine sets them)
+        # The engine's step costs, which price a chain's depth (a tree's: its sizing's); None for a fixed k.
+        self.costs: StepCosts | None = None
         self.last_match = 0  # tokens of the text's tail that the last guess matched (0: no guess)
+        self.last_expected = 1.0  # tokens the last round is expected to emit, the target's own included
         self.corpus = corpus  # earlier requests' texts, or None
         self.corpus_rounds = 0  # proposals this sequence took from the corpus
         self._use_corpus = True
         self._follower: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start, oldest first
         self._indexed = 0  # context positions already in the index
+        self._start_estimates()
 
     # A guess runs no draft forward: the engine leaves its rounds out of the seconds per draft forward, which a
-    # draft model's rows in the same batch (and a chain hybrid's pick) are priced by.
+    # draft model's rows in the same batch (and a chain hybrid's pick) are priced by. Nor does its tree widen
+    # what the engine's draft length prices (TreeSpread): lookup sizes its own.
     drafted_free = True
+    lookup_round = True
+    judges_rounds = True  # (read on a sequence's own proposer: the methods lookup and lookup-tree)
+
+    def _start_estimates(self) -> None:
+        self._by_match: dict[int, Acceptance] = {}  # per-token acceptance of the chain, by match length
+        self._carried: dict[str, float] = {}  # the engine's earlier sequences' rates, by estimate name
+        self._side = [1.0, 1.0]  # side branches' first nodes: kept, and the chances claimed for them (decayed)
+        self._shadow: tuple | None = None  # the last guess to judge: (match, chain, side claims, context length)
+        self._armed: Draft | None = None  # free_round's guess, for the round it was made for
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self._follower.clear()
         self._indexed = 0
         self.corpus_rounds = 0
-        self._acceptance = Acceptance()
+        self._start_estimates()
         # A seeded sampled sequence must give the same text every time: its random draws follow the round shapes,
         # which other requests' texts would change. It looks up its own text only.
         self._use_corpus = sampling is None or sampling.greedy or sampling.seed is None
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
-        guess = self._guess(context, k)
-        self._depth = guess.depth
-        return guess
+        armed, self._armed = self._armed, None
+        if armed is not None:  # made and priced by free_round for this very round
+            return armed
+        self._learn(context)
+        return self._guess(context, k)
+
+    def free_round(self, context: list[int], k: int, rows: int = 1) -> int:
+        """The engine's k for this round of a lookup method, or 0 (a plain step): the guess, priced (see the module
+        docstring), when it is expected to give more tokens per second than a plain step in a pass of `rows`
+        rows, the others emitting one token each. Arms the round: propose() hands the guess over."""
+        self._armed = None
+        costs = self._priced_by()
+        if costs is None or k < 1:
+            return 0
+        guess = self.propose(context, k)
+        if not guess.depth or ((self.last_expected + rows - 1) / costs.verify(rows, len(guess) + 1)
+                               <= rows / costs.verify(rows, 1)):
+            return 0
+        self._armed = guess
+        return guess.depth
+
+    def _priced_by(self) -> StepCosts | None:
+        """The measured step costs a guess is sized by, where the sequence may follow them (not a fixed k)."""
+        if self.sizing is not None:
+            return self.sizing.costs if self.sizing.by_cost else None
+        return self.costs if self.costs is not None and self.costs.measured else None
 
     def _guess(self, context: list[int], k: int) -> Draft:
+        n, continuations = self._continuations(context, k)
+        self.last_match, self.last_expected = n, 1.0
+        if not continuations:
+            return Draft(token_ids=())
+        ranked = rank_nodes(continuations)
+        costs = self._priced_by()
+        if costs is None:  # a fixed k: k nodes (a chain's k tokens)
+            self._shadow = (n, continuations[0], (), len(context))
+            chosen = ranked[:k]
+            self.last_expected = _expected(self.acceptance_after(n).rate, chosen, continuations[0], len(continuations))
+            return token_tree(chosen)
+        return self._priced(ranked, continuations, n, len(context), costs)
+
+    def _continuations(self, context: list[int], k: int) -> tuple[int, list[tuple[int, ...]]]:
+        """(the match's length, what followed it: the most recent occurrence first), from the text or the corpus."""
         n, starts = self._own_match(context)
         if self.corpus is not None and self._use_corpus:
             corpus_n, corpus_guess = self.corpus.match(context, k)
             if corpus_n > n and corpus_n >= self.min_ngram and corpus_guess:
                 self.corpus_rounds += 1
-                self.last_match = corpus_n
-                return Draft(token_ids=corpus_guess)
-        self.last_match = n
-        if not starts:
-            return Draft(token_ids=())
-        ranked = rank_nodes([tuple(context[s : s + k]) for s in reversed(starts[-self.branches:])])
-        budget = k
-        if self.sizing is not None:
-            a, matches = self._acceptance.rate, min(len(starts), self.branches)
-            budget = self.sizing.how_many([share / matches * a ** len(path) for path, share in ranked], k, 0.0)
-        return token_tree(ranked[:budget])
+                return corpus_n, [tuple(corpus_guess)]
+        return n, [tuple(context[s : s + k]) for s in reversed(starts[-self.branches:])]
+
+    def _priced(self, ranked, continuations, n: int, at: int, costs: StepCosts) -> Draft:
+        """The likeliest nodes, as many as give the most expected tokens per second (none: a plain step)."""
+        a, chain, shares = self.acceptance_after(n).rate, continuations[0], len(continuations)
+        trust = min(1.0, self._side[0] / self._side[1])
+        chances = [_chance(path, share, a, chain, shares) * (1.0 if _on(path, chain) else trust)
+                   for path, share in ranked]
+        order = sorted(range(len(ranked)), key=lambda i: (-chances[i], len(ranked[i][0]), i))[:MAX_NODES]
+        expected, best, best_rate = 1.0, 0, 1.0 / costs.verify(1, 1)
+        for offered, i in enumerate(order, 1):
+            expected += chances[i]
+            if expected / costs.verify(1, offered + 1) > best_rate:
+                best, best_rate, self.last_expected = offered, expected / costs.verify(1, offered + 1), expected
+        claims = tuple((path, _chance(path, share, a, chain, shares)) for path, share in ranked
+                       if not _on(path, chain) and _on(path[:-1], chain))  # where a side branch leaves the chain
+        self._shadow = (n, chain, claims, at)
+        return token_tree([ranked[i] for i in order[:best]])
+
+    def _learn(self, context: list[int]) -> None:
+        """Judge the last guess against the tokens emitted since (the accepted and the target's own)."""
+        if self._shadow is None:
+            return
+        n, chain, claims, at = self._shadow
+        self._shadow = None
+        emitted = tuple(context[at:])
+        if not emitted:  # a new text, or a round that failed
+            return
+        seen = min(len(chain), len(emitted))
+        self.acceptance_after(n).observe(seen, _common_prefix(chain, emitted))
+        for path, claim in claims:
+            if len(emitted) >= len(path) or emitted != path[: len(emitted)]:  # (else still open: not judged)
+                self._side = [DECAY * self._side[0] + (emitted[: len(path)] == path), DECAY * self._side[1] + claim]
+
+    def acceptance_after(self, match: int) -> Acceptance:
+        """Lookup's per-token acceptance after a match of this many tokens."""
+        if match not in self._by_match:
+            acceptance = Acceptance(*SHORT_MATCH_PRIOR) if match < self.trusted_ngram else Acceptance()
+            acceptance.start_from(self._carried.get(lookup_estimate(match)))
+            self._by_match[match] = acceptance
+        return self._by_match[match]
+
+    def acceptances(self) -> dict[str, Acceptance]:
+        """This sequence's estimates by name, what the engine carries to the next sequence of the method."""
+        return {lookup_estimate(match): acceptance for match, acceptance in self._by_match.items()}
+
+    def start_acceptances(self, rates: dict[str, float]) -> None:
+        """Start each estimate from what the engine's earlier sequences kept (made as matches first occur)."""
+        self._carried = dict(rates)
 
     def _own_match(self, context: list[int]) -> tuple[int, list[int]]:
         """(n, where the continuations of the earlier occurrences of the context's last n tokens start, oldest
@@ -94,10 +207,10 @@ class PromptLookupProposer:
         return 0, []
 
     def observe(self, num_accepted: int) -> None:
-        self._acceptance.observe(self._depth, num_accepted)
+        pass  # lookup learns at its next guess, from what the target emitted (_learn)
 
     def fork(self) -> "PromptLookupProposer":
-        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus, self.branches)
+        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus, self.branches, self.trusted_ngram)
 
     def release(self) -> None:
         pass
@@ -111,6 +224,33 @@ class PromptLookupProposer:
             for n in range(self.min_ngram, min(self.max_ngram, follower) + 1):
                 self._follower.setdefault(tuple(context[follower - n : follower]), []).append(follower)
         self._indexed = max(self._indexed, len(context))
+
+
+def lookup_estimate(match: int) -> str:
+    """The name of lookup's acceptance after a match of this many tokens, among the estimates an engine carries."""
+    return f"lookup after {match}"
+
+
+def _on(path: tuple[int, ...], chain: tuple[int, ...]) -> bool:
+    """Whether the path runs along the chain (the root's empty path does)."""
+    return path == chain[: len(path)]
+
+
+def _chance(path: tuple[int, ...], share: int, a: float, chain: tuple[int, ...], shares: int) -> float:
+    """A node's chance of being kept, before the side branches' trust: a^depth on the chain, else its share of the
+    continuations times that."""
+    return a ** len(path) * (1.0 if _on(path, chain) else share / shares)
+
+
+def _expected(a: float, chosen, chain: tuple[int, ...], shares: int) -> float:
+    return 1.0 + sum(_chance(path, share, a, chain, shares) for path, share in chosen)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def rank_nodes(continuations: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], int]]:
