@@ -88,7 +88,7 @@ class Acceptance:
     def start_from(self, rate: float | None) -> None:
         """Start a fresh estimate from a prior: `rate`, what earlier sequences of this kind kept, worth CARRIED_TRIALS
         tokens, where it is above the prior the estimate was made with (the default, 0.5 worth two tokens, or a
-        hybrid's pessimistic one for lookup after a short match); else that prior. Why: under the default one first
+        pessimistic one lookup starts from after a short match); else that prior. Why: under the default one first
         round that keeps nothing drops a to 0.32, below break-even for the 0.5B draft on a CPU without BF16, and
         drafting stays off until a probe 8 steps on (16 if that fails too): traced on one prompt, the same request
         drafted in 3 of 47 rounds in one run and in 21 of 21 in the next. A prior near what the draft usually does,

@@ -193,7 +193,7 @@ class Engine:
         if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
             proposer.sizing.sized_by_cost = acceptance is not None
             proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
-        if hasattr(proposer, "free_round"):  # a hybrid prices its picks and lookup's free rounds by them too
+        if hasattr(proposer, "free_round"):  # lookup prices its rounds by them, a hybrid its picks and free rounds too
             proposer.costs = self.draft_policy.costs if acceptance is not None else None  # (not a fixed k)
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
@@ -540,8 +540,9 @@ def _wants_features(proposer) -> bool:
 
 
 def _free_round(seq: Sequence, k: int, rows: int) -> int:
-    """k (the sequence's _free_depth) for an adaptive sequence whose draft model sits this round out: its proposer's
-    free guess (a hybrid's lookup, which needs no draft forward and no draft cache) where that pays alone, else 0."""
+    """k (at most the sequence's _free_depth) for an adaptive sequence whose draft model sits this round out, or
+    whose proposer judges every round (prompt lookup's methods): its proposer's free guess (lookup's, which needs no
+    draft forward and no draft cache) where that pays alone, else 0."""
     free_round = getattr(seq.proposer, "free_round", None)
     return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
 
@@ -560,7 +561,8 @@ def _free_depth(seq: Sequence) -> int:
 
 def _estimates(seq: Sequence) -> dict[str, Acceptance]:
     """An adaptive sequence's acceptance estimates by name, what it carries to the next of its method: its
-    proposer's where it keeps several (a hybrid: its draft model's, and lookup's by match length), else its own."""
+    proposer's where it keeps its own (lookup: by match length; a hybrid: its draft model's and its lookup's), else
+    the sequence's."""
     own = getattr(seq.proposer, "acceptances", None)
     return own() if own is not None else {DRAFT_ESTIMATE: _drafting_acceptance(seq)}
 

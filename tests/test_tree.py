@@ -314,6 +314,53 @@ def test_lookup_tree_drops_side_branches_the_target_does_not_bear_out():
     assert lookup.propose(context, k=2) == Draft((3, 8))
 
 
+@pytest.mark.parametrize("method", ["lookup", "lookup-tree"])
+def test_lookup_judging_its_own_rounds_gives_the_targets_greedy_output_alone_and_in_a_batch(method):
+    """Adaptive (the default): each round priced by lookup itself, after its free guess, in a batch by its rows."""
+    prompts = ["the cat and the dog and the fox and the", "print(i) print(j) print(k) print("]
+    eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method=method, lookup_max_ngram=1)
+    eng.proposer.trusted_ngram = 1  # (one-token tails recur here: let them be offered from the start)
+    alone = eng.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
+    assert alone.token_ids == _reference(prompts[0], 40) and alone.stats.proposed > 0
+    from draftwise.config import GenerationConfig
+    cfg = GenerationConfig.from_options(max_new_tokens=40, ignore_eos=True)
+    seqs = [eng.open_sequence(eng.tokenizer.encode(p), cfg) for p in prompts]
+    for seq in seqs:
+        while not seq.prefill_done:
+            eng.prefill(seq)
+    while any(seq.finish is None for seq in seqs):
+        eng.step([seq for seq in seqs if seq.finish is None])
+    assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == [_reference(p, 40) for p in prompts]
+    assert all(seq.stats.proposed > 0 for seq in seqs)
+    for seq in seqs:
+        eng.close_sequence(seq)
+
+
+@pytest.mark.parametrize("method", ["lookup", "lookup-tree"])
+def test_a_seeded_lookup_offers_exactly_k_whatever_the_engine_measured(method):
+    """A seeded sampled request's draws follow its round shapes: they must not follow timings."""
+    from draftwise.config import GenerationConfig
+    eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method=method, lookup_max_ngram=1)
+    prompt = "a b c a b d a b e a b f a b"
+    eng.generate(prompt, max_new_tokens=8, ignore_eos=True)  # an adaptive request: passes get timed
+    assert eng.draft_policy.costs.measured
+    seq = eng.open_sequence(eng.tokenizer.encode(prompt), GenerationConfig.from_options(
+        max_new_tokens=8, temperature=1.0, seed=1, num_draft_tokens=3))
+    assert eng._draft_lengths([seq]) == [3]
+    assert len(seq.proposer.propose(seq.context, 3)) == 3
+    eng.close_sequence(seq)
+
+
+def test_a_lookup_guess_armed_for_a_round_goes_no_further():
+    costs = _costs(0.0)
+    lookup = PromptLookupProposer(max_ngram=1, trusted_ngram=1)
+    lookup.costs = costs
+    lookup.begin([], SamplingConfig(), gen())
+    assert lookup.free_round([5, 1, 6, 5], k=2) == 2  # armed: (1, 6)
+    lookup.begin([], SamplingConfig(), gen())  # a new sequence before the round ran
+    assert lookup.propose([7, 2, 7], k=2) == Draft((2, 7))  # its own guess, not the armed one
+
+
 def _reference(prompt, n):
     return Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none").generate(
         prompt, max_new_tokens=n, ignore_eos=True).token_ids

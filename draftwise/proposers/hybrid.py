@@ -43,6 +43,7 @@ from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
+from draftwise.proposers.tree_growth import followed_costs
 from draftwise.types import Draft
 
 # Lookup replaces the draft model only on evidence of copying: a match of the text's last MIN_NGRAM tokens (lookup's
@@ -189,9 +190,7 @@ class HybridProposer:
     def _followed_costs(self) -> StepCosts | None:
         """The measured step costs that price a free round (and, with a draft forward's time, a pick), where this
         sequence may follow them (not a fixed k, whose draws a seed must reproduce), else None."""
-        if self.sizing is not None:  # the tree hybrid's: its sizing's, unless it drafts a fixed size
-            return self.sizing.costs if self.sizing.by_cost else None
-        return self.costs if self.costs is not None and self.costs.measured else None  # (None for a fixed k)
+        return followed_costs(self.sizing, self.costs)  # (the tree hybrid's: its sizing's)
 
     def _measured(self) -> tuple[float, StepCosts] | None:
         """Seconds per draft-model forward and the step costs that price a round's pick, once both are measured and

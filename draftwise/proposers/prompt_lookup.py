@@ -21,13 +21,16 @@ So a tree is the chain plus side nodes that pay for their width, and a chain sto
 Lookup learns in hindsight, for free: each guess (its chain, and its side branches' first nodes), offered or
 not, is judged at the next guess against the tokens the target emitted since. Why every round and by match
 length: a one-token match is mostly wrong in prose and mostly right in a summary that copies its article, and an
-estimate learnt only from the rounds it drafted, turned off after a few misses, learns nothing until a probe: on
-the head's off-bench answers, replayed, lookup drafted in 2 of 256 rounds of an answer whose later text it
-could have copied. A match shorter than trusted_ngram starts pessimistic (SHORT_MATCH_PRIOR) and is offered only
+estimate learnt only from the rounds it drafted, turned off after a few misses, learns nothing until a probe:
+replayed over one of the head's off-bench answers under the engine's shared draft length, lookup-tree missed its
+first guesses and offered 35 nodes in the next 256 rounds, none kept, where lookup's chain, still drafting, took
+183 rounds for the same 256 tokens. A match shorter than trusted_ngram starts pessimistic (SHORT_MATCH_PRIOR) and is offered only
 on that evidence.
 
 For the methods lookup and lookup-tree (not a hybrid's lookup, which the hybrid asks), the engine gives every
-round to free_round: judges_rounds. The choice depends on the past alone, so the output stays exact.
+round to free_round (judges_rounds) instead of its shared draft length, which is learnt on drafted rounds alone;
+until a pass is timed, that is a plain step. (Their Sequence.acceptance only marks them adaptive.) A hybrid-tree or hybrid-head's lookup is priced the same way (by the pair's shared sizing), so it may
+offer nothing, and the draft model takes the round. The choice depends on the past alone, so the output stays exact.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from draftwise.adaptive import DECAY, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
-from draftwise.proposers.tree_growth import MAX_NODES, TreeSizing
+from draftwise.proposers.tree_growth import TreeSizing, best_offer, followed_costs
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
 
@@ -59,7 +62,7 @@ class PromptLookupProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.branches = branches
-        self.trusted_ngram = trusted_ngram
+        self.trusted_ngram = min(trusted_ngram, max_ngram)  # (a lookup of shorter n-grams trusts its longest)
         self.sizing = TreeSizing() if branches > 1 else None  # a tree's costs (the engine sets them)
         # The engine's step costs, which price a chain's depth (a tree's: its sizing's); None for a fixed k.
         self.costs: StepCosts | None = None
@@ -82,7 +85,9 @@ class PromptLookupProposer:
     def _start_estimates(self) -> None:
         self._by_match: dict[int, Acceptance] = {}  # per-token acceptance of the chain, by match length
         self._carried: dict[str, float] = {}  # the engine's earlier sequences' rates, by estimate name
-        self._side = [1.0, 1.0]  # side branches' first nodes: kept, and the chances claimed for them (decayed)
+        # Side branches' first nodes judged where the text reached their parent: kept, and the chances claimed for
+        # them there (share of the matches times a), decayed per round judged.
+        self._side = [1.0, 1.0]
         self._shadow: tuple | None = None  # the last guess to judge: (match, chain, side claims, context length)
         self._armed: Draft | None = None  # free_round's guess, for the round it was made for
 
@@ -103,39 +108,30 @@ class PromptLookupProposer:
         return self._guess(context, k)
 
     def free_round(self, context: list[int], k: int, rows: int = 1) -> int:
-        """The engine's k for this round of a lookup method, or 0 (a plain step): the guess, priced (see the module
-        docstring), when it is expected to give more tokens per second than a plain step in a pass of `rows`
-        rows, the others emitting one token each. Arms the round: propose() hands the guess over."""
+        """The engine's k for this round of a lookup method: the priced guess's depth (see the module docstring),
+        in a pass of `rows` rows whose others emit a token each; 0 for a plain step, which is all it takes before a
+        pass is timed. Arms the round: propose() hands the guess over."""
         self._armed = None
-        costs = self._priced_by()
-        if costs is None or k < 1:
+        if followed_costs(self.sizing, self.costs) is None or k < 1:
             return 0
-        guess = self.propose(context, k)
-        if not guess.depth or ((self.last_expected + rows - 1) / costs.verify(rows, len(guess) + 1)
-                               <= rows / costs.verify(rows, 1)):
-            return 0
-        self._armed = guess
+        self._learn(context)
+        guess = self._guess(context, k, rows)
+        self._armed = guess if guess.depth else None
         return guess.depth
 
-    def _priced_by(self) -> StepCosts | None:
-        """The measured step costs a guess is sized by, where the sequence may follow them (not a fixed k)."""
-        if self.sizing is not None:
-            return self.sizing.costs if self.sizing.by_cost else None
-        return self.costs if self.costs is not None and self.costs.measured else None
-
-    def _guess(self, context: list[int], k: int) -> Draft:
+    def _guess(self, context: list[int], k: int, rows: int = 1) -> Draft:
         n, continuations = self._continuations(context, k)
         self.last_match, self.last_expected = n, 1.0
         if not continuations:
             return Draft(token_ids=())
         ranked = rank_nodes(continuations)
-        costs = self._priced_by()
+        costs = followed_costs(self.sizing, self.costs)
         if costs is None:  # a fixed k: k nodes (a chain's k tokens)
             self._shadow = (n, continuations[0], (), len(context))
             chosen = ranked[:k]
             self.last_expected = _expected(self.acceptance_after(n).rate, chosen, continuations[0], len(continuations))
             return token_tree(chosen)
-        return self._priced(ranked, continuations, n, len(context), costs)
+        return self._priced(ranked, continuations, n, len(context), costs, rows)
 
     def _continuations(self, context: list[int], k: int) -> tuple[int, list[tuple[int, ...]]]:
         """(the match's length, what followed it: the most recent occurrence first), from the text or the corpus."""
@@ -147,25 +143,24 @@ class PromptLookupProposer:
                 return corpus_n, [tuple(corpus_guess)]
         return n, [tuple(context[s : s + k]) for s in reversed(starts[-self.branches:])]
 
-    def _priced(self, ranked, continuations, n: int, at: int, costs: StepCosts) -> Draft:
+    def _priced(self, ranked, continuations, n: int, at: int, costs: StepCosts, rows: int) -> Draft:
         """The likeliest nodes, as many as give the most expected tokens per second (none: a plain step)."""
         a, chain, shares = self.acceptance_after(n).rate, continuations[0], len(continuations)
-        trust = min(1.0, self._side[0] / self._side[1])
-        chances = [_chance(path, share, a, chain, shares) * (1.0 if _on(path, chain) else trust)
+        trust = self._side[0] / self._side[1] if self._side[1] > 0 else 1.0
+        chances = [_chance(path, share, a, chain, shares) * (1.0 if _on(path, chain) else min(1.0, trust))
                    for path, share in ranked]
-        order = sorted(range(len(ranked)), key=lambda i: (-chances[i], len(ranked[i][0]), i))[:MAX_NODES]
-        expected, best, best_rate = 1.0, 0, 1.0 / costs.verify(1, 1)
-        for offered, i in enumerate(order, 1):
-            expected += chances[i]
-            if expected / costs.verify(1, offered + 1) > best_rate:
-                best, best_rate, self.last_expected = offered, expected / costs.verify(1, offered + 1), expected
-        claims = tuple((path, _chance(path, share, a, chain, shares)) for path, share in ranked
-                       if not _on(path, chain) and _on(path[:-1], chain))  # where a side branch leaves the chain
+        order = sorted(range(len(ranked)), key=lambda i: (-chances[i], len(ranked[i][0]), i))
+        offered, _ = best_offer([chances[i] for i in order], costs, rows=rows, plain_step=True)
+        self.last_expected = 1.0 + sum(chances[i] for i in order[:offered])
+        # Where a side branch leaves the chain: its chance there, given the chain reached its parent.
+        claims = tuple((path, share / shares * a) for path, share in ranked
+                       if not _on(path, chain) and _on(path[:-1], chain) and a > 0)
         self._shadow = (n, chain, claims, at)
-        return token_tree([ranked[i] for i in order[:best]])
+        return token_tree([ranked[i] for i in order[:offered]])
 
     def _learn(self, context: list[int]) -> None:
-        """Judge the last guess against the tokens emitted since (the accepted and the target's own)."""
+        """Judge the last guess against the tokens emitted since (the accepted and the target's own): its chain,
+        and each side branch's first node where the emitted text reached its parent."""
         if self._shadow is None:
             return
         n, chain, claims, at = self._shadow
@@ -173,11 +168,12 @@ class PromptLookupProposer:
         emitted = tuple(context[at:])
         if not emitted:  # a new text, or a round that failed
             return
-        seen = min(len(chain), len(emitted))
-        self.acceptance_after(n).observe(seen, _common_prefix(chain, emitted))
-        for path, claim in claims:
-            if len(emitted) >= len(path) or emitted != path[: len(emitted)]:  # (else still open: not judged)
-                self._side = [DECAY * self._side[0] + (emitted[: len(path)] == path), DECAY * self._side[1] + claim]
+        self.acceptance_after(n).observe(min(len(chain), len(emitted)), _common_prefix(chain, emitted))
+        judged = [(emitted[len(path) - 1] == path[-1], claim) for path, claim in claims
+                  if len(emitted) >= len(path) and emitted[: len(path) - 1] == path[:-1]]
+        if judged:
+            self._side = [DECAY * self._side[0] + sum(kept for kept, _ in judged),
+                          DECAY * self._side[1] + sum(claim for _, claim in judged)]
 
     def acceptance_after(self, match: int) -> Acceptance:
         """Lookup's per-token acceptance after a match of this many tokens."""

@@ -173,11 +173,27 @@ class TreeSizing:
     def _best(self, probs: list[float], draft_s: float) -> tuple[int, float]:
         """(n, the round's expected tokens per second) for the n of the first nodes (at most max_nodes) whose offer
         gives the most."""
-        expected = 1.0 + torch.tensor(probs).cumsum(0)  # [nodes]: tokens per round, offering the first n
-        limit = min(len(probs), self.max_nodes)
-        rates = [float(expected[n - 1]) / (draft_s + self.costs.verify(1, n + 1)) for n in range(1, limit + 1)]
-        best = max(range(limit), key=rates.__getitem__)
-        return best + 1, rates[best]
+        return best_offer(probs, self.costs, draft_s, max_nodes=self.max_nodes)
+
+
+def best_offer(probs: list[float], costs: StepCosts, draft_s: float = 0.0, rows: int = 1, max_nodes: int = MAX_NODES,
+               plain_step: bool = False) -> tuple[int, float]:
+    """(n, the round's expected tokens per second) for the n whose offer of the first n nodes (probs: their chances
+    of being kept, a parent before its child) gives the most, at most max_nodes, in a pass of `rows` rows whose
+    others emit a token each; draft_s is what drafting cost. With plain_step, n may be 0: no draft, a plain step."""
+    first = 0 if plain_step else 1
+    expected = list(accumulate(probs[: max_nodes], initial=float(rows)))  # tokens per round, offering the first n
+    rates = [expected[n] / (draft_s + costs.verify(rows, n + 1)) for n in range(first, len(expected))]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return first + best, rates[best]
+
+
+def followed_costs(sizing: TreeSizing | None, costs: StepCosts | None) -> StepCosts | None:
+    """The measured step costs a proposer's rounds are priced by, where its sequence may follow them (not a fixed
+    k, whose rounds a seed must reproduce): a tree proposer's sizing's, else those the engine gave it."""
+    if sizing is not None:
+        return sizing.costs if sizing.by_cost else None
+    return costs if costs is not None and costs.measured else None
 
 
 @dataclass
