@@ -252,18 +252,20 @@ class DraftLengthPolicy:
     _probe_gap: int = PROBE_EVERY
 
     def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = (),
-               spreads: list[float] = ()) -> int:
+               spreads: list[float] = (), free: list[int] = ()) -> int:
         """k in [0, k_max] for the sequences whose acceptance rates are `rates`, in a step of `rows` rows; the
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass.
-        spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.side_nodes; none: chains)."""
+        spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.side_nodes; none: chains).
+        free: the nodes of rows whose guess is already made and ran no forward (prompt lookup's): they widen the
+        pass, and add no draft forward."""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
-        if not self.costs.knows(rows, max(fixed, default=0) + 1):
+        if not self.costs.knows(rows, max([*fixed, *free], default=0) + 1):
             # Unmeasured, the narrowest pass (k = 0 here; rows with their own k keep it wider) would cost what the
             # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
             # never be tried: time it first.
             return 0
-        best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed, spreads))
+        best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed, spreads, free))
         self.wants_drafting = best > 0
         if best > 0:
             self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
@@ -285,12 +287,13 @@ class DraftLengthPolicy:
         """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""
         self._probe_gap = PROBE_EVERY
 
-    def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = (), spreads: list[float] = ()) -> float:
+    def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = (), spreads: list[float] = (),
+             free: list[int] = ()) -> float:
         """Expected tokens per second of a step in which the adaptive sequences draft k positions (a tree: k deep,
         with its spread's nodes beside the path)."""
         tokens = sum(expected_tokens(a, k) for a in rates) + rows - len(rates)
         deepest = max([k, *fixed])  # draft forwards run in lockstep, one per position (a tree: per depth)
-        widest = max([k + spread for spread in spreads if k] + [deepest])  # the pass pads to the widest row
+        widest = max([k + spread for spread in spreads if k] + [deepest, *free])  # the pass pads to the widest row
         return tokens / (self.costs.draft(rows) * deepest + self.costs.verify(rows, widest + 1))
 
     def stop_confidence(self, rows: int) -> float:

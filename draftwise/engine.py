@@ -440,23 +440,27 @@ class Engine:
     def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
         the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Prompt lookup's
-        methods judge each round after their free guess (_judges_rounds, _free_round)."""
-        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
+        methods judge each round after their free guess (_judges_rounds, _free_round), first: their nodes widen the
+        pass the shared k is priced by."""
+        depths = [_free_depth(seq) for seq in seqs]
+        judged = {seq: _free_round(seq, depth, len(seqs)) for seq, depth in zip(seqs, depths) if _judges_rounds(seq)}
+        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and seq not in judged]
         fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
         shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
-                                          fixed, [seq.spread.side_nodes for seq in adaptive]) if adaptive else 0
+                                          fixed, [seq.spread.side_nodes for seq in adaptive],
+                                          [seq.proposer.armed_nodes for seq in judged]) if adaptive else 0
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
-        depths = [_free_depth(seq) for seq in seqs]
-        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or _judges_rounds(seq) else
+        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
             if hasattr(seq.proposer, "lookup_depth"):
                 seq.proposer.lookup_depth = depth
-        return [k or _free_round(seq, depth, len(seqs)) for seq, k, depth in zip(seqs, ks, depths)]
+        return [judged[seq] if seq in judged else k or _free_round(seq, depth, len(seqs))
+                for seq, k, depth in zip(seqs, ks, depths)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
                 live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:

@@ -489,7 +489,7 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
     plain = Engine.from_models(target, tokenizer, method="none")
     # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes.
-    eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(): 1.0 if k == 0 else 0.5
+    eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(), free=(): 1.0 if k == 0 else 0.5
     drafted, behind = [], []
     eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
     start = eng.proposer.start
@@ -604,3 +604,37 @@ def test_lookup_judges_every_round_by_its_own_guess_whatever_the_shared_draft_le
         seq.proposer.acceptance_after(match).observe(4, 0)  # then turns out wrong
     assert eng._draft_lengths([seq]) == [0]  # a plain step
     eng.close_sequence(seq)
+
+
+def test_a_free_guess_already_in_the_pass_makes_drafting_to_its_width_cheap():
+    """A lookup row's nodes widen the batch's pass whatever the draft rows do: up to that width, their draft
+    tokens add only draft forwards."""
+    policy = DraftLengthPolicy()
+    policy.costs.observe(2, 0, 0.0, 0.2)  # a plain step of two rows
+    policy.costs.observe(2, 4, 0.04, 0.4, draft_steps=4)  # a 5-wide pass; 0.01 s a draft forward
+    assert policy.choose([0.3], 4, 2) == 0  # alone in a narrow pass, 30% acceptance does not pay
+    assert policy.choose([0.3], 4, 2, free=[4]) == 2  # beside a lookup row's 4 nodes it does
+
+
+def test_a_lookup_rows_guess_is_made_before_the_shared_k_and_widens_its_pass():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1), method="draft",
+                             compact_draft=False)
+    ids = tokenizer.encode("one two three four five one two three four five one two three")
+    lookup = eng.open_sequence(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True, method="lookup"))
+    draft = eng.open_sequence(tokenizer.encode("a quiet morning"), GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    for seq in (lookup, draft):
+        while not seq.prefill_done:
+            eng.prefill(seq)
+    eng.draft_policy.costs.observe(2, 0, 0.0, 0.2)
+    eng.draft_policy.costs.observe(2, 4, 0.04, 0.4, draft_steps=4)
+    for _ in range(10):
+        lookup.proposer.acceptance_after(3).observe(4, 4)  # lookup after a 3-token match: right so far
+    draft.acceptance = Acceptance(3.0, 10.0)
+    seen = []
+    choose = eng.draft_policy.choose
+    eng.draft_policy.choose = lambda *args: seen.append(args[-1]) or choose(*args)
+    k_lookup, k_draft = eng._draft_lengths([lookup, draft])
+    assert k_lookup == 4 and seen == [[4]] and k_draft == 2  # the draft row drafts up to the pass's width
+    for seq in (lookup, draft):
+        eng.close_sequence(seq)

@@ -119,6 +119,11 @@ class PromptLookupProposer:
         self._armed = guess if guess.depth else None
         return guess.depth
 
+    @property
+    def armed_nodes(self) -> int:
+        """The nodes of the guess free_round armed for this round (0: none): the pass's width beside the others'."""
+        return len(self._armed) if self._armed is not None else 0
+
     def _guess(self, context: list[int], k: int, rows: int = 1) -> Draft:
         n, continuations = self._continuations(context, k)
         self.last_match, self.last_expected = n, 1.0
