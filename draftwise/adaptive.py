@@ -257,10 +257,11 @@ class DraftLengthPolicy:
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass.
         spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.side_nodes; none: chains).
         free: the nodes of rows whose guess is already made and ran no forward (prompt lookup's): they widen the
-        pass, and add no draft forward."""
+        pass, and add no draft forward. (Not in the gate below: a width their guesses bring is priced as any
+        unmeasured one, and timed when it runs.)"""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
-        if not self.costs.knows(rows, max([*fixed, *free], default=0) + 1):
+        if not self.costs.knows(rows, max(fixed, default=0) + 1):
             # Unmeasured, the narrowest pass (k = 0 here; rows with their own k keep it wider) would cost what the
             # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
             # never be tried: time it first.

@@ -636,5 +636,7 @@ def test_a_lookup_rows_guess_is_made_before_the_shared_k_and_widens_its_pass():
     eng.draft_policy.choose = lambda *args: seen.append(args[-1]) or choose(*args)
     k_lookup, k_draft = eng._draft_lengths([lookup, draft])
     assert k_lookup == 4 and seen == [[4]] and k_draft == 2  # the draft row drafts up to the pass's width
+    eng.step([lookup, draft])  # (chooses again: the same guess, armed for the round that runs)
+    assert lookup.stats.nodes == 4 and draft.stats.proposed > 0
     for seq in (lookup, draft):
         eng.close_sequence(seq)
