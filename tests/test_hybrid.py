@@ -16,6 +16,7 @@ import torch
 
 from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
+from draftwise.config import GenerationConfig
 from draftwise.adaptive import StepCosts, TreeSpread
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
@@ -537,3 +538,21 @@ def test_a_new_sequence_inherits_no_round_the_last_one_left_unfinished():
     assert chain.free_round(text, 2) == 2  # armed for the next propose, which never comes: the step raised
     chain.begin([8, 9, 10], None, None)  # the engine's proposer, reused for the next sequence
     assert chain.propose([8, 9, 10], 2).token_ids == (7, 7) and not chain.drafted_free
+
+
+def test_the_chain_hybrids_lookup_sizes_its_guess_by_the_engines_costs():
+    """Offered as deep as it pays, lookup's guess is judged against the draft model at its best depth's rate."""
+    tokenizer = tiny_tokenizer()
+    eng = Engine.from_models(tiny_model("llama", 0), tokenizer, draft_model=tiny_model("llama", 0), method="hybrid")
+    ids = tokenizer.encode("one two three four five one two three four five one two three")
+    seq = eng.open_sequence(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    assert seq.proposer.lookup.costs is eng.draft_policy.costs
+    for width in (1, 5):
+        eng.draft_policy.costs.observe(1, width - 1, 0.0, 0.15 + 0.05 * width)  # 0.05 s more per token of width
+    # After a 3-token match, at its prior (0.5): one token pays best (1.5 tokens in 0.25 s; two: 1.75 in 0.3 s).
+    assert seq.proposer.lookup.propose(seq.context, 4).depth == 1
+    eng.close_sequence(seq)
+    seeded = eng.open_sequence(ids, GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1))
+    assert seeded.proposer.lookup.costs is None  # a fixed k: its full k, whatever was timed
+    assert seeded.proposer.lookup.propose(seeded.context, 4).depth == 4
+    eng.close_sequence(seeded)

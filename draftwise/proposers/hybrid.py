@@ -72,10 +72,21 @@ class HybridProposer:
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
         self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
-        # The engine's step costs, which price the chain's pick, its lookup's depth and free rounds; the engine sets
-        # them for an adaptive sequence only (None for a fixed k: its rounds must not follow timings).
-        self.costs: StepCosts | None = None
+        self.costs = None  # (the engine sets them: see the property)
         self.lookup_depth = 0  # the deepest guess lookup may offer, a free round's k (the engine sets it each step)
+
+    @property
+    def costs(self) -> StepCosts | None:
+        """The engine's step costs, which price the chain's pick, its lookup's guess and free rounds; the engine sets
+        them for an adaptive sequence only (None for a fixed k: its rounds must not follow timings). The chain's
+        lookup sizes its guess by them as lookup alone does (the tree's, by the pair's sizing): offered as deep as
+        it pays, it is judged at the rate of its best depth, not of its full k."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: StepCosts | None) -> None:
+        self._costs = costs
+        self.lookup.costs = costs
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
