@@ -87,3 +87,13 @@ class Event:
     finish_reason: str | None = None
     stats: Stats | None = None  # on the last event
     error: str | None = None  # on the last event when finish_reason is "error": what went wrong
+
+
+def common_prefix(a, b) -> int:
+    """How many tokens two token sequences share from their start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

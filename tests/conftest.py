@@ -76,6 +76,21 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: 
     return model
 
 
+def decode_together(eng, prompts: list[list[int]], cfg) -> list:
+    """One sequence per prompt (token ids) under cfg, decoded in one batch to their ends, then closed."""
+    seqs = [eng.open_sequence(p, cfg) for p in prompts]
+    try:
+        for seq in seqs:
+            while not seq.prefill_done:
+                eng.prefill(seq)
+        while any(seq.finish is None for seq in seqs):
+            eng.step([seq for seq in seqs if seq.finish is None])
+    finally:
+        for seq in seqs:
+            eng.close_sequence(seq)
+    return seqs
+
+
 def input_batch(ids: list[int]) -> torch.Tensor:
     """[1, len(ids)] input ids on the tiny models' device, for calling a model directly."""
     return torch.tensor([ids], device=TEST_DEVICE)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, tiny_model, tiny_tokenizer
+from conftest import CORPUS, decode_together, tiny_model, tiny_tokenizer
 
 from draftwise import Engine
 from draftwise.adaptive import DraftLengthPolicy, StepCosts
@@ -222,16 +222,7 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads, method):
     alone = [eng.generate(p, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False).token_ids
              for p in prompts]
     cfg = GenerationConfig.from_options(max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False)
-    seqs = [eng.open_sequence(p, cfg) for p in prompts]
-    try:
-        for seq in seqs:
-            while not seq.prefill_done:
-                eng.prefill(seq)
-        while any(seq.finish is None for seq in seqs):
-            eng.step([seq for seq in seqs if seq.finish is None])
-    finally:
-        for seq in seqs:
-            eng.close_sequence(seq)
+    seqs = decode_together(eng, prompts, cfg)
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == alone
     if method == "hybrid-head":  # the batched rounds (in steps, batch.py) went to both
         assert sum(seq.proposer.rounds["lookup"] for seq in seqs) > 0

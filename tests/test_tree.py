@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import decode_together, tiny_model, tiny_tokenizer
 
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
 from draftwise.adaptive import StepCosts
-from draftwise.config import SamplingConfig
+from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow
 from draftwise.sampling import sample
@@ -322,24 +322,15 @@ def test_lookup_judging_its_own_rounds_gives_the_targets_greedy_output_alone_and
     eng.proposer.trusted_ngram = 1  # (one-token tails recur here: let them be offered from the start)
     alone = eng.generate(prompts[0], max_new_tokens=40, ignore_eos=True)
     assert alone.token_ids == _reference(prompts[0], 40) and alone.stats.proposed > 0
-    from draftwise.config import GenerationConfig
-    cfg = GenerationConfig.from_options(max_new_tokens=40, ignore_eos=True)
-    seqs = [eng.open_sequence(eng.tokenizer.encode(p), cfg) for p in prompts]
-    for seq in seqs:
-        while not seq.prefill_done:
-            eng.prefill(seq)
-    while any(seq.finish is None for seq in seqs):
-        eng.step([seq for seq in seqs if seq.finish is None])
+    seqs = decode_together(eng, [eng.tokenizer.encode(p) for p in prompts],
+                           GenerationConfig.from_options(max_new_tokens=40, ignore_eos=True))
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == [_reference(p, 40) for p in prompts]
     assert all(seq.stats.proposed > 0 for seq in seqs)
-    for seq in seqs:
-        eng.close_sequence(seq)
 
 
 @pytest.mark.parametrize("method", ["lookup", "lookup-tree"])
 def test_a_seeded_lookup_offers_exactly_k_whatever_the_engine_measured(method):
     """A seeded sampled request's draws follow its round shapes: they must not follow timings."""
-    from draftwise.config import GenerationConfig
     eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method=method, lookup_max_ngram=1)
     prompt = "a b c a b d a b e a b f a b"
     eng.generate(prompt, max_new_tokens=8, ignore_eos=True)  # an adaptive request: passes get timed
@@ -371,18 +362,9 @@ def test_lookup_tree_gives_the_targets_greedy_output_alone_and_in_a_batch(k):
     prompts = ["the cat and the dog and the fox and the", "print(i) print(j) print(k) print("]
     # One-token tails: they recur with different continuations, so trees branch often.
     eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="lookup-tree", lookup_max_ngram=1)
-    tokenizer = eng.tokenizer
     cfg_options = dict(max_new_tokens=40, ignore_eos=True, num_draft_tokens=k, adaptive=False)
     alone = eng.generate(prompts[0], **cfg_options)
     assert alone.token_ids == _reference(prompts[0], 40)
     assert alone.stats.nodes > alone.stats.proposed  # some rounds drafted a tree with branches
-    from draftwise.config import GenerationConfig
-    seqs = [eng.open_sequence(tokenizer.encode(p), GenerationConfig.from_options(**cfg_options)) for p in prompts]
-    for seq in seqs:
-        while not seq.prefill_done:
-            eng.prefill(seq)
-    while any(seq.finish is None for seq in seqs):
-        eng.step([seq for seq in seqs if seq.finish is None])
+    seqs = decode_together(eng, [eng.tokenizer.encode(p) for p in prompts], GenerationConfig.from_options(**cfg_options))
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == [_reference(p, 40) for p in prompts]
-    for seq in seqs:
-        eng.close_sequence(seq)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.types import common_prefix
+
 MIN_TOKENS = 16  # a shorter common prefix is not worth a lookup's copy
 
 
@@ -51,7 +53,7 @@ class PrefixCache:
         stats.lookups += 1
         best, best_len = None, 0
         for (owner, _), entry in self._entries.items():
-            if owner == model and (n := _common_prefix(entry.token_ids, token_ids)) > best_len:
+            if owner == model and (n := common_prefix(entry.token_ids, token_ids)) > best_len:
                 best, best_len = entry, n
         if best is None or best_len < self.min_tokens:
             return None, 0
@@ -81,10 +83,3 @@ class PrefixCache:
         self.nbytes -= self._entries.pop(key).nbytes
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -41,7 +41,7 @@ from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.proposers.tree_growth import TreeSizing, best_offer, followed_costs
-from draftwise.types import Draft
+from draftwise.types import Draft, common_prefix
 from draftwise.verify.tree import chain_parents
 
 # Matches shorter than this start pessimistic: a shorter shared tail (one token, a common pair such as ", the")
@@ -173,7 +173,7 @@ class PromptLookupProposer:
         emitted = tuple(context[at:])
         if not emitted:  # a new text, or a round that failed
             return
-        self.acceptance_after(n).observe(min(len(chain), len(emitted)), _common_prefix(chain, emitted))
+        self.acceptance_after(n).observe(min(len(chain), len(emitted)), common_prefix(chain, emitted))
         judged = [(emitted[len(path) - 1] == path[-1], claim) for path, claim in claims
                   if len(emitted) >= len(path) and emitted[: len(path) - 1] == path[:-1]]
         if judged:
@@ -245,13 +245,6 @@ def _chance(path: tuple[int, ...], share: int, a: float, chain: tuple[int, ...],
 
 def _expected(a: float, chosen, chain: tuple[int, ...], shares: int) -> float:
     return 1.0 + sum(_chance(path, share, a, chain, shares) for path, share in chosen)
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def rank_nodes(continuations: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], int]]:
