@@ -15,7 +15,7 @@ from draftwise.head.model import check_fits, load_head, parameter_count, readout
 from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import hybrid_of
-from draftwise.proposers.layer_skip import LayerSkipProposer, SkippingBackend
+from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_same_tokenizer, eos_ids
 
@@ -82,7 +82,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     (until the hybrid's pick is measured, and always for a fixed k).
 
     compact_draft: propose with a cheaper copy of the draft (int8 kernels where faster, an output layer over the
-    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it.
+    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it. For skip, the
+    same cut applies to the layers the draft runs (layer_skip.cheaper_stack); False shares the target's own.
 
     target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
@@ -100,7 +101,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     proposer = head_proposer(readout_model or target_model, head) if method in HEAD_METHODS else None
     if method == "hybrid-head":
         proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
-    target_model = on_timed_kernels(target_model, target_kernels)
+    loaded, target_model = target_model, on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
@@ -119,8 +120,13 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         if lookup_method is not None:
             proposer = hybrid_of(proposer, lookup_method, lookup_max_ngram, lookup_min_ngram)
     elif method == "skip":
-        plan = plan_skip(target_model, calibration_ids(tokenizer))
-        proposer = LayerSkipProposer(SkippingBackend(target, plan.skip), target_vocab_size=target.vocab_size)
+        stack = DraftStack()
+        if compact_draft:  # the layers it runs on int8 copies where faster here, and a compact output layer
+            stack = cheaper_stack(loaded, target_model, [*tokenizer.all_special_ids, *eos], draft_kernels,
+                                  draft_vocab)
+        plan = plan_skip(target, calibration_ids(tokenizer), stack=stack)
+        proposer = LayerSkipProposer(SkippingBackend(target, stack.skipping(plan.skip)),
+                                     target_vocab_size=target.vocab_size)
     elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
@@ -129,6 +135,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method == "skip":
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
+        paths["skip_kernels"] = kernel_counts(nn.ModuleList(stack.layers.values())) if stack.layers else {}
     if method in HEAD_METHODS:
         paths["head"] = getattr(proposer, "draft", proposer).speed_paths  # (a hybrid's head)
     if method in NEEDS_DRAFT:

@@ -398,6 +398,19 @@ def test_int8_dynamic_linear_is_close_for_a_draft_step_and_the_float_layer_for_a
 
 
 @cpu_kernels
+def test_an_int8_dynamic_copy_without_the_float_weight_runs_wide_calls_a_few_rows_at_a_time():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 300, bias=True)
+    q = Int8DynamicLinear(linear, keep_float=False)  # the skip draft's copies: the target keeps no plain weight
+    assert q.weight is None
+    many = torch.randn(1, 2 * DYNAMIC_MAX_ROWS + 3, 64)
+    with torch.inference_mode():
+        rows = torch.cat([q(part) for part in many.split(DYNAMIC_MAX_ROWS, dim=1)], dim=1)
+        assert torch.equal(q(many), rows) and not torch.equal(q(many), linear(many))
+        assert torch.allclose(q(many), linear(many), atol=0.05 * linear(many).abs().max().item())
+
+
+@cpu_kernels
 @pytest.mark.parametrize("kernel", ["int8", "int8-dynamic"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_a_draft_on_an_inexact_kernel_still_gives_the_targets_greedy_output(kernel, k):

@@ -11,16 +11,19 @@ import functools
 import pytest
 import torch
 
-from conftest import input_batch, tiny_model, tiny_tokenizer
+from conftest import cpu_kernels, input_batch, tiny_model, tiny_tokenizer
 from draftwise import Engine
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers import skip_calibration
-from draftwise.proposers.layer_skip import SkippingBackend, decoder_layers, skipping
+from draftwise.backends.hf import HFBackend
+from draftwise.backends.kernels import kernel_counts, on_timed_kernels
+from draftwise.proposers.layer_skip import DraftStack, SkippingBackend, cheaper_stack, decoder_layers, drafting, skipping
 from draftwise.proposers.skip_calibration import measure_skip, plan_skip, skip_order
 from test_batch import PROMPTS, run_together
 
 LAYERS = 4
+KEPT_VOCAB = 200  # of the tiny tokenizer's 300 ids: a compact readout that drops a third of them
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,8 +39,17 @@ def reference(arch, prompt, new_tokens):
     return out[0, len(ids):].tolist()
 
 
-def engine(arch="llama"):
-    return Engine.from_models(target(arch), tiny_tokenizer(), method="skip")
+def engine(arch="llama", **options):
+    return Engine.from_models(target(arch), tiny_tokenizer(), method="skip", **options)
+
+
+# The draft's layers on int8 copies and its output layer over the lowest ids only, whatever the timings say.
+INT8 = dict(draft_kernels=("int8",), draft_vocab=KEPT_VOCAB)
+
+
+def int8_stack(arch="llama"):
+    model = target(arch)
+    return cheaper_stack(model, on_timed_kernels(model), kernels=("int8",), keep_vocab=KEPT_VOCAB)
 
 
 def greedy(n, **options):
@@ -58,11 +70,19 @@ def test_skipping_passes_over_the_layers_and_puts_them_back():
     assert not torch.allclose(full, shallow) and torch.equal(full, again)
 
 
-@pytest.mark.parametrize("skip", [(), (0, 1, 2, 3), (1, 1), (4,), (-1,)])
+@pytest.mark.parametrize("skip", [(0, 1, 2, 3), (1, 1), (4,), (-1,)])
 def test_a_skip_set_that_cannot_draft_is_refused_with_the_allowed_range(skip):
     backend = engine().target
     with pytest.raises(DraftwiseError, match="between 0 and 3"):
-        SkippingBackend(backend, skip)
+        SkippingBackend(backend, DraftStack(skip))
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_skipping_nothing_is_refused_unless_the_draft_runs_cheaper_copies():
+    backend = engine().target
+    with pytest.raises(DraftwiseError, match="skips no layer must run cheaper copies"):
+        SkippingBackend(backend, DraftStack())
+    assert SkippingBackend(backend, int8_stack()).skip == ()
 
 
 def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
@@ -120,7 +140,7 @@ def test_skip_order_never_moves_the_first_layer_nor_the_last_of_a_deep_stack():
 
 def test_calibration_tries_several_counts_and_keeps_the_best_rate():
     ids = tiny_tokenizer()(" ".join(PROMPTS))["input_ids"]
-    plan = measure_skip(target(), ids, k=4)
+    plan = measure_skip(HFBackend(target()), ids, k=4)
     assert len(plan.candidates) >= 2
     assert all(0.0 <= c["agreement"] <= 1.0 and c["cost"] > 0 for c in plan.candidates)
     assert list(plan.skip) == max(plan.candidates, key=lambda c: c["rate"])["skip"]
@@ -132,7 +152,73 @@ def test_a_named_models_plan_is_measured_once_per_machine(tmp_path, monkeypatch)
     model = tiny_model("llama", 0, LAYERS)
     model.config._name_or_path = "tiny-for-skip-cache"
     ids = tiny_tokenizer()(PROMPTS[2])["input_ids"]
-    first = plan_skip(model, ids)
+    first = plan_skip(HFBackend(model), ids)
     assert list(tmp_path.glob("calibration/*.json"))
     monkeypatch.setattr(skip_calibration, "measure_skip", lambda *a, **k: pytest.fail("measured twice"))
-    assert plan_skip(model, ids) == first
+    assert plan_skip(HFBackend(model), ids) == first
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_the_cheaper_stack_swaps_layers_and_readout_in_and_puts_everything_back():
+    model = target()
+    running = on_timed_kernels(model)
+    stack = int8_stack()
+    layers, head = list(decoder_layers(running)), running.get_output_embeddings()
+    assert sorted(stack.layers) == list(range(LAYERS)) and stack.token_ids.tolist() == list(range(KEPT_VOCAB))
+    assert kernel_counts(torch.nn.ModuleList(stack.layers.values())) == {"int8": 7 * LAYERS}
+    ids = input_batch(tiny_tokenizer()(PROMPTS[0])["input_ids"][:8])
+    with torch.no_grad():
+        full = running(input_ids=ids).logits  # [1, 8, 300]
+        with drafting(running, stack.skipping((2,))):
+            kinds = [type(layer).__name__ for layer in decoder_layers(running)]
+            drafted = running(input_ids=ids).logits  # [1, 8, KEPT_VOCAB]
+        again = running(input_ids=ids).logits
+    assert kinds[2] == "_PassThrough" and all(decoder_layers(running)[i] is not stack.layers[i] for i in (0, 1, 3))
+    assert drafted.shape[-1] == KEPT_VOCAB and not torch.allclose(full[..., :KEPT_VOCAB], drafted)
+    assert list(decoder_layers(running)) == layers and running.get_output_embeddings() is head
+    assert torch.equal(full, again)
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_the_copies_share_the_targets_tensors_where_they_keep_its_kernel():
+    model = target()
+    running = on_timed_kernels(model)
+    stack = cheaper_stack(model, running, kernels=("int8",), keep_vocab=KEPT_VOCAB)
+    copied, own = stack.layers[1], decoder_layers(running)[1]
+    assert copied.input_layernorm.weight.data_ptr() == own.input_layernorm.weight.data_ptr()
+    assert copied.self_attn.q_proj is not own.self_attn.q_proj and copied.self_attn.q_proj.weight.dtype == torch.int8
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+def test_skip_on_int8_copies_gives_the_targets_greedy_output(arch):
+    eng = engine(arch, **INT8)
+    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS}
+    result = eng.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True, num_draft_tokens=3, adaptive=False)
+    assert result.token_ids == reference(arch, PROMPTS[0], 30)
+    assert result.stats.proposed > 0 and result.stats.accepted > 0
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_skip_on_int8_copies_batched_with_others_each_get_their_own_output():
+    eng = engine(**INT8)
+    requests = [(PROMPTS[i], greedy(n, method=m, num_draft_tokens=3, adaptive=False)) for i, n, m in
+                [(0, 20, "skip"), (1, 12, "none"), (2, 25, "skip"), (4, 18, "skip")]]
+    seqs = run_together(eng, requests)
+    for (prompt, cfg), seq in zip(requests, seqs):
+        assert seq.context[len(seq.prompt_ids):] == reference("llama", prompt, cfg.max_new_tokens)
+
+
+def test_without_the_compact_draft_skip_shares_the_targets_own_modules():
+    eng = engine(compact_draft=False)
+    assert eng.speed_paths["skip_kernels"] == {} and eng.speed_paths["skip_layers"]
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_calibration_with_copies_also_weighs_skipping_no_layer():
+    ids = tiny_tokenizer()(" ".join(PROMPTS))["input_ids"]
+    backend = HFBackend(on_timed_kernels(target()))
+    plan = measure_skip(backend, ids, k=4, stack=int8_stack())
+    assert plan.candidates[0]["skip"] == [] and 0 < plan.candidates[0]["agreement"] <= 1
+    assert list(plan.skip) == max(plan.candidates, key=lambda c: c["rate"])["skip"]
+    assert backend.default.cache_len == 0  # the measurement's slot is left empty

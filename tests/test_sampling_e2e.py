@@ -111,6 +111,8 @@ def engine(method):
         return eng
     if method in HEAD_METHODS:
         return Engine.from_models(target(), tiny_tokenizer(), method=method, head=str(trained_head()))
+    if method == "skip-int8":  # skip's draft on int8 copies of the layers and an output layer over 200 of 300 ids
+        return Engine.from_models(target(), tiny_tokenizer(), method="skip", draft_kernels=("int8",), draft_vocab=200)
     return Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method)
 
 
@@ -142,7 +144,7 @@ def trained_head() -> Path:
 # lookup-tree-free is lookup-tree unseeded, whose every round is its own free one, sized by the measured costs.
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
-         ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"),
+         ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"), ("skip-int8", "t1", 2, "loop"),
          ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start"),
          ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
          ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
@@ -183,6 +185,8 @@ def test_the_same_check_rejects_the_wrong_distribution():
     pairs, _, _ = sampled_pairs("hybrid", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("skip", "t1", 2)
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
+    pairs, _, _ = sampled_pairs("skip-int8", "t1", 2)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("lookup-corpus", "t1", 2, "start")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "start")) < 1e-6

@@ -42,6 +42,7 @@ from draftwise.backends.attention import groups_queries, use_grouped_attention
 
 EXACT_KERNELS = ("dense", "onednn", "split")  # what the target may use: the model's own values
 DRAFT_KERNELS = ("dense", "onednn", "split", "int8", "int8-dynamic")
+VALUE_CHANGING = ("int8", "int8-dynamic")  # draft-only: every other kernel computes the model's own values
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
 DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
 ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
@@ -106,28 +107,36 @@ class Int8DynamicLinear(nn.Module):
 
     Wider calls (a prefill, a catch-up) run the model's own float weight: one activation scale over many rows
     is set by the few with huge activations (a prompt's first tokens), and on the 0.5B draft over 256 tokens
-    it left 25% error on the MLP's down projection (7% row by row), which the draft's cache would then keep."""
+    it left 25% error on the MLP's down projection (7% row by row), which the draft's cache would then keep.
+    keep_float=False keeps no reference to the float weight (a copy that only ever drafts, beside a target
+    that repacked its own): wide calls then run a few rows at a time."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_float: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach())  # [out, in]: the model's own tensor, not a copy
+        weight = linear.weight.detach()  # [out, in]
+        self.register_buffer("weight", weight if keep_float else None)  # the model's own tensor, not a copy
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        weight = self.weight.float()
-        scale = _int8_row_scales(weight)  # [out]
+        scale = _int8_row_scales(weight.float())  # [out]
         bias = None if self.bias is None else self.bias.float()
         with warnings.catch_warnings():  # torch marks its quantized tensors for removal; a failing build is skipped
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scale.double(), torch.zeros_like(scale, dtype=torch.long),
-                                                 0, torch.qint8)
+            qweight = torch.quantize_per_channel(weight.float(), scale.double(),
+                                                 torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, bias)  # not a tensor: stays on the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
-        if len(rows) > DYNAMIC_MAX_ROWS:
+        if len(rows) <= DYNAMIC_MAX_ROWS:
+            y = self._quantized(rows)
+        elif self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.quantized.linear_dynamic(rows.float(), self.packed, True)  # [tokens, out] (True: 7 bits)
+        else:
+            y = torch.cat([self._quantized(part) for part in rows.split(DYNAMIC_MAX_ROWS)])
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(rows.float(), self.packed, True)  # [rows, out] (True: 7 bits)
 
 
 def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -190,6 +199,19 @@ def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
                     setattr(parent, name, _BUILDERS[kernel](child))
     use_grouped_attention(fast)
     return fast.eval()
+
+
+def planned_kernel(linear: nn.Linear, plan: KernelPlan) -> str:
+    """The kernel plan chose for linear's shape."""
+    return plan.choices.get(_shape_key(linear), "dense")
+
+
+def draft_only_copy(linear: nn.Linear, kernel: str) -> nn.Module:
+    """linear on one of the kernels that change its values (VALUE_CHANGING), holding no reference to its float
+    weight: for a draft that runs beside a target whose own linears were repacked (the skip draft's copies)."""
+    if kernel == "int8-dynamic":
+        return Int8DynamicLinear(linear, keep_float=False)
+    return _BUILDERS[kernel](linear)
 
 
 def on_timed_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS) -> nn.Module:

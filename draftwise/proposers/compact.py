@@ -38,10 +38,21 @@ def compact_draft(model, special_ids=(), keep_vocab: int = KEEP_VOCAB, kernels=D
 
 
 def _shrink_output_layer(model, special_ids, keep_vocab: int) -> torch.Tensor | None:
-    head = model.get_output_embeddings()
+    small, token_ids = compact_readout(model.get_output_embeddings(), special_ids, keep_vocab)
+    if small is None:
+        return None
+    model.config.tie_word_embeddings = False  # the input embeddings keep every token
+    model.set_output_embeddings(small)
+    return token_ids
+
+
+def compact_readout(head: nn.Linear, special_ids=(), keep_vocab: int = KEEP_VOCAB
+                    ) -> tuple[nn.Linear | None, torch.Tensor | None]:
+    """(a copy of the output layer over the keep_vocab lowest ids and the special ones, the target id of each
+    of its rows), or (None, None) when the vocabulary is no larger than that."""
     vocab = head.weight.shape[0]
     if vocab <= keep_vocab:
-        return None
+        return None, None
     kept = sorted(set(range(keep_vocab)) | {i for i in special_ids if 0 <= i < vocab})
     token_ids = torch.tensor(kept, dtype=torch.long, device=head.weight.device)  # [kept]
     small = nn.Linear(head.weight.shape[1], len(kept), bias=head.bias is not None,
@@ -50,6 +61,4 @@ def _shrink_output_layer(model, special_ids, keep_vocab: int) -> torch.Tensor | 
         small.weight.copy_(head.weight[token_ids])
         if head.bias is not None:
             small.bias.copy_(head.bias[token_ids])
-    model.config.tie_word_embeddings = False  # the input embeddings keep every token
-    model.set_output_embeddings(small)
-    return token_ids
+    return small, token_ids

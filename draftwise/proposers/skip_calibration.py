@@ -4,11 +4,13 @@
    stream, 1 - cos(input, output) averaged over the tokens (ShortGPT's block influence). Layers that barely
    turn it are the ones to skip first; the first layer is never skipped (it reads the raw embeddings), nor
    the last of four or more (it writes what the output layer reads).
-2. For a few skip counts n (an eighth, a quarter, three eighths and half of the layers), the n least
-   influential are skipped and the same text is run again: the share of positions where the skipping stack's
-   top token is the full model's is the acceptance a greedy draft would see there.
-3. The cost of a draft token (a one-token forward, skipping) and of verifying k + 1 tokens, each against a
-   one-token full forward, are timed here.
+2. For a few skip counts n (none where the draft runs cheaper copies of the layers, then an eighth, a quarter,
+   three eighths and half of them), the n least influential are skipped and the text is drafted as the engine
+   drafts it: in rounds of AGREEMENT_ROUND tokens, in the target's own cache of the text before the round
+   (the engine's slot, so the int8 copies run at a draft step's width). The share of positions where the
+   draft's top token is the full model's is the acceptance a greedy draft would see there.
+3. The cost of a draft token (a one-token forward as the draft) and of verifying k + 1 tokens, each against
+   a one-token full forward, are timed here.
 
 The count with the most expected tokens per unit of time, (1 - a^(k+1)) / (1 - a) / (k c + v), wins. The
 text is draftwise's own engine.py (prose and code; nothing a benchmark measures). A named model's plan is
@@ -24,11 +26,14 @@ from importlib.resources import files
 import torch
 
 from draftwise.adaptive import expected_tokens
-from draftwise.proposers.layer_skip import decoder_layers, skipping
+from draftwise.backends.hf import HFBackend
+from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting
 
 CALIBRATION_TOKENS = 192
 SKIP_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2)
+AGREEMENT_ROUND = 8  # tokens drafted in a row before the target's cache takes over again
 TIMING_REPEATS = 5
+PLAN_VERSION = 2  # part of the cache key: version 2 drafts on the stack's copies, in the target's cache
 
 
 @dataclass(frozen=True)
@@ -44,42 +49,75 @@ def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> list[int]:
     return tokenizer(text)["input_ids"][:tokens]
 
 
-def plan_skip(model: torch.nn.Module, ids: list[int], k: int = 4, cache: bool = True) -> SkipPlan:
-    """The skip plan for `model` (cached for a named model on this machine, measured otherwise)."""
+def plan_skip(target: HFBackend, ids: list[int], k: int = 4, cache: bool = True,
+              stack: DraftStack | None = None) -> SkipPlan:
+    """The skip plan for target's model drafting on stack (cached for a named model on this machine, measured
+    otherwise). target's default slot is used for the measurement and left empty."""
     from draftwise.backends.kernels import CalibrationCache
 
+    stack = stack or DraftStack()
+    model = target.model
     name = getattr(model.config, "_name_or_path", "") or ""
     store = CalibrationCache(enabled=cache and bool(name))
-    key = f"skip:{name}:{model.dtype}:{len(decoder_layers(model))}:{len(ids)}:k{k}"
+    copies = "copies" if stack.cheaper else "shared"
+    key = f"skip-v{PLAN_VERSION}:{name}:{model.dtype}:{len(decoder_layers(model))}:{len(ids)}:k{k}:{copies}"
     if (entry := store.get(key)) is not None:
         return SkipPlan(tuple(entry["skip"]), entry["agreement"], entry["cost"], tuple(entry["candidates"]))
-    plan = measure_skip(model, ids, k)
+    plan = measure_skip(target, ids, k, stack)
     store.put(key, {**asdict(plan), "skip": list(plan.skip), "candidates": list(plan.candidates)})
     store.save()
     return plan
 
 
 @torch.inference_mode()
-def measure_skip(model: torch.nn.Module, ids: list[int], k: int = 4) -> SkipPlan:
+def measure_skip(target: HFBackend, ids: list[int], k: int = 4, stack: DraftStack | None = None) -> SkipPlan:
+    stack = stack or DraftStack()
+    model = target.model
     count = len(decoder_layers(model))
     input_ids = torch.tensor([ids], device=model.device)  # [1, T]
-    full = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    target_top = full.logits[0].argmax(-1)  # [T]
-    order = skip_order(full.hidden_states)
+    order = skip_order(model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states)
     one_token = _timed(model, input_ids[:, :1])
     verify = _timed(model, input_ids[:, : k + 1]) / one_token
+    counts = {max(1, min(len(order), round(count * share))) for share in SKIP_SHARES} | ({0} if stack.cheaper else set())
+    drafts = [stack.skipping(order[:n]) for n in sorted(counts)]
+    agreements = _agreements(target, ids, drafts)
     candidates = []
-    for n in sorted({max(1, min(len(order), round(count * share))) for share in SKIP_SHARES}):
-        skip = tuple(sorted(order[:n]))
-        with skipping(model, skip):
-            agreement = float((model(input_ids=input_ids, use_cache=False).logits[0].argmax(-1) == target_top)
-                              .float().mean())
+    for draft, agreement in zip(drafts, agreements):
+        with drafting(model, draft):
             cost = _timed(model, input_ids[:, :1]) / one_token
         rate = expected_tokens(agreement, k) / (k * cost + verify)
-        candidates.append({"skip": list(skip), "agreement": round(agreement, 4), "cost": round(cost, 4),
+        candidates.append({"skip": list(draft.skip), "agreement": round(agreement, 4), "cost": round(cost, 4),
                            "rate": round(rate, 4)})
     best = max(candidates, key=lambda c: c["rate"])
     return SkipPlan(tuple(best["skip"]), best["agreement"], best["cost"], tuple(candidates))
+
+
+def _agreements(target: HFBackend, ids: list[int], drafts: list[DraftStack]) -> list[float]:
+    """For each draft, the share of ids' positions where its top token is the full model's, drafting in rounds of
+    AGREEMENT_ROUND tokens on the full model's cache of the text before each round (as the engine drafts)."""
+    slot = target.default
+    slot.trim(0)
+    agree, positions = [0] * len(drafts), 0
+    try:
+        for start in range(0, len(ids), AGREEMENT_ROUND):
+            chunk = ids[start : start + AGREEMENT_ROUND]
+            tops = []
+            for draft in drafts:
+                with drafting(target.model, draft):
+                    tops.append(_mapped_top(slot.forward(chunk), draft.token_ids))
+                slot.trim(start)
+            full_top = slot.forward(chunk).argmax(-1)  # [n]: the full model writes the cache the next round reads
+            agree = [a + int((top == full_top).sum()) for a, top in zip(agree, tops)]
+            positions += len(chunk)
+    finally:
+        slot.trim(0)
+    return [a / positions for a in agree]
+
+
+def _mapped_top(logits: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """[n]: each row's top token as a target id (logits [n, vocab'] over token_ids when the readout is compact)."""
+    top = logits.argmax(-1)
+    return top if token_ids is None else token_ids.to(top.device)[top]
 
 
 def skip_order(hidden_states: tuple[torch.Tensor, ...]) -> list[int]:
