@@ -73,7 +73,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
              draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
              compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
              target_kernels: tuple[str, ...] = EXACT_KERNELS, draft_kernels: tuple[str, ...] = DRAFT_KERNELS,
-             head: str | None = None, readout_model=None):
+             head: str | None = None, loaded_model=None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
@@ -90,18 +90,19 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     in is left as it is. draft_kernels: the same for the compact draft, which may also change values (int8).
 
     head: for the methods head and hybrid-head, the folder of a head trained for this target (`draftwise train-head`);
-    readout_model: the target as loaded, when target_model's output layer was already repacked for a kernel
-    (the head reads its plain weight)."""
+    loaded_model: the target as loaded, when target_model was already repacked on kernels (the bench shares one
+    such copy among its engines): the head reads out through its output layer's plain weight, and skip's int8
+    copies are made from its plain linears."""
     method = choose_method(method, draft_model is not None)
     check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
     check_kernels("draft", draft_kernels, DRAFT_KERNELS)
     if method in HEAD_METHODS and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
-    proposer = head_proposer(readout_model or target_model, head) if method in HEAD_METHODS else None
+    proposer = head_proposer(loaded_model or target_model, head) if method in HEAD_METHODS else None
     if method == "hybrid-head":
         proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
-    loaded, target_model = target_model, on_timed_kernels(target_model, target_kernels)
+    loaded, target_model = loaded_model or target_model, on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context

@@ -18,7 +18,8 @@ from draftwise.errors import DraftwiseError
 from draftwise.proposers import skip_calibration
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.kernels import kernel_counts, on_timed_kernels
-from draftwise.proposers.layer_skip import DraftStack, SkippingBackend, cheaper_stack, decoder_layers, drafting, skipping
+from draftwise.proposers.layer_skip import (DraftStack, SkippingBackend, cheaper_stack, decoder_layers, drafting,
+                                            skipping)
 from draftwise.proposers.skip_calibration import measure_skip, plan_skip, skip_order
 from test_batch import PROMPTS, run_together
 
@@ -222,3 +223,14 @@ def test_calibration_with_copies_also_weighs_skipping_no_layer():
     assert plan.candidates[0]["skip"] == [] and 0 < plan.candidates[0]["agreement"] <= 1
     assert list(plan.skip) == max(plan.candidates, key=lambda c: c["rate"])["skip"]
     assert backend.default.cache_len == 0  # the measurement's slot is left empty
+
+
+@cpu_kernels
+def test_a_target_already_repacked_takes_its_copies_from_the_model_as_loaded():
+    model = target()
+    repacked = on_timed_kernels(model, ("onednn",))  # as the bench shares one fast copy among its engines
+    eng = Engine.from_models(repacked, tiny_tokenizer(), method="skip", loaded_model=model, **INT8)
+    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS}
+    assert eng.proposer.skipping.stack.token_ids is not None
+    result = eng.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3, adaptive=False)
+    assert result.token_ids == reference("llama", PROMPTS[0], 20)

@@ -60,9 +60,11 @@ class Runners:
     def engine(self, method: str) -> Engine:
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
-            # The head reads out through the output layer's plain weight, which the fast copy has repacked.
-            head = {"head": self.head, "readout_model": self.target_model} if method in HEAD_METHODS else {}
-            self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method, **head)
+            # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
+            # copy has repacked.
+            head = {"head": self.head} if method in HEAD_METHODS else {}
+            self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
+                                                       loaded_model=self.target_model, **head)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:

@@ -117,7 +117,8 @@ def cheaper_stack(loaded: nn.Module, running: nn.Module, special_ids=(), kernels
         if cheaper:
             copies[i] = _copy_with(fast, {name: draft_only_copy(linear, planned_kernel(linear, plan))
                                           for name, linear in cheaper.items()})
-    readout, token_ids = compact_readout(loaded.get_output_embeddings(), special_ids, keep_vocab)
+    head = loaded.get_output_embeddings()
+    readout, token_ids = compact_readout(head, special_ids, keep_vocab) if type(head) is nn.Linear else (None, None)
     if readout is not None:
         readout_plan = plan_kernels(readout, tuple(kernels), DRAFT_WIDTHS)
         kernel = planned_kernel(readout, readout_plan)

@@ -78,7 +78,8 @@ def measure_skip(target: HFBackend, ids: list[int], k: int = 4, stack: DraftStac
     order = skip_order(model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states)
     one_token = _timed(model, input_ids[:, :1])
     verify = _timed(model, input_ids[:, : k + 1]) / one_token
-    counts = {max(1, min(len(order), round(count * share))) for share in SKIP_SHARES} | ({0} if stack.cheaper else set())
+    counts = {max(1, min(len(order), round(count * share))) for share in SKIP_SHARES}
+    counts |= {0} if stack.cheaper else set()  # skipping none pays only where the layers it runs are cheaper
     drafts = [stack.skipping(order[:n]) for n in sorted(counts)]
     agreements = _agreements(target, ids, drafts)
     candidates = []
