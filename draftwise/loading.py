@@ -102,7 +102,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     proposer = head_proposer(loaded_model or target_model, head) if method in HEAD_METHODS else None
     if method == "hybrid-head":
         proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
-    loaded, target_model = loaded_model or target_model, on_timed_kernels(target_model, target_kernels)
+    loaded = loaded_model or target_model  # plain linears, for the head's readout and skip's copies
+    target_model = on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
@@ -126,8 +127,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             stack = cheaper_stack(loaded, target_model, [*tokenizer.all_special_ids, *eos], draft_kernels,
                                   draft_vocab)
         plan = plan_skip(target, calibration_ids(tokenizer), stack=stack)
-        proposer = LayerSkipProposer(SkippingBackend(target, stack.skipping(plan.skip)),
-                                     target_vocab_size=target.vocab_size)
+        skipping = SkippingBackend(target, stack.skipping(plan.skip))
+        proposer = LayerSkipProposer(skipping, target_vocab_size=target.vocab_size)
     elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
@@ -136,7 +137,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method == "skip":
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
-        paths["skip_kernels"] = kernel_counts(nn.ModuleList(stack.layers.values())) if stack.layers else {}
+        runs = skipping.stack
+        paths["skip_kernels"] = kernel_counts(nn.ModuleList(runs.layers.values())) if runs.layers else {}
+        paths["skip_vocab"] = skipping.vocab_size
     if method in HEAD_METHODS:
         paths["head"] = getattr(proposer, "draft", proposer).speed_paths  # (a hybrid's head)
     if method in NEEDS_DRAFT:

@@ -48,9 +48,9 @@ def engine(arch="llama", **options):
 INT8 = dict(draft_kernels=("int8",), draft_vocab=KEPT_VOCAB)
 
 
-def int8_stack(arch="llama"):
-    model = target(arch)
-    return cheaper_stack(model, on_timed_kernels(model), kernels=("int8",), keep_vocab=KEPT_VOCAB)
+def int8_stack(running, arch="llama"):
+    """The int8 copies of running (target(arch) on its timed kernels), whatever the timings say."""
+    return cheaper_stack(target(arch), running, kernels=("int8",), keep_vocab=KEPT_VOCAB)
 
 
 def greedy(n, **options):
@@ -83,7 +83,7 @@ def test_skipping_nothing_is_refused_unless_the_draft_runs_cheaper_copies():
     backend = engine().target
     with pytest.raises(DraftwiseError, match="skips no layer must run cheaper copies"):
         SkippingBackend(backend, DraftStack())
-    assert SkippingBackend(backend, int8_stack()).skip == ()
+    assert SkippingBackend(backend, int8_stack(backend.model)).skip == ()
 
 
 def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
@@ -161,23 +161,34 @@ def test_a_named_models_plan_is_measured_once_per_machine(tmp_path, monkeypatch)
 
 @cpu_kernels  # int8 copies: CPU kernels
 def test_the_cheaper_stack_swaps_layers_and_readout_in_and_puts_everything_back():
-    model = target()
-    running = on_timed_kernels(model)
-    stack = int8_stack()
+    running = on_timed_kernels(target())
+    stack = int8_stack(running)
     layers, head = list(decoder_layers(running)), running.get_output_embeddings()
     assert sorted(stack.layers) == list(range(LAYERS)) and stack.token_ids.tolist() == list(range(KEPT_VOCAB))
     assert kernel_counts(torch.nn.ModuleList(stack.layers.values())) == {"int8": 7 * LAYERS}
+    drafts = stack.skipping((2,))
+    assert sorted(drafts.layers) == [0, 1, 3]  # the skipped layer's copy would never run
     ids = input_batch(tiny_tokenizer()(PROMPTS[0])["input_ids"][:8])
     with torch.no_grad():
         full = running(input_ids=ids).logits  # [1, 8, 300]
-        with drafting(running, stack.skipping((2,))):
-            kinds = [type(layer).__name__ for layer in decoder_layers(running)]
+        with drafting(running, drafts):
+            inside = list(decoder_layers(running))
+            assert running.get_output_embeddings() is stack.readout
             drafted = running(input_ids=ids).logits  # [1, 8, KEPT_VOCAB]
         again = running(input_ids=ids).logits
-    assert kinds[2] == "_PassThrough" and all(decoder_layers(running)[i] is not stack.layers[i] for i in (0, 1, 3))
+    assert type(inside[2]).__name__ == "_PassThrough" and all(inside[i] is stack.layers[i] for i in (0, 1, 3))
     assert drafted.shape[-1] == KEPT_VOCAB and not torch.allclose(full[..., :KEPT_VOCAB], drafted)
     assert list(decoder_layers(running)) == layers and running.get_output_embeddings() is head
     assert torch.equal(full, again)
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_a_draft_forward_that_fails_still_puts_the_targets_modules_back():
+    running = on_timed_kernels(target())
+    layers, head = list(decoder_layers(running)), running.get_output_embeddings()
+    with pytest.raises(RuntimeError, match="injected"), drafting(running, int8_stack(running).skipping((1,))):
+        raise RuntimeError("injected")
+    assert list(decoder_layers(running)) == layers and running.get_output_embeddings() is head
 
 
 @cpu_kernels  # int8 copies: CPU kernels
@@ -194,7 +205,8 @@ def test_the_copies_share_the_targets_tensors_where_they_keep_its_kernel():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
 def test_skip_on_int8_copies_gives_the_targets_greedy_output(arch):
     eng = engine(arch, **INT8)
-    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS}
+    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS - 7 * len(eng.speed_paths["skip_layers"])}
+    assert eng.speed_paths["skip_vocab"] == KEPT_VOCAB  # the lowest ids (the end token, 0, among them)
     result = eng.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True, num_draft_tokens=3, adaptive=False)
     assert result.token_ids == reference(arch, PROMPTS[0], 30)
     assert result.stats.proposed > 0 and result.stats.accepted > 0
@@ -211,15 +223,17 @@ def test_skip_on_int8_copies_batched_with_others_each_get_their_own_output():
 
 
 def test_without_the_compact_draft_skip_shares_the_targets_own_modules():
-    eng = engine(compact_draft=False)
-    assert eng.speed_paths["skip_kernels"] == {} and eng.speed_paths["skip_layers"]
+    eng = engine(compact_draft=False, **INT8)
+    stack = eng.proposer.skipping.stack
+    assert not stack.cheaper and stack.token_ids is None and eng.speed_paths["skip_kernels"] == {}
+    assert eng.speed_paths["skip_layers"] and eng.speed_paths["skip_vocab"] == 300
 
 
 @cpu_kernels  # int8 copies: CPU kernels
 def test_calibration_with_copies_also_weighs_skipping_no_layer():
     ids = tiny_tokenizer()(" ".join(PROMPTS))["input_ids"]
     backend = HFBackend(on_timed_kernels(target()))
-    plan = measure_skip(backend, ids, k=4, stack=int8_stack())
+    plan = measure_skip(backend, ids, k=4, stack=int8_stack(backend.model))
     assert plan.candidates[0]["skip"] == [] and 0 < plan.candidates[0]["agreement"] <= 1
     assert list(plan.skip) == max(plan.candidates, key=lambda c: c["rate"])["skip"]
     assert backend.default.cache_len == 0  # the measurement's slot is left empty
@@ -230,7 +244,7 @@ def test_a_target_already_repacked_takes_its_copies_from_the_model_as_loaded():
     model = target()
     repacked = on_timed_kernels(model, ("onednn",))  # as the bench shares one fast copy among its engines
     eng = Engine.from_models(repacked, tiny_tokenizer(), method="skip", loaded_model=model, **INT8)
-    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS}
+    assert eng.speed_paths["skip_kernels"] == {"int8": 7 * LAYERS - 7 * len(eng.speed_paths["skip_layers"])}
     assert eng.proposer.skipping.stack.token_ids is not None
     result = eng.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3, adaptive=False)
     assert result.token_ids == reference("llama", PROMPTS[0], 20)

@@ -114,15 +114,16 @@ class Int8DynamicLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_float: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()  # [out, in]
-        self.register_buffer("weight", weight if keep_float else None)  # the model's own tensor, not a copy
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        scale = _int8_row_scales(weight.float())  # [out]
-        bias = None if self.bias is None else self.bias.float()
+        keep = (lambda t: t) if keep_float else (lambda t: None)  # the model's own tensors, not copies, or nothing
+        self.register_buffer("weight", keep(linear.weight.detach()))  # [out, in]
+        self.register_buffer("bias", None if linear.bias is None else keep(linear.bias.detach()))
+        weight = linear.weight.detach().float()  # [out, in]
+        scale = _int8_row_scales(weight)  # [out]
+        bias = None if linear.bias is None else linear.bias.detach().float()
         with warnings.catch_warnings():  # torch marks its quantized tensors for removal; a failing build is skipped
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight.float(), scale.double(),
-                                                 torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+            qweight = torch.quantize_per_channel(weight, scale.double(), torch.zeros_like(scale, dtype=torch.long),
+                                                 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, bias)  # not a tensor: stays on the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,9 +207,9 @@ def planned_kernel(linear: nn.Linear, plan: KernelPlan) -> str:
     return plan.choices.get(_shape_key(linear), "dense")
 
 
-def draft_only_copy(linear: nn.Linear, kernel: str) -> nn.Module:
-    """linear on one of the kernels that change its values (VALUE_CHANGING), holding no reference to its float
-    weight: for a draft that runs beside a target whose own linears were repacked (the skip draft's copies)."""
+def draft_copy(linear: nn.Linear, kernel: str) -> nn.Module:
+    """linear on kernel, for a draft beside a target whose own linears were repacked (the skip draft's copies):
+    an int8-dynamic copy keeps no reference to the float weight, which the target no longer holds."""
     if kernel == "int8-dynamic":
         return Int8DynamicLinear(linear, keep_float=False)
     return _BUILDERS[kernel](linear)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from draftwise.backends.hf import HFBackend, SlotView
-from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, VALUE_CHANGING, draft_only_copy,
+from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, VALUE_CHANGING, draft_copy, kernel_counts,
                                         plan_kernels, planned_kernel)
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.compact import KEEP_VOCAB, compact_readout
@@ -69,24 +69,32 @@ class DraftStack:
         return bool(self.layers) or self.readout is not None
 
     def skipping(self, skip) -> "DraftStack":
-        return replace(self, skip=tuple(sorted(skip)))
+        """This stack passing over the layers in skip (their copies, which would never run, are dropped)."""
+        skip = tuple(sorted(skip))
+        return replace(self, skip=skip, layers={i: m for i, m in self.layers.items() if i not in skip})
+
+    def describe(self) -> str:
+        """What the stack runs, for the calibration cache key: its copies' kernels and its readout's width."""
+        kernels = kernel_counts(nn.ModuleList(self.layers.values())) if self.layers else {}
+        readout = f"{kernel_counts(self.readout)}x{len(self.token_ids)}" if self.readout is not None else "full"
+        return f"layers={sorted(kernels.items())}:readout={readout}"
 
 
 @contextmanager
 def drafting(model: nn.Module, stack: DraftStack):
     """Within the block, model runs as the draft: the layers in stack.skip passed over, the others and the output
-    layer swapped for the stack's copies where it has them. Everything is put back after."""
+    layer swapped for the stack's copies where it has them. Everything is put back after, whatever happens."""
     layers = decoder_layers(model)
     passing = _PassThrough()
     swaps = {i: copied for i, copied in stack.layers.items() if i not in stack.skip}
     swaps.update({i: passing for i in stack.skip})
     saved = {i: layers[i] for i in swaps}
     head = model.get_output_embeddings()
-    for i, module in swaps.items():
-        layers[i] = module
-    if stack.readout is not None:
-        model.set_output_embeddings(stack.readout)
     try:
+        for i, module in swaps.items():
+            layers[i] = module
+        if stack.readout is not None:
+            model.set_output_embeddings(stack.readout)
         yield
     finally:
         for i, layer in saved.items():
@@ -105,25 +113,37 @@ def cheaper_stack(loaded: nn.Module, running: nn.Module, special_ids=(), kernels
 
     loaded: the model as loaded (plain nn.Linear), running: the target as the engine runs it (its linears
     repacked on exact kernels, with_kernels). A layer is copied only where some linear of it is timed fastest
-    on an int8 kernel (kernels.py); the copy shares every other module and tensor with running's layer. Off
-    the CPU, or with no int8 kernel among `kernels`, nothing is copied."""
-    if not set(kernels) & set(VALUE_CHANGING) or next(loaded.parameters()).device.type != "cpu":
+    on an int8 kernel (kernels.py); the copy shares every other module and tensor with running's layer. The
+    output layer keeps the keep_vocab lowest ids (compact.py), on the kernel timed fastest for it. Off the CPU
+    nothing is copied: the kernels are CPU kernels, and there a step is not bound by the bytes of the weights."""
+    if any(next(m.parameters()).device.type != "cpu" for m in (loaded, running)):
         return DraftStack()
-    plan = plan_kernels(loaded, tuple(kernels), DRAFT_WIDTHS)
+    plain_layers, fast_layers = decoder_layers(loaded), decoder_layers(running)
+    if len(plain_layers) != len(fast_layers):
+        raise DraftwiseError(f"the model as loaded has {len(plain_layers)} decoder layers and the running one "
+                             f"{len(fast_layers)}: they must be the same model")
+    plan = plan_kernels(plain_layers, tuple(kernels), DRAFT_WIDTHS)  # not the output layer: it is cut first
     copies = {}
-    for i, (plain, fast) in enumerate(zip(decoder_layers(loaded), decoder_layers(running))):
-        cheaper = {name: linear for name, linear in plain.named_modules()
+    for i, (plain, fast) in enumerate(zip(plain_layers, fast_layers)):
+        cheaper = {name: draft_copy(linear, planned_kernel(linear, plan)) for name, linear in plain.named_modules()
                    if type(linear) is nn.Linear and planned_kernel(linear, plan) in VALUE_CHANGING}
         if cheaper:
-            copies[i] = _copy_with(fast, {name: draft_only_copy(linear, planned_kernel(linear, plan))
-                                          for name, linear in cheaper.items()})
-    head = loaded.get_output_embeddings()
-    readout, token_ids = compact_readout(head, special_ids, keep_vocab) if type(head) is nn.Linear else (None, None)
-    if readout is not None:
-        readout_plan = plan_kernels(readout, tuple(kernels), DRAFT_WIDTHS)
-        kernel = planned_kernel(readout, readout_plan)
-        readout = draft_only_copy(readout, kernel) if kernel in VALUE_CHANGING else readout
+            copies[i] = _copy_with(fast, cheaper)
+    readout, token_ids = _compact_readout(loaded, special_ids, keep_vocab, kernels)
     return DraftStack(layers=copies, readout=readout, token_ids=token_ids)
+
+
+def _compact_readout(loaded: nn.Module, special_ids, keep_vocab: int,
+                     kernels) -> tuple[nn.Module | None, torch.Tensor | None]:
+    """(loaded's output layer over the keep_vocab lowest ids and the special ones, on its fastest kernel here,
+    the target id of each of its rows), or (None, None) where the vocabulary is no larger or the layer not plain."""
+    head = loaded.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        return None, None
+    readout, token_ids = compact_readout(head, special_ids, keep_vocab)
+    if readout is None:
+        return None, None
+    return draft_copy(readout, planned_kernel(readout, plan_kernels(readout, tuple(kernels), DRAFT_WIDTHS))), token_ids
 
 
 def _copy_with(layer: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
@@ -152,7 +172,11 @@ class SkippingBackend:
         self.stack = stack.skipping(skip)
         self.skip = self.stack.skip
 
-    vocab_size = property(lambda self: self.target.vocab_size)
+    @property
+    def vocab_size(self) -> int:
+        """The width of the draft's logits rows: the compact readout's, or the target's."""
+        return self.target.vocab_size if self.stack.token_ids is None else len(self.stack.token_ids)
+
     max_context = property(lambda self: self.target.max_context)
     device = property(lambda self: self.target.device)
     dtype = property(lambda self: self.target.dtype)

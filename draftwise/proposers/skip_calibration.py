@@ -6,9 +6,9 @@
    the last of four or more (it writes what the output layer reads).
 2. For a few skip counts n (none where the draft runs cheaper copies of the layers, then an eighth, a quarter,
    three eighths and half of them), the n least influential are skipped and the text is drafted as the engine
-   drafts it: in rounds of AGREEMENT_ROUND tokens, in the target's own cache of the text before the round
-   (the engine's slot, so the int8 copies run at a draft step's width). The share of positions where the
-   draft's top token is the full model's is the acceptance a greedy draft would see there.
+   drafts it: in rounds of AGREEMENT_ROUND tokens, one token a forward, in the target's own cache of the text
+   before the round (the engine's slot). The share of positions where the draft's top token is the full
+   model's is the acceptance a greedy draft would see there.
 3. The cost of a draft token (a one-token forward as the draft) and of verifying k + 1 tokens, each against
    a one-token full forward, are timed here.
 
@@ -33,7 +33,7 @@ CALIBRATION_TOKENS = 192
 SKIP_SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2)
 AGREEMENT_ROUND = 8  # tokens drafted in a row before the target's cache takes over again
 TIMING_REPEATS = 5
-PLAN_VERSION = 2  # part of the cache key: version 2 drafts on the stack's copies, in the target's cache
+PLAN_VERSION = 3  # part of the cache key: 3 drafts one token a forward on the stack's copies, in the target's cache
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ def plan_skip(target: HFBackend, ids: list[int], k: int = 4, cache: bool = True,
     model = target.model
     name = getattr(model.config, "_name_or_path", "") or ""
     store = CalibrationCache(enabled=cache and bool(name))
-    copies = "copies" if stack.cheaper else "shared"
-    key = f"skip-v{PLAN_VERSION}:{name}:{model.dtype}:{len(decoder_layers(model))}:{len(ids)}:k{k}:{copies}"
+    key = f"skip-v{PLAN_VERSION}:{name}:{model.dtype}:{len(decoder_layers(model))}:{len(ids)}:k{k}:{stack.describe()}"
     if (entry := store.get(key)) is not None:
         return SkipPlan(tuple(entry["skip"]), entry["agreement"], entry["cost"], tuple(entry["candidates"]))
     plan = measure_skip(target, ids, k, stack)
@@ -94,25 +93,34 @@ def measure_skip(target: HFBackend, ids: list[int], k: int = 4, stack: DraftStac
 
 
 def _agreements(target: HFBackend, ids: list[int], drafts: list[DraftStack]) -> list[float]:
-    """For each draft, the share of ids' positions where its top token is the full model's, drafting in rounds of
-    AGREEMENT_ROUND tokens on the full model's cache of the text before each round (as the engine drafts)."""
+    """For each draft, the share of ids' positions where its top token is the full model's. Each round of
+    AGREEMENT_ROUND tokens is drafted one token a forward (as the engine drafts: an int8-dynamic copy's activation
+    scale is then one row's) on the full model's cache of the text before the round, which the full model then
+    writes. Uses target's default slot, and empties it: call it before any sequence holds that slot."""
     slot = target.default
     slot.trim(0)
     agree, positions = [0] * len(drafts), 0
     try:
         for start in range(0, len(ids), AGREEMENT_ROUND):
             chunk = ids[start : start + AGREEMENT_ROUND]
-            tops = []
-            for draft in drafts:
-                with drafting(target.model, draft):
-                    tops.append(_mapped_top(slot.forward(chunk), draft.token_ids))
-                slot.trim(start)
+            tops = [_drafted_tops(target.model, slot, chunk, draft) for draft in drafts]
+            slot.trim(start)
             full_top = slot.forward(chunk).argmax(-1)  # [n]: the full model writes the cache the next round reads
             agree = [a + int((top == full_top).sum()) for a, top in zip(agree, tops)]
             positions += len(chunk)
     finally:
         slot.trim(0)
-    return [a / positions for a in agree]
+    return [a / max(positions, 1) for a in agree]
+
+
+def _drafted_tops(model, slot, chunk: list[int], draft: DraftStack) -> torch.Tensor:
+    """[n]: the draft's top token (a target id) after each token of chunk, fed one a forward; the slot is put
+    back to where it was."""
+    start = slot.cache_len
+    with drafting(model, draft):
+        rows = [slot.forward([token]) for token in chunk]  # [1, vocab'] each
+    slot.trim(start)
+    return _mapped_top(torch.cat(rows), draft.token_ids)
 
 
 def _mapped_top(logits: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
