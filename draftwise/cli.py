@@ -101,8 +101,9 @@ def _add_generate(commands) -> None:
                              "prompt and text so far), 'lookup-tree' (lookup's last 3 matches as a token tree), "
                              "'hybrid' (lookup where the text's tail matches earlier "
                              "text, the --draft model elsewhere), 'hybrid-tree' (the same with lookup-tree and draft-tree), 'draft-tree' (the --draft model's likeliest "
-                             "continuations as a token tree), 'skip' (the target itself with some layers skipped, "
-                             "chosen by a short calibration at load; no second model), 'head' (a trained feature "
+                             "continuations as a token tree), 'skip' (the target itself on int8 copies of its layers where "
+                             "faster here, with some layers skipped where a short calibration at load says it pays; "
+                             "no second model), 'head' (a trained feature "
                              "head, see train-head, drafting token trees), 'hybrid-head' (the head, and lookup-tree where "
                              "the text's tail matches earlier text; no second model) or 'none' (the target "
                              "alone: the baseline) (default: draft when --draft is given, else lookup)")
