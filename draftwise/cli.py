@@ -103,7 +103,8 @@ def _add_generate(commands) -> None:
                              "text, the --draft model elsewhere), 'hybrid-tree' (the same with lookup-tree and draft-tree), 'draft-tree' (the --draft model's likeliest "
                              "continuations as a token tree), 'skip' (the target itself on int8 copies of its layers where "
                              "faster here, with some layers skipped where a short calibration at load says it pays; "
-                             "no second model), 'head' (a trained feature "
+                             "no second model), 'hybrid-skip' (skip, and lookup where the text's tail matches "
+                             "earlier text; no second model), 'head' (a trained feature "
                              "head, see train-head, drafting token trees), 'hybrid-head' (the head, and lookup-tree where "
                              "the text's tail matches earlier text; no second model) or 'none' (the target "
                              "alone: the baseline) (default: draft when --draft is given, else lookup)")

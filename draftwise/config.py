@@ -5,15 +5,16 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "hybrid-tree", "skip", "head",
-           "hybrid-head")
+METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "hybrid-tree", "skip", "hybrid-skip",
+           "head", "hybrid-head")
 # Prompt lookup's methods: how many earlier occurrences' continuations a guess merges (more than one: a token tree).
 LOOKUP_BRANCHES = {"lookup": 1, "lookup-tree": 3}
 # The hybrids: (the drafting method, prompt lookup's method) that they pick between, round by round.
 HYBRID_PARTS = {"hybrid": ("draft", "lookup"), "hybrid-tree": ("draft-tree", "lookup-tree"),
-                "hybrid-head": ("head", "lookup-tree")}
+                "hybrid-skip": ("skip", "lookup"), "hybrid-head": ("head", "lookup-tree")}
 HEAD_METHODS = ("head", "hybrid-head")  # the methods that need a trained head (and no draft model)
-DRAFT_METHODS = ("draft", "draft-tree", *(m for m in HYBRID_PARTS if m not in HEAD_METHODS))  # need a draft model
+SKIP_METHODS = ("skip", "hybrid-skip")  # the target drafting for itself: no draft model, no head
+DRAFT_METHODS = ("draft", "draft-tree", *(m for m in HYBRID_PARTS if m not in (*HEAD_METHODS, *SKIP_METHODS)))
 MAX_DRAFT_TOKENS = 64
 # The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"

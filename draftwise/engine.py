@@ -21,7 +21,7 @@ from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, DraftLengthPolicy
 from draftwise.backends.base import Backend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import DRAFT_METHODS, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, GenerationConfig
+from draftwise.config import DRAFT_METHODS, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, SKIP_METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -97,7 +97,7 @@ class Engine:
     def methods_available(self) -> tuple[str, ...]:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, the head's with a head, skip on an engine built for it (its layer plan is calibrated at load)."""
-        own = next((group for group in (DRAFT_METHODS, HEAD_METHODS, ("skip",)) if self.method in group), ())
+        own = next((group for group in (DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS) if self.method in group), ())
         return ("none", "lookup", "lookup-tree", *own)
 
     @classmethod
@@ -297,8 +297,8 @@ class Engine:
             return self._on_draft_model(DraftModelProposer)
         if method == "draft-tree":
             return self._on_draft_model(DraftTreeProposer)
-        if method == "head":
-            return getattr(self.proposer, "draft", self.proposer).fork()  # (a hybrid-head engine's head)
+        if method in ("head", "skip"):  # (a hybrid-head engine's head, a hybrid-skip engine's skip draft)
+            return getattr(self.proposer, "draft", self.proposer).fork()
         draft_method, lookup_method = HYBRID_PARTS[method]
         return hybrid_of(self._new_proposer(draft_method), lookup_method, corpus=self.proposal_cache)
 

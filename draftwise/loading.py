@@ -6,6 +6,7 @@ from torch import nn
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
 from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
+from draftwise.config import SKIP_METHODS
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
@@ -121,7 +122,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
         if lookup_method is not None:
             proposer = hybrid_of(proposer, lookup_method, lookup_max_ngram, lookup_min_ngram)
-    elif method == "skip":
+    elif method in SKIP_METHODS:
         stack = DraftStack()
         if compact_draft:  # the layers it runs on int8 copies where faster here, and a compact output layer
             stack = cheaper_stack(loaded, target_model, [*tokenizer.all_special_ids, *eos], draft_kernels,
@@ -129,12 +130,14 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         plan = plan_skip(target, calibration_ids(tokenizer), stack=stack)
         skipping = SkippingBackend(target, stack.skipping(plan.skip))
         proposer = LayerSkipProposer(skipping, target_vocab_size=target.vocab_size)
+        if method == "hybrid-skip":
+            proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
     elif method in LOOKUP_BRANCHES:
         min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
         proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
                                         branches=LOOKUP_BRANCHES[method])
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
-    if method == "skip":
+    if method in SKIP_METHODS:
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
         runs = skipping.stack

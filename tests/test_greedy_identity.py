@@ -37,7 +37,7 @@ def engine(arch, method, draft=None):
 
 CASES = [("none", None), ("draft", "same"), ("draft", "unrelated"), ("lookup", None), ("lookup-tree", None),
          ("hybrid", "same"),
-         ("hybrid", "unrelated"), ("skip", None)]
+         ("hybrid", "unrelated"), ("skip", None), ("hybrid-skip", None)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])

@@ -88,7 +88,7 @@ def test_skipping_nothing_is_refused_unless_the_draft_runs_cheaper_copies():
 
 def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
     eng = engine()
-    assert eng.methods_available == ("none", "lookup", "lookup-tree", "skip")
+    assert eng.methods_available == ("none", "lookup", "lookup-tree", "skip", "hybrid-skip")
     assert eng.speed_paths["skip_layers"] and 0 not in eng.speed_paths["skip_layers"]
     with pytest.raises(DraftwiseError, match="'draft' is not available"):
         eng.open_sequence([1, 2, 3], GenerationConfig(method="draft"))
@@ -248,3 +248,25 @@ def test_a_target_already_repacked_takes_its_copies_from_the_model_as_loaded():
     assert eng.proposer.skipping.stack.token_ids is not None
     result = eng.generate(PROMPTS[0], max_new_tokens=20, ignore_eos=True, num_draft_tokens=3, adaptive=False)
     assert result.token_ids == reference("llama", PROMPTS[0], 20)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
+def test_hybrid_skip_gives_the_targets_greedy_output_with_rounds_of_both(arch):
+    eng = Engine.from_models(target(arch), tiny_tokenizer(), method="hybrid-skip", **INT8)
+    prompt = PROMPTS[0] + " " + PROMPTS[0]  # its tail repeats: lookup has matches to offer
+    ids = tiny_tokenizer()(prompt)["input_ids"]
+    result = eng.generate(ids, max_new_tokens=30, ignore_eos=True, num_draft_tokens=3, adaptive=False)
+    expected = target(arch).generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert result.token_ids == expected
+    assert eng.proposer.rounds["lookup"] > 0 and eng.proposer.rounds["draft"] > 0
+
+
+def test_hybrid_skip_batched_with_skip_and_others_each_get_their_own_output():
+    eng = Engine.from_models(target(), tiny_tokenizer(), method="hybrid-skip", **INT8)
+    requests = [(PROMPTS[i], greedy(n, method=m)) for i, n, m in
+                [(0, 20, "hybrid-skip"), (1, 12, "skip"), (2, 25, "hybrid-skip"), (3, 16, "lookup"), (4, 18, "none")]]
+    seqs = run_together(eng, requests)
+    for (prompt, cfg), seq in zip(requests, seqs):
+        assert seq.context[len(seq.prompt_ids):] == reference("llama", prompt, cfg.max_new_tokens)
+    assert eng.target.open_slots == 1

@@ -145,6 +145,7 @@ def trained_head() -> Path:
 CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("lookup", "t1", 2, "loop"),
          ("hybrid", "t1", 2, "mid-loop"), ("hybrid", "t0.7-topk-topp", 1, "mid-loop"),
          ("skip", "t1", 2, "loop"), ("skip", "t0.7-topk-topp", 1, "mid-loop"), ("skip-int8", "t1", 2, "loop"),
+         ("hybrid-skip", "t1", 2, "mid-loop"),
          ("lookup-corpus", "t1", 2, "start"), ("lookup-corpus", "t0.7-topk-topp", 1, "start"),
          ("lookup-tree", "t1", 3, "tree"), ("lookup-tree", "t0.7-topk-topp", 3, "tree"),
          ("draft-tree", "t1", 2, "mid-loop"), ("draft-tree", "t0.7-topk-topp", 2, "mid-loop"),
@@ -164,7 +165,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     # kept 5.9% of its guesses; 11% here). The tree's prompt leaves the loop, so its guesses are kept some 40
     # times in 800 runs; test_tree.py checks the rule on a table where they are kept often.
     assert kept >= (20 if method.startswith("lookup-tree") else RUNS // 8) and not_kept >= RUNS // 10
-    if method in ("hybrid", "hybrid-tree", "hybrid-head"):
+    if method in ("hybrid", "hybrid-tree", "hybrid-head", "hybrid-skip"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method in ("hybrid-free", "hybrid-tree-free"):  # unseeded, so its rounds follow the measured costs: lookup's
         assert rounds["lookup"] >= RUNS // 2 and rounds["draft"] == 0
@@ -188,6 +189,8 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("skip-int8", "t1", 2)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
+    pairs, _, _ = sampled_pairs("hybrid-skip", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("lookup-corpus", "t1", 2, "start")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "start")) < 1e-6
     pairs, _, _ = sampled_pairs("lookup-tree", "t1", 3, "tree")

@@ -17,7 +17,7 @@ from draftwise.config import DRAFT_METHODS, HEAD_METHODS
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
-OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "head",
+OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "hybrid-skip", "head",
         "hybrid-head")  # config.METHODS, in report order
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS

@@ -28,6 +28,9 @@ for the draft model's alone, a new request's first rounds went to it where looku
 won them (traced on the chain, 12% slower on one request in both repeats). The choice still depends on the past
 alone, as the draft length does (adaptive.py), so the output stays exact.
 
+hybrid-skip pairs the target's own draft (layer_skip.py: int8 copies of its layers, some maybe skipped) with lookup
+as the chain hybrid does: no second model, and lookup takes the rounds where the text copies itself.
+
 hybrid-head pairs a trained feature head's trees (feature_head.py) with lookup-tree the same way: no draft model,
 and lookup covers what the head is weakest at, text that copies its prompt (on the Zen 4 bench the head kept 8% of
 its guesses on summaries, lookup 37%). The head keeps no cache of the text and has no steps to share in a batch:
@@ -119,6 +122,13 @@ class HybridProposer:
     @property
     def wants_features(self) -> bool:  # a head drafts from the target's hidden states (the engine hands them over)
         return getattr(self.draft, "wants_features", False)
+
+    def bind(self, target_slot) -> None:
+        """Where the draft drafts in the sequence's own target slot (skip), it binds to it (the engine calls this
+        when the sequence opens). Lookup's rounds leave that slot as the engine keeps it: the text but its last
+        token, which is all the skip draft reads, so it never lags behind."""
+        if hasattr(self.draft, "bind"):
+            self.draft.bind(target_slot)
 
     def add_features(self, start: int, features) -> None:
         self.draft.add_features(start, features)  # (every round's, lookup's too: the head catches up on them)
