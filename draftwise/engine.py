@@ -96,7 +96,8 @@ class Engine:
     @property
     def methods_available(self) -> tuple[str, ...]:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
-        draft, the head's with a head, skip on an engine built for it (its layer plan is calibrated at load)."""
+        draft, the head's with a head, skip and hybrid-skip on an engine built for either (the skip draft's plan is
+        calibrated at load)."""
         own = next((group for group in (DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS) if self.method in group), ())
         return ("none", "lookup", "lookup-tree", *own)
 
@@ -176,7 +177,7 @@ class Engine:
         generator = make_generator(cfg.sampling.seed)
         try:
             target.trim(0)
-            if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot
+            if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot (or a hybrid)
                 proposer.bind(target)
             if proposer is not None:
                 proposer.begin(prompt_ids, cfg.sampling, generator)

@@ -83,8 +83,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     (until the hybrid's pick is measured, and always for a fixed k).
 
     compact_draft: propose with a cheaper copy of the draft (int8 kernels where faster, an output layer over the
-    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it. For skip, the
-    same cut applies to the layers the draft runs (layer_skip.cheaper_stack); False shares the target's own.
+    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it. For skip and
+    hybrid-skip, the same cut applies to the layers the draft runs (layer_skip.cheaper_stack); False shares the
+    target's own.
 
     target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed

@@ -24,6 +24,8 @@ from draftwise.proposers.skip_calibration import measure_skip, plan_skip, skip_o
 from test_batch import PROMPTS, run_together
 
 LAYERS = 4
+# A prompt whose tail occurred before: prompt lookup has matches to offer from the first round.
+REPEATING = PROMPTS[0] + " " + PROMPTS[0]
 KEPT_VOCAB = 200  # of the tiny tokenizer's 300 ids: a compact readout that drops a third of them
 
 
@@ -250,23 +252,48 @@ def test_a_target_already_repacked_takes_its_copies_from_the_model_as_loaded():
     assert result.token_ids == reference("llama", PROMPTS[0], 20)
 
 
+@cpu_kernels  # int8 copies: CPU kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
 def test_hybrid_skip_gives_the_targets_greedy_output_with_rounds_of_both(arch):
     eng = Engine.from_models(target(arch), tiny_tokenizer(), method="hybrid-skip", **INT8)
-    prompt = PROMPTS[0] + " " + PROMPTS[0]  # its tail repeats: lookup has matches to offer
-    ids = tiny_tokenizer()(prompt)["input_ids"]
+    ids = tiny_tokenizer()(REPEATING)["input_ids"]
     result = eng.generate(ids, max_new_tokens=30, ignore_eos=True, num_draft_tokens=3, adaptive=False)
-    expected = target(arch).generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)[0, len(ids):].tolist()
-    assert result.token_ids == expected
+    assert result.token_ids == reference(arch, REPEATING, 30)
     assert eng.proposer.rounds["lookup"] > 0 and eng.proposer.rounds["draft"] > 0
 
 
+@cpu_kernels  # int8 copies: CPU kernels
 def test_hybrid_skip_batched_with_skip_and_others_each_get_their_own_output():
     eng = Engine.from_models(target(), tiny_tokenizer(), method="hybrid-skip", **INT8)
-    requests = [(PROMPTS[i], greedy(n, method=m)) for i, n, m in
-                [(0, 20, "hybrid-skip"), (1, 12, "skip"), (2, 25, "hybrid-skip"), (3, 16, "lookup"), (4, 18, "none")]]
+    requests = [(prompt, greedy(n, method=m, num_draft_tokens=3, adaptive=False)) for prompt, n, m in
+                [(REPEATING, 20, "hybrid-skip"), (PROMPTS[1], 12, "skip"), (PROMPTS[2] + " " + PROMPTS[2], 25,
+                 "hybrid-skip"), (PROMPTS[3], 16, "lookup"), (PROMPTS[4], 18, "none")]]
     seqs = run_together(eng, requests)
     for (prompt, cfg), seq in zip(requests, seqs):
         assert seq.context[len(seq.prompt_ids):] == reference("llama", prompt, cfg.max_new_tokens)
+    for seq in (seqs[0], seqs[2]):
+        assert seq.proposer.rounds["lookup"] > 0 and seq.proposer.rounds["draft"] > 0
     assert eng.target.open_slots == 1
+
+
+@cpu_kernels  # int8 copies: CPU kernels
+def test_hybrid_skip_keeps_the_slot_at_the_text_after_lookup_rounds_and_a_failed_one():
+    """Batched, so that a round whose start fails is still settled (proposers/batch.py): after a skip round, the
+    hybrid must not settle that old round again, which would cut the slot back to where it began."""
+    eng = Engine.from_models(target(), tiny_tokenizer(), method="hybrid-skip", **INT8)
+    cfg = greedy(40, num_draft_tokens=3, adaptive=False)
+    seq, other = (eng.open_sequence(tiny_tokenizer()(prompt)["input_ids"], cfg) for prompt in (REPEATING, PROMPTS[1]))
+    while not (seq.prefill_done and other.prefill_done):
+        eng.prefill(seq if not seq.prefill_done else other)
+    rounds = seq.proposer.rounds
+    # Until both kinds of round were drafted, and the last was the skip draft's.
+    while (not (rounds["lookup"] and rounds["draft"]) or seq.proposer.lookup_round) and seq.finish is None:
+        eng.step([seq, other])
+        assert seq.target.cache_len == len(seq.context) - 1
+    assert rounds["lookup"] and rounds["draft"] and not seq.proposer.lookup_round
+    seq.proposer._pick = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))  # fails before drafting
+    eng.step([seq, other])
+    assert seq.finish == "error" and seq.target.cache_len == len(seq.context) - 1
+    assert other.finish is None and other.target.cache_len == len(other.context) - 1
+    eng.close_sequence(seq)
+    eng.close_sequence(other)

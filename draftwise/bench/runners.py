@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from draftwise.backends.kernels import on_timed_kernels
-from draftwise.config import DRAFT_METHODS, HEAD_METHODS
+from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 
@@ -58,6 +58,9 @@ class Runners:
         return self.engine("draft").proposer.backend.model if self.draft_model is not None else None
 
     def engine(self, method: str) -> Engine:
+        """The engine that runs method. skip and hybrid-skip share one: each would hold its own int8 copies of the
+        target's layers (1.5 GiB for the 1.5B), and a skip engine serves both (Engine.methods_available)."""
+        method = "skip" if method in SKIP_METHODS else method
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
             # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
@@ -74,7 +77,8 @@ class Runners:
 
     def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         result = self.engine(method).generate(
-            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True
+            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True,
+            method=method,
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
         record = {name: getattr(result.stats, name) for name in fields}

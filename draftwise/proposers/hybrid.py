@@ -7,7 +7,8 @@ covers the free text in between. This wraps the two proposers as they are; it on
 Cache rule: observe() goes only to the proposer that made the last proposal, because the draft model's
 observe() cuts its cache relative to the context of *its* last propose. While lookup proposes, the draft
 model's cache stays where it was (a shorter prefix of the text); its next propose feeds every context token it
-has not cached, in one forward, so it catches up on its own.
+has not cached, in one forward, so it catches up on its own. (hybrid-skip's draft has no cache of its own: it
+drafts in the sequence's target slot, which the engine keeps at the text, so it never lags.)
 
 Exactness: the choice depends on the context alone, and the verifier handles both kinds of draft per round
 (a lookup draft is one-hot, Draft.q None; a draft-model draft carries q under sampling).
@@ -73,6 +74,7 @@ class HybridProposer:
         self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
+        self._drafting = False  # whether this round's draft was started (and so has something to settle)
         self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
         self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
         self.costs = None  # (the engine sets them: see the property)
@@ -99,6 +101,7 @@ class HybridProposer:
         self._draft_acceptance = Acceptance()
         # Nothing of a round the last sequence left unfinished (a step that raised between free_round and propose).
         self._armed, self._guess, self._drafted_depth, self.lookup_round = None, None, None, False
+        self._drafting = False
 
     def acceptances(self) -> dict[str, Acceptance]:
         """This sequence's acceptance estimates by name, what the engine carries to the next sequence of the method:
@@ -248,11 +251,15 @@ class HybridProposer:
 
     # The round in steps (see DraftModelProposer.start): lookup's guess is complete at once.
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
+        # Nothing of the last round may be settled again if this one fails early: a skip draft's settle() trims
+        # the sequence's own target slot to where its last round started.
+        self._guess, self._drafting = None, False
         self._guess = self._pick(context, k)
         if self._guess is not None:
             return
         if hasattr(self.draft, "start"):
             self.draft.start(context, k, stop_confidence)
+            self._drafting = True
         else:  # a proposer without steps (the head): its draft is ready at once, and nothing is left to settle
             self._guess = self._drafted(self.draft.propose(context, k, stop_confidence))
 
@@ -276,8 +283,9 @@ class HybridProposer:
         self.draft.take(logits)
 
     def settle(self) -> None:
-        if self._guess is None and hasattr(self.draft, "settle"):  # (a head's failed draft left nothing to settle)
+        if self._drafting:  # (a lookup round, or a head's draft made at once, left nothing to settle)
             self.draft.settle()
+        self._drafting = False
 
     def finish(self) -> Draft:
         return self._guess if self._guess is not None else self._drafted(self.draft.finish())
