@@ -141,9 +141,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method in SKIP_METHODS:
         paths["skip_layers"] = list(plan.skip)
         paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
-        runs = skipping.stack
-        paths["skip_kernels"] = kernel_counts(nn.ModuleList(runs.layers.values())) if runs.layers else {}
-        paths["skip_vocab"] = skipping.vocab_size
+        paths["skip_kernels"], paths["skip_vocab"] = skipping.stack.layer_kernels(), skipping.vocab_size
     if method in HEAD_METHODS:
         paths["head"] = getattr(proposer, "draft", proposer).speed_paths  # (a hybrid's head)
     if method in NEEDS_DRAFT:

@@ -73,11 +73,14 @@ class DraftStack:
         skip = tuple(sorted(skip))
         return replace(self, skip=skip, layers={i: m for i, m in self.layers.items() if i not in skip})
 
+    def layer_kernels(self) -> dict[str, int]:
+        """How many of the copies' linears run on each kernel, e.g. {"int8-dynamic": 140, "int8": 56}."""
+        return kernel_counts(nn.ModuleList(self.layers.values())) if self.layers else {}
+
     def describe(self) -> str:
         """What the stack runs, for the calibration cache key: its copies' kernels and its readout's width."""
-        kernels = kernel_counts(nn.ModuleList(self.layers.values())) if self.layers else {}
         readout = f"{kernel_counts(self.readout)}x{len(self.token_ids)}" if self.readout is not None else "full"
-        return f"layers={sorted(kernels.items())}:readout={readout}"
+        return f"layers={sorted(self.layer_kernels().items())}:readout={readout}"
 
 
 @contextmanager
@@ -170,7 +173,10 @@ class SkippingBackend:
                                  "kernels), or it would be the target itself; got no layers to skip")
         self.target = target
         self.stack = stack.skipping(skip)
-        self.skip = self.stack.skip
+
+    @property
+    def skip(self) -> tuple[int, ...]:
+        return self.stack.skip
 
     @property
     def vocab_size(self) -> int:
