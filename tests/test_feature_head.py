@@ -17,7 +17,8 @@ from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
 from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
-from draftwise.head.train import CHECKPOINT_FILE, TrainConfig, _held_back, frequent_tokens, readout_cover, train_head
+from draftwise.head.train import (CHECKPOINT_FILE, TrainConfig, _held_back, attention_window_of, frequent_tokens,
+                                  readout_cover, train_head)
 from draftwise.proposers.feature_head import HeadProposer
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
@@ -137,6 +138,27 @@ def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_feature
         assert torch.allclose(a, b, atol=1e-5), name  # the same head as a run never stopped
 
 
+def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypatch):
+    """Generating the answers is the slow part of a run, so they are kept; other requests must not reuse them."""
+    from draftwise.head import train
+    from draftwise.head.corpus import Piece
+
+    made = []
+
+    def answer(model, tokenizer, requests, max_new_tokens, batch_size=8, progress=True):
+        made.append(len(requests))
+        return [Piece(source, [1, 2, 3], 1) for source, _messages in requests]
+
+    monkeypatch.setattr(train, "target_answers", answer)
+    monkeypatch.setattr(train, "answer_prompts", lambda count, seed: [(f"file {i}", []) for i in range(count)])
+    cfg = TrainConfig(answers=3)
+    first = train.own_answers(None, None, cfg, tmp_path, progress=False)
+    assert train.own_answers(None, None, cfg, tmp_path, progress=False) == first and made == [3]
+    monkeypatch.setattr(train, "REQUESTS_VERSION", train.REQUESTS_VERSION + 1)  # the request kinds changed
+    train.own_answers(None, None, cfg, tmp_path, progress=False)
+    assert made == [3, 3]
+
+
 def test_validation_holds_back_whole_sources_and_scores_answers_only(heads):
     pieces = answers("qwen2")
     held = {p.source for p in pieces if _held_back(p.source)}
@@ -160,14 +182,23 @@ def test_head_trees_keep_the_targets_greedy_output(heads, arch, k):
     assert stats.nodes <= k * stats.rounds  # a fixed k: at most k nodes a round, whatever the timings
 
 
+def test_the_window_leaves_out_the_few_longest_training_sequences():
+    assert attention_window_of([10] * 98 + [500, 900]) == 10  # two odd ones in a hundred teach too little
+    assert attention_window_of(list(range(1, 101))) == 98
+    assert attention_window_of([5, 7]) == 7  # with few sequences, every one counts
+    assert attention_window_of([40]) == 40
+
+
 @pytest.mark.parametrize("window", [6, 12])
 def test_a_head_attends_no_further_back_than_its_window_and_keeps_the_output(heads, window, monkeypatch):
     # Distances longer than any training sequence give the head features it cannot read; past its window it sees
     # nothing, and a long prompt's catch-up feeds only the window's positions.
     folder, record = heads()
-    assert record["longest_sequence"] == max(len(p.ids) for p in answers("qwen2") if not _held_back(p.source))
+    trained = [len(p.ids) for p in answers("qwen2") if not _held_back(p.source)]
+    assert record["longest_sequence"] == max(trained)
+    assert record["window"] == attention_window_of(trained)
     eng = head_engine("qwen2", folder)
-    assert eng.proposer.window == record["longest_sequence"]  # by default, what training saw
+    assert eng.proposer.window == record["window"]  # by default, what training saw often enough
     eng.proposer.window = window
     seen = []
     real_forward = FeatureHead.forward

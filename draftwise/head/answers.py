@@ -7,7 +7,8 @@ on the model's own continuation). Answers from the target close that gap, at the
 
 The requests are built from the same package files as the corpus (corpus.py; never a benchmark prompt): explain
 a piece of code, summarize or translate a passage of documentation, answer a question about it, write code
-like it. Which file and which kind of request is a seeded choice, so the same count gives the same requests.
+like it, work a small arithmetic problem on its topic, write a letter or a story about it. Which file and which
+kind of request is a seeded choice, so the same count gives the same requests.
 """
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ REQUESTS = (
     "Read the following and answer: what is it for, and how would someone use it?\n\n{text}",
     "Write a short Python function in the style of the following, with a docstring.\n\n{text}",
     "List the three most important points of the following.\n\n{text}",
+    # Kinds of answer the requests above never ask for, though users do: arithmetic worked step by step, letters
+    # and stories, short factual answers. The text only sets the topic.
+    "Make up a short arithmetic word problem about the topic of the following, then solve it step by step.\n\n{text}",
+    "Write a short, friendly email to a colleague about the following.\n\n{text}",
+    "Write a very short story inspired by the following.\n\n{text}",
+    "In one or two sentences, answer: what is the single most useful fact in the following?\n\n{text}",
 )
+REQUESTS_VERSION = 2  # in the saved answers' key: other requests, other answers
 LANGUAGES = ("German", "French", "Spanish", "Chinese")
 EXCERPT_CHARS = 700  # long enough to ask about, short enough that answering, not reading, is the cost
 

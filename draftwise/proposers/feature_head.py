@@ -186,6 +186,8 @@ def _ancestors(node: int, parents: list[int]) -> set[int]:
 
 
 def attention_window(config) -> int | None:
-    """How far back a head may attend: the longest sequence of its training (its record says), else None."""
+    """How far back a head may attend: its training's window (train.attention_window_of), for a head trained before
+    the window was recorded its longest training sequence, else None."""
     training = config.training or {}
-    return training.get("longest_sequence") or (training.get("config") or {}).get("seq_len")
+    return (training.get("window") or training.get("longest_sequence")
+            or (training.get("config") or {}).get("seq_len"))
