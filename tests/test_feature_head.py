@@ -19,7 +19,7 @@ from draftwise.head.answers import target_answers
 from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
 from draftwise.head.train import (CHECKPOINT_FILE, TrainConfig, _held_back, attention_window_of, frequent_tokens,
                                   readout_cover, train_head)
-from draftwise.proposers.feature_head import HeadProposer
+from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
@@ -154,7 +154,9 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
     cfg = TrainConfig(answers=3)
     first = train.own_answers(None, None, cfg, tmp_path, progress=False)
     assert train.own_answers(None, None, cfg, tmp_path, progress=False) == first and made == [3]
-    monkeypatch.setattr(train, "REQUESTS_VERSION", train.REQUESTS_VERSION + 1)  # the request kinds changed
+    from draftwise.head import answers as answer_kinds
+
+    monkeypatch.setattr(answer_kinds, "REQUESTS", answer_kinds.REQUESTS[:-1])  # a kind of request dropped
     train.own_answers(None, None, cfg, tmp_path, progress=False)
     assert made == [3, 3]
 
@@ -182,6 +184,18 @@ def test_head_trees_keep_the_targets_greedy_output(heads, arch, k):
     assert stats.nodes <= k * stats.rounds  # a fixed k: at most k nodes a round, whatever the timings
 
 
+def test_a_head_reads_its_window_from_its_record_and_older_heads_keep_their_longest_sequence():
+    from types import SimpleNamespace
+
+    def window(training):
+        return attention_window(SimpleNamespace(training=training))
+
+    assert window({"window": 522, "longest_sequence": 1419, "config": {"seq_len": 512}}) == 522
+    assert window({"longest_sequence": 900, "config": {"seq_len": 512}}) == 900  # trained before the window
+    assert window({"config": {"seq_len": 512}}) == 512
+    assert window(None) is None
+
+
 def test_the_window_leaves_out_the_few_longest_training_sequences():
     assert attention_window_of([10] * 98 + [500, 900]) == 10  # two odd ones in a hundred teach too little
     assert attention_window_of(list(range(1, 101))) == 98
@@ -191,7 +205,7 @@ def test_the_window_leaves_out_the_few_longest_training_sequences():
 
 @pytest.mark.parametrize("window", [6, 12])
 def test_a_head_attends_no_further_back_than_its_window_and_keeps_the_output(heads, window, monkeypatch):
-    # Distances longer than any training sequence give the head features it cannot read; past its window it sees
+    # Distances longer than most training sequences give the head features it cannot read; past its window it sees
     # nothing, and a long prompt's catch-up feeds only the window's positions.
     folder, record = heads()
     trained = [len(p.ids) for p in answers("qwen2") if not _held_back(p.source)]

@@ -7,11 +7,14 @@ on the model's own continuation). Answers from the target close that gap, at the
 
 The requests are built from the same package files as the corpus (corpus.py; never a benchmark prompt): explain
 a piece of code, summarize or translate a passage of documentation, answer a question about it, write code
-like it, work a small arithmetic problem on its topic, write a letter or a story about it. Which file and which
-kind of request is a seeded choice, so the same count gives the same requests.
+like it, work a small arithmetic problem on its topic, write an email or a story about it, or give its most useful
+fact in a sentence or two. Which file and which kind of request is a seeded choice, so the same count gives the
+same requests.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 
 import torch
@@ -33,9 +36,13 @@ REQUESTS = (
     "Write a very short story inspired by the following.\n\n{text}",
     "In one or two sentences, answer: what is the single most useful fact in the following?\n\n{text}",
 )
-REQUESTS_VERSION = 2  # in the saved answers' key: other requests, other answers
 LANGUAGES = ("German", "French", "Spanish", "Chinese")
 EXCERPT_CHARS = 700  # long enough to ask about, short enough that answering, not reading, is the cost
+
+
+def requests_key() -> str:
+    """A digest of what shapes the requests, for the saved answers' key: answers to other requests are not reused."""
+    return hashlib.sha256(json.dumps([REQUESTS, LANGUAGES, EXCERPT_CHARS]).encode()).hexdigest()[:12]
 
 
 def answer_prompts(count: int, seed: int = 0, roots=None) -> list[tuple[str, list[dict]]]:

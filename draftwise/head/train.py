@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from draftwise.backends.kernels import on_timed_kernels
-from draftwise.head.answers import REQUESTS_VERSION, answer_prompts, target_answers
+from draftwise.head.answers import answer_prompts, requests_key, target_answers
 from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
 from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_head
@@ -164,7 +164,7 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
     if not cfg.answers:
         return []
     path = out / "answers.json"
-    key = {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed, "requests": REQUESTS_VERSION}
+    key = {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed, "requests": requests_key()}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key and "pieces" in saved:
@@ -179,7 +179,7 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
 def attention_window_of(lengths: list[int]) -> int:
     """The longest distance the head saw often enough in training to read: the length WINDOW_SHARE of the training
     sequences fit in. Why not the longest: a few excerpts tokenize into far more tokens than most (the Qwen run of
-    256 answers: 3 of 392 sequences between 824 and 1,419 tokens, the rest at most 612). Distances that only they
+    256 answers: 392 sequences, 360 trained on; 2 of those 360 ran to 929 and 1,419 tokens, the rest to at most 612). Distances that only they
     teach are taught once or twice, and unseen distances are what the window keeps the head from
     (proposers/feature_head.py)."""
     ordered = sorted(lengths)

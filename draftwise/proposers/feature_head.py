@@ -18,7 +18,7 @@ worth its place while the expected tokens per second of the round still rise wit
 width priced by what the engine has measured on this machine.
 Every guess is one-hot, so the tree verifier keeps the output exact whatever the head proposes.
 
-Window: the head attends back at most as far as the longest sequence it was trained on (attention_window). Its
+Window: the head attends back at most as far as 98% of its training sequences reach (attention_window). Its
 rotary positions are relative, and distances it never saw in training give it features it cannot read: on the
 Zen 4 bench, before the window, it kept 4.2% of its guesses on Spec-Bench's long summarization prompts against
 24.1% overall, and ran slower than the target alone there. The window also bounds a long prompt's catch-up:
@@ -186,8 +186,8 @@ def _ancestors(node: int, parents: list[int]) -> set[int]:
 
 
 def attention_window(config) -> int | None:
-    """How far back a head may attend: its training's window (train.attention_window_of), for a head trained before
-    the window was recorded its longest training sequence, else None."""
+    """How far back a head may attend: its training's window (train.attention_window_of); for a head trained before
+    the window was recorded, its longest training sequence, else its training seq_len; else None (no record)."""
     training = config.training or {}
     return (training.get("window") or training.get("longest_sequence")
             or (training.get("config") or {}).get("seq_len"))
