@@ -5,8 +5,8 @@ from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
-from draftwise.config import DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS
-from draftwise.config import SKIP_METHODS
+from draftwise.config import (DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS,
+                              SKIP_METHODS)
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer

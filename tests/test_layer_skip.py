@@ -18,8 +18,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.proposers import skip_calibration
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.kernels import kernel_counts, on_timed_kernels
-from draftwise.proposers.layer_skip import (DraftStack, SkippingBackend, cheaper_stack, decoder_layers, drafting,
-                                            skipping)
+from draftwise.proposers.layer_skip import DraftStack, SkippingBackend, cheaper_stack, decoder_layers, drafting
 from draftwise.proposers.skip_calibration import measure_skip, plan_skip, skip_order
 from test_batch import PROMPTS, run_together
 
@@ -65,7 +64,7 @@ def test_skipping_passes_over_the_layers_and_puts_them_back():
     ids = input_batch(tiny_tokenizer()(PROMPTS[0])["input_ids"])
     with torch.no_grad():
         full = model(input_ids=ids).logits
-        with skipping(model, (1, 2)):
+        with drafting(model, DraftStack((1, 2))):  # skipping alone: nothing copied
             assert [type(layer).__name__ for layer in decoder_layers(model)][1:3] == ["_PassThrough"] * 2
             shallow = model(input_ids=ids).logits
         again = model(input_ids=ids).logits

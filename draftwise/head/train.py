@@ -136,14 +136,15 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
             after = trainer.evaluate(val)
             history.append(asdict(after))
             log(f"validation after epoch {epoch + 1}: {after.line()}")
+    trained_lengths = [len(s["ids"]) for s in train]
     record = {
         "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
                   "of, the third-party package sources and docs installed beside draftwise (draftwise/head/)"
                   if from_corpus else "given sequences",
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
-        "longest_sequence": max(len(s["ids"]) for s in train),
-        "window": attention_window_of([len(s["ids"]) for s in train]),  # the head attends no further back
+        "longest_sequence": max(trained_lengths),
+        "window": attention_window_of(trained_lengths),  # the head attends no further back
         "collect_s": round(collected_s, 1), "train_s": round(time.perf_counter() - started - collected_s, 1),
         "readout": f"{len(ids)} ids: the target's {cfg.readout} most frequent next tokens on the training split "
                    "(then the lowest ids), and the special ones",
@@ -169,9 +170,8 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
         saved = json.loads(path.read_text())
         if saved.get("key") == key and "pieces" in saved:
             return [Piece(**piece) for piece in saved["pieces"]]
-    # 16 rows a batch: on the Zen 5 (bfloat16), 160-token answers came at 43 tok/s in batches of 8, 62 in 16, 64 in 32.
     pieces = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
-                            batch_size=16, progress=progress)
+                            progress=progress)
     write_whole(path, lambda p: p.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]})))
     return pieces
 
@@ -179,11 +179,11 @@ def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: 
 def attention_window_of(lengths: list[int]) -> int:
     """The longest distance the head saw often enough in training to read: the length WINDOW_SHARE of the training
     sequences fit in. Why not the longest: a few excerpts tokenize into far more tokens than most (the Qwen run of
-    256 answers: 392 sequences, 360 trained on; 2 of those 360 ran to 929 and 1,419 tokens, the rest to at most 612). Distances that only they
-    teach are taught once or twice, and unseen distances are what the window keeps the head from
-    (proposers/feature_head.py)."""
+    256 answers: 392 sequences, 360 trained on; 2 of those 360 ran to 929 and 1,419 tokens, the rest to at most
+    612). Distances that only they teach are taught once or twice, and unseen distances are what the window keeps
+    the head from (proposers/feature_head.py)."""
     ordered = sorted(lengths)
-    return ordered[min(len(ordered), math.ceil(WINDOW_SHARE * len(ordered))) - 1]
+    return ordered[math.ceil(WINDOW_SHARE * len(ordered)) - 1]  # (at least the first, at most the last)
 
 
 def frequent_tokens(sequences: list[dict]) -> list[int]:

@@ -46,6 +46,11 @@ def _shrink_output_layer(model, special_ids, keep_vocab: int) -> torch.Tensor | 
     return token_ids
 
 
+def target_ids(rows: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """Rows of a compact readout (any shape) as the target ids they stand for; token_ids None: a full readout."""
+    return rows if token_ids is None else token_ids.to(rows.device)[rows]
+
+
 def compact_readout(head: nn.Linear, special_ids=(), keep_vocab: int = KEEP_VOCAB
                     ) -> tuple[nn.Linear | None, torch.Tensor | None]:
     """(a copy of the output layer over the keep_vocab lowest ids and the special ones, the target id of each

@@ -33,6 +33,7 @@ from itertools import takewhile
 import torch
 
 from draftwise.backends.base import Backend
+from draftwise.proposers.compact import target_ids
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, growing
 from draftwise.sampling import logits_to_probs
@@ -152,8 +153,7 @@ class DraftTreeProposer(DraftModelProposer):
         else:
             log_p = logits_to_probs(logits, self._sampling).log()
         top = log_p.topk(min(BRANCH, log_p.shape[-1]), dim=-1)
-        ids = top.indices if self.token_ids is None else self.token_ids.to(top.indices.device)[top.indices]
-        return top.values.cpu(), ids.cpu()
+        return top.values.cpu(), target_ids(top.indices, self.token_ids).cpu()
 
     def _offer(self, tokens: list[int], parents: list[int], fed: dict[int, int], chosen: list[int]) -> Draft:
         """The chosen nodes as a Draft; remembers where its fed nodes sit in the cache."""

@@ -105,11 +105,6 @@ def drafting(model: nn.Module, stack: DraftStack):
         model.set_output_embeddings(head)
 
 
-def skipping(model: nn.Module, skip: tuple[int, ...]):
-    """Within the block, the model runs without the layers in `skip` (the same weights, nothing copied)."""
-    return drafting(model, DraftStack(tuple(skip)))
-
-
 def cheaper_stack(loaded: nn.Module, running: nn.Module, special_ids=(), kernels=DRAFT_KERNELS,
                   keep_vocab: int = KEEP_VOCAB) -> DraftStack:
     """The copies the skip draft runs instead of running's own layers and output layer.
@@ -128,8 +123,10 @@ def cheaper_stack(loaded: nn.Module, running: nn.Module, special_ids=(), kernels
     plan = plan_kernels(plain_layers, tuple(kernels), DRAFT_WIDTHS)  # not the output layer: it is cut first
     copies = {}
     for i, (plain, fast) in enumerate(zip(plain_layers, fast_layers)):
-        cheaper = {name: draft_copy(linear, planned_kernel(linear, plan)) for name, linear in plain.named_modules()
-                   if type(linear) is nn.Linear and planned_kernel(linear, plan) in VALUE_CHANGING}
+        kernels_of = {name: planned_kernel(linear, plan) for name, linear in plain.named_modules()
+                      if type(linear) is nn.Linear}
+        cheaper = {name: draft_copy(plain.get_submodule(name), kernel) for name, kernel in kernels_of.items()
+                   if kernel in VALUE_CHANGING}
         if cheaper:
             copies[i] = _copy_with(fast, cheaper)
     readout, token_ids = _compact_readout(loaded, special_ids, keep_vocab, kernels)

@@ -27,6 +27,7 @@ import torch
 
 from draftwise.adaptive import expected_tokens
 from draftwise.backends.hf import HFBackend
+from draftwise.proposers.compact import target_ids
 from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting
 
 CALIBRATION_TOKENS = 192
@@ -120,13 +121,7 @@ def _drafted_tops(model, slot, chunk: list[int], draft: DraftStack) -> torch.Ten
     with drafting(model, draft):
         rows = [slot.forward([token]) for token in chunk]  # [1, vocab'] each
     slot.trim(start)
-    return _mapped_top(torch.cat(rows), draft.token_ids)
-
-
-def _mapped_top(logits: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
-    """[n]: each row's top token as a target id (logits [n, vocab'] over token_ids when the readout is compact)."""
-    top = logits.argmax(-1)
-    return top if token_ids is None else token_ids.to(top.device)[top]
+    return target_ids(torch.cat(rows).argmax(-1), draft.token_ids)
 
 
 def skip_order(hidden_states: tuple[torch.Tensor, ...]) -> list[int]:
