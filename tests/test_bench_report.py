@@ -10,7 +10,8 @@ import pytest
 
 from draftwise.bench.plots import speedup_reference, write_plots
 from draftwise.bench.report import below_none, md_table, split_by_dtype, write_report
-from draftwise.bench.summary import per_position_acceptance, predicted_speedup, summarize, throughput
+from draftwise.bench.summary import (paired_ratios, paired_speedup, per_position_acceptance, predicted_speedup,
+                                     summarize, throughput, trees_beside_chains)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROOFLINE = {
@@ -420,3 +421,41 @@ def test_steadiness_says_no_more_when_repeats_agree_and_is_absent_without_repeat
     single = _plain_runs({("qa", 1): [0.060], ("qa", 2): [0.090]})  # different prompts are not compared
     text = write_report({"meta": {"methods": ["none"]}, "runs": single}, tmp_path, None).read_text()
     assert "Machine steadiness" not in text
+
+
+# -- trees beside their chains -------------------------------------------------------------------------------------
+
+def _paired_runs(seconds: dict[tuple[str, int], list[float]]) -> list[dict]:
+    """{(method, prompt): decode seconds of its repeats} -> runs of 10 new tokens, all in category qa."""
+    return [run(method, "qa", qid, repeat, s) for (method, qid), repeats in seconds.items()
+            for repeat, s in enumerate(repeats)]
+
+
+def test_a_tree_is_compared_with_its_chain_prompt_by_prompt():
+    runs = _paired_runs({("draft", 1): [1.0, 3.0], ("draft-tree", 1): [1.0, 1.0],  # medians 2.0 and 1.0: 2x
+                         ("draft", 2): [1.0, 1.0], ("draft-tree", 2): [2.0, 2.0],  # 0.5x
+                         ("draft-tree", 3): [1.0, 1.0]})  # (a prompt the chain did not run is left out)
+    assert paired_ratios(runs, "draft-tree", "draft") == [2.0, 0.5]
+    both = paired_speedup([2.0, 0.5])
+    # The resampled pairs give means of 2, 1 and 0.5: the interval spans them, the geometric mean is 1.
+    assert both == {"prompts": 2, "ratio": pytest.approx(1.0), "low": pytest.approx(0.5), "high": pytest.approx(2.0),
+                    "ahead": 1}
+    assert paired_speedup([1.1, 1.2, 1.05])["low"] > 1.0  # ahead on every prompt: the interval is above 1
+    rows = trees_beside_chains(runs)
+    assert [(row["tree"], row["category"], row["prompts"]) for row in rows] == [("draft-tree", "qa", 2),
+                                                                               ("draft-tree", "all", 2)]
+    assert trees_beside_chains([r for r in runs if r["method"] != "draft"]) == []  # no chain, no comparison
+
+
+def test_the_report_marks_a_tree_slower_than_its_chain_beyond_the_noise(tmp_path):
+    runs = _paired_runs({**{("lookup", q): [1.0, 1.0] for q in (1, 2, 3)},
+                         **{("lookup-tree", q): [1.2, 1.25] for q in (1, 2, 3)},
+                         **{("draft", q): [1.0, 1.0] for q in (1, 2, 3)},
+                         ("draft-tree", 1): [0.9, 0.9], ("draft-tree", 2): [1.1, 1.1], ("draft-tree", 3): [1.0, 1.0]})
+    text = write_report({"meta": {"methods": ["draft", "draft-tree", "lookup", "lookup-tree"]}, "runs": runs},
+                        tmp_path, None).read_text()
+    section = text.split("## Trees beside their chains\n\n")[1].split("\n\n")[0]
+    assert "| draft-tree | draft | qa | 3 | 1.003x | 0.91-1.11 | 1 of 3 |" in section  # mixed: within the noise
+    assert "| lookup-tree | lookup | qa | 3 | 0.816x | 0.82-0.82 below | 0 of 3 |" in section  # 1.225 s against 1
+    plain = write_report({"meta": {"methods": ["none"]}, "runs": _plain_runs({("qa", 1): [0.06]})}, tmp_path, None)
+    assert "Trees beside" not in plain.read_text()

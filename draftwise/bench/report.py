@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftwise.adaptive import interpolate
-from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, summarize
+from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, summarize, trees_beside_chains
 
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
 # Below this share of `none`'s tokens/s a method loses time rather than saves it; the 5% is room for noise.
@@ -244,6 +244,22 @@ def _table_detail(summary: list[dict], methods: list[str], categories: list[str]
     return "## Per method and category\n\n" + md_table(header, body, align_left=2) + "\n\n" + legend
 
 
+def _table_trees(runs: list[dict]) -> str | None:
+    """Each tree method against its chain, prompt by prompt: is the tree slower, beyond this run's noise?"""
+    rows = trees_beside_chains(runs)
+    if not rows:
+        return None
+    body = [[row["tree"], row["chain"], row["category"], str(row["prompts"]), f"{row['ratio']:.3f}x",
+             f"{row['low']:.2f}-{row['high']:.2f}" + (" below" if row["high"] < 1.0 else ""),
+             f"{row['ahead']} of {row['prompts']}"] for row in rows]
+    legend = ("ratio: the geometric mean over prompts of the chain's median seconds per token over the tree's "
+              "(above 1: the tree is faster), each prompt's runs interleaved in this process; interval: 95%, a "
+              "bootstrap over the prompts; \"below\" where all of it is under 1, a loss beyond what other prompts "
+              "of the kind would move.")
+    header = ["tree", "chain", "category", "prompts", "tree vs chain", "95% interval", "tree ahead on"]
+    return "## Trees beside their chains\n\n" + md_table(header, body, align_left=3) + "\n\n" + legend
+
+
 def _table_positions(summary: list[dict], methods: list[str]) -> str | None:
     rows = _rows_by_key(summary)
     lists = [(m, rows[(m, ALL)]["per_position_acceptance"]) for m in methods if (m, ALL) in rows]
@@ -335,6 +351,7 @@ def _dtype_sections(part: dict, plots: dict[str, str] | None, out_dir: Path) -> 
     return [
         _table_by_category(summary, methods, categories),
         _table_detail(summary, methods, categories),
+        _table_trees(part["runs"]),
         _table_positions(summary, methods),
         _table_roofline(part["roofline"], meta),
         _plots_section(plots, out_dir),

@@ -4,12 +4,16 @@ Pure and model-free. Every quantity is a small named function so that the report
 """
 from __future__ import annotations
 
+import math
+import random
 import statistics
 from collections.abc import Iterable, Sequence
 
 ALL = "all"
 REFERENCE_PEER = "hf-plain"
 REFERENCE_OWN = "none"
+TREE_CHAINS = {"draft-tree": "draft", "lookup-tree": "lookup", "hybrid-tree": "hybrid"}  # a tree method -> its chain
+BOOTSTRAP_DRAWS = 2000
 
 
 def _ordered_unique(values: Iterable) -> list:
@@ -170,3 +174,45 @@ def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
         row["speedup_vs_none"] = ratio(row["tokens_per_s"], tps.get((REFERENCE_OWN, row["category"])))
         row["measured_over_predicted"] = ratio(row["speedup_vs_none"], row["predicted_speedup"])
     return rows
+
+
+def seconds_per_token(repeats: Sequence[dict]) -> float:
+    """One prompt's median decode seconds per new token over its repeats."""
+    return statistics.median(r["decode_s"] / r["new_tokens"] for r in repeats)
+
+
+def paired_ratios(runs: Sequence[dict], method: str, baseline: str) -> list[float]:
+    """Per prompt that both methods ran: the baseline's median seconds per token over the method's (above 1: the
+    method is faster). Both ran the prompt interleaved in one process, so the machine's slow spells fall on both."""
+    by_method = {m: group_by_prompt(r for r in runs if r["method"] == m) for m in (method, baseline)}
+    return [seconds_per_token(by_method[baseline][key]) / seconds_per_token(repeats)
+            for key, repeats in by_method[method].items() if key in by_method[baseline]]
+
+
+def paired_speedup(ratios: Sequence[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
+    """The geometric mean of per-prompt ratios, its 95% interval by a percentile bootstrap over the prompts (how far
+    it moves when other prompts of the same kind are drawn: with three a category it is wide, and says so), and on
+    how many prompts the method was ahead."""
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(seed)  # a report says the same thing each time it is written
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    return {"prompts": len(ratios), "ratio": math.exp(statistics.fmean(logs)),
+            "low": math.exp(means[int(0.025 * draws)]), "high": math.exp(means[int(0.975 * draws) - 1]),
+            "ahead": sum(r > 1.0 for r in ratios)}
+
+
+def trees_beside_chains(runs: Sequence[dict]) -> list[dict]:
+    """Each tree method run beside its chain: per category, then over all, the paired speedup (paired_speedup)."""
+    methods = set(r["method"] for r in runs)
+    categories = _ordered_unique(r["category"] for r in runs)
+    rows = []
+    for tree, chain in TREE_CHAINS.items():
+        if tree not in methods or chain not in methods:
+            continue
+        for category in [*categories, ALL]:
+            picked = [r for r in runs if category == ALL or r["category"] == category]
+            ratios = paired_ratios(picked, tree, chain)
+            if ratios:
+                rows.append({"tree": tree, "chain": chain, "category": category, **paired_speedup(ratios)})
+    return rows
+
