@@ -434,7 +434,9 @@ def _paired_runs(seconds: dict[tuple[str, int], list[float]]) -> list[dict]:
 def test_a_tree_is_compared_with_its_chain_prompt_by_prompt():
     runs = _paired_runs({("draft", 1): [1.0, 3.0], ("draft-tree", 1): [1.0, 1.0],  # medians 2.0 and 1.0: 2x
                          ("draft", 2): [1.0, 1.0], ("draft-tree", 2): [2.0, 2.0],  # 0.5x
-                         ("draft-tree", 3): [1.0, 1.0]})  # (a prompt the chain did not run is left out)
+                         ("draft-tree", 3): [1.0, 1.0],  # (a prompt the chain did not run is left out,
+                         ("draft", 4): [1.0, 1.0], ("draft-tree", 4): [1.0, 1.0]})
+    runs[-1]["decode_s"] = 0.0  # and so is one with a run of no decode time)
     assert paired_ratios(runs, "draft-tree", "draft") == [2.0, 0.5]
     both = paired_speedup([2.0, 0.5])
     # The resampled pairs give means of 2, 1 and 0.5: the interval spans them, the geometric mean is 1.

@@ -176,17 +176,22 @@ def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
     return rows
 
 
-def seconds_per_token(repeats: Sequence[dict]) -> float:
-    """One prompt's median decode seconds per new token over its repeats."""
+def seconds_per_token(repeats: Sequence[dict]) -> float | None:
+    """One prompt's median decode seconds per new token over its repeats; None unless every repeat emitted tokens
+    in measured time (a one-token run of a peer has no decode time apart from its prefill)."""
+    if any(not r.get("new_tokens") or not r.get("decode_s") for r in repeats):
+        return None
     return statistics.median(r["decode_s"] / r["new_tokens"] for r in repeats)
 
 
 def paired_ratios(runs: Sequence[dict], method: str, baseline: str) -> list[float]:
     """Per prompt that both methods ran: the baseline's median seconds per token over the method's (above 1: the
     method is faster). Both ran the prompt interleaved in one process, so the machine's slow spells fall on both."""
-    by_method = {m: group_by_prompt(r for r in runs if r["method"] == m) for m in (method, baseline)}
-    return [seconds_per_token(by_method[baseline][key]) / seconds_per_token(repeats)
-            for key, repeats in by_method[method].items() if key in by_method[baseline]]
+    seconds = {m: {key: seconds_per_token(repeats) for key, repeats in group_by_prompt(r for r in runs
+                                                                                     if r["method"] == m).items()}
+               for m in (method, baseline)}
+    return [seconds[baseline][key] / own for key, own in seconds[method].items()
+            if own is not None and seconds[baseline].get(key) is not None]
 
 
 def paired_speedup(ratios: Sequence[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
