@@ -284,6 +284,10 @@ def stats_line(stats) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without a model is checked before one loads.
     prompt = _read_prompt(args)
+    if not prompt and not args.chat:  # (a chat template wraps even an empty turn in tokens)
+        raise DraftwiseError("the prompt is empty: give at least one token of text")
+    if args.lookup_ngram < 1:
+        raise DraftwiseError(f"--lookup-ngram must be >= 1, got {args.lookup_ngram}")
     options = _generation_options(args)
     _check_early(options)
     chatty = not (args.quiet or args.json)
@@ -310,7 +314,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "stats": result.stats.to_dict(),
             "method": engine.method,
             "target": args.target,
-            "draft": args.draft if engine.method == "draft" else None,
+            "draft": args.draft if _uses_draft(args) else None,
         }
         sys.stdout.write(json.dumps(payload) + "\n")
         sys.stdout.flush()

@@ -24,6 +24,9 @@ DEVICE_HELP = ("where the models run: cpu, or cuda (cuda:N) on a machine with an
                "torch (default: %(default)s)")
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How logits become probabilities. temperature 0 means greedy (argmax)."""
@@ -44,6 +47,8 @@ class SamplingConfig:
             raise DraftwiseError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise DraftwiseError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise DraftwiseError(f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,8 @@ class Engine:
             target, proposer = self.target.default, self.proposer
         else:
             target, proposer = self.target.open_slot(), self._new_proposer(method)
-        generator = make_generator(cfg.sampling.seed)
         try:
+            generator = make_generator(cfg.sampling.seed)
             target.trim(0)
             if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot (or a hybrid)
                 proposer.bind(target)

@@ -17,6 +17,7 @@ from conftest import tiny_model, tiny_tokenizer
 
 import draftwise
 from draftwise import cli
+from draftwise.config import DRAFT_METHODS
 from draftwise.engine import Engine
 from draftwise.metrics import Stats
 from draftwise.errors import DraftwiseError
@@ -34,7 +35,7 @@ def _model(which: str):
 
 
 def _engine(draft: str | None = None, method: str | None = None, lookup_max_ngram: int = 3) -> Engine:
-    draft_model = _model(draft) if draft is not None and method in (None, "draft") else None
+    draft_model = _model(draft) if draft is not None and method in (None, *DRAFT_METHODS) else None
     return Engine.from_models(_model("target"), tiny_tokenizer(), draft_model=draft_model, method=method,
                               lookup_max_ngram=lookup_max_ngram)
 
@@ -94,7 +95,8 @@ def run_json(capsys, *extra: str) -> dict:
 
 @pytest.mark.parametrize(
     "extra, method, draft",
-    [((), "lookup", None), (("--draft", "other"), "draft", "other"), (("--method", "none"), "none", None)],
+    [((), "lookup", None), (("--draft", "other"), "draft", "other"), (("--method", "none"), "none", None),
+     (("--draft", "other", "--method", "hybrid"), "hybrid", "other")],  # (every method with a draft names it)
 )
 def test_generate_json_shape_and_text(capsys, loads, extra, method, draft):
     got = run_json(capsys, *extra)
@@ -304,6 +306,8 @@ def test_ignored_draft_is_mentioned(capsys, loads):
         (("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
         (("--max-new-tokens", "0"), "max_new_tokens must be >= 1"),
         (("--stop", ""), "stop strings must be non-empty"),
+        (("--lookup-ngram", "0"), "--lookup-ngram must be >= 1, got 0"),
+        (("--prompt", ""), "the prompt is empty"),
     ],
 )
 def test_bad_values_exit_1_before_loading(capsys, loads, extra, message):
@@ -508,3 +512,20 @@ def test_check_device_names_the_gpus_there_are(monkeypatch):
     assert check_device("cuda:1") == "cuda:1" and check_device("cpu") == "cpu"
     with pytest.raises(DraftwiseError, match=r"device 'cuda:2': this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
         check_device("cuda:2")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-batch", "0", "--max-batch must be a number >= 1, got 0"),
+    ("--prefill-chunk", "0", "--prefill-chunk must be a number >= 1, got 0"),
+    ("--max-waiting", "-1", "--max-waiting must be a number >= 0"),
+    ("--prompt-cache-mb", "nan", "--prompt-cache-mb must be a number >= 0"),
+    ("--drain-timeout", "-5", "--drain-timeout must be a number >= 0, got -5.0"),
+    ("--draft-timeout-ms", "0", "--draft-timeout-ms must be a number > 0"),
+])
+def test_serve_refuses_bad_limits_before_loading_naming_the_flag(capsys, store, monkeypatch, flag, value, message):
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before the options were checked")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(no_load))
+    code, out, err = run(capsys, "serve", "--port", "1", flag, value)
+    assert code == 1 and message in err and "Traceback" not in err

@@ -29,6 +29,7 @@ def engine(method="draft"):
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
         ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"seed": 2**64, "temperature": 1.0}, "seed must be an integer from -9223372036854775808 to"),
     ],
 )
 def test_bad_options_are_refused_before_any_work(options, message):
@@ -38,6 +39,21 @@ def test_bad_options_are_refused_before_any_work(options, message):
         eng.stream("hello", **options)  # raises at the call, not at the first token
     assert message in str(err.value)
     assert eng.target.cache_len == before
+
+
+def test_a_sequence_that_fails_to_open_gives_its_slot_back(monkeypatch):
+    eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="lookup")
+    slots = eng.target.open_slots
+
+    def refuse(seed):
+        raise RuntimeError("no generator")
+
+    monkeypatch.setattr("draftwise.engine.make_generator", refuse)
+    for _ in range(2):  # the default slot, then (were it kept) a slot of its own
+        with pytest.raises(RuntimeError, match="no generator"):
+            eng.generate("hello", max_new_tokens=2)
+    monkeypatch.undo()
+    assert eng.target.open_slots == slots and eng.generate("hello", max_new_tokens=2).token_ids
 
 
 def test_prompt_longer_than_the_context():

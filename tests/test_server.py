@@ -128,6 +128,7 @@ def test_per_request_speculation_settings(server):
     ({"extra_body": {"speculation": {"num_draft_tokens": 0}}}, "speculation.num_draft_tokens"),
     ({"extra_body": {"speculation": {"k": 3}}}, "speculation"), ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"seed": 1.5}, "seed"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
+    ({"seed": 2**64}, "seed"), ({"max_tokens": 10**400}, "max_tokens"),  # (past a float's range: no overflow)
 ])
 def test_bad_parameters_are_400s_that_name_the_parameter(server, options, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -146,6 +147,9 @@ def test_unknown_model_malformed_json_and_overlong_prompts(server):
     with pytest.raises(openai.BadRequestError) as caught:
         complete(url, "word " * 600)
     assert caught.value.code == "context_length_exceeded"
+    parts = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    not_text = httpx.post(f"{url}/v1/chat/completions", json=parts)
+    assert not_text.status_code == 400 and not_text.json()["error"]["param"] == "messages"
     assert complete(url, PROMPTS[0]).choices[0].text  # and the server goes on serving
 
 

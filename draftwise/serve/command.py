@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Callable
 import uvicorn
 
 from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DEVICE_HELP, DTYPES, MAX_DRAFT_TOKENS, METHODS
+from draftwise.errors import DraftwiseError
 
 
 def add_serve(commands, formatter) -> None:
@@ -113,9 +115,23 @@ def add_serve(commands, formatter) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _check_limits(args: argparse.Namespace) -> None:
+    """The numeric options, checked before the models load for minutes, each error naming its flag."""
+    least = {"--max-batch": (args.max_batch, 1, ""), "--prefill-chunk": (args.prefill_chunk, 1, ""),
+             "--max-waiting": (args.max_waiting, 0, " (0: every request that cannot run at once gets 429)"),
+             "--proposal-cache-tokens": (args.proposal_cache_tokens, 0, " (0 turns it off)"),
+             "--prompt-cache-mb": (args.prompt_cache_mb, 0, " (0 turns the prompt cache off)"),
+             "--drain-timeout": (args.drain_timeout, 0, "")}
+    for flag, (value, low, note) in least.items():
+        if not (math.isfinite(value) and value >= low):  # (a float flag takes "nan" and "inf")
+            raise DraftwiseError(f"{flag} must be a number >= {low}{note}, got {value}")
+    if args.draft_timeout_ms is not None and not (math.isfinite(args.draft_timeout_ms) and args.draft_timeout_ms > 0):
+        raise DraftwiseError(f"--draft-timeout-ms must be a number > 0 (leave it out for no timeout), "
+                             f"got {args.draft_timeout_ms}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from draftwise import Engine
-    from draftwise.errors import DraftwiseError
     from draftwise.serve.app import create_app
     from draftwise.serve.experiment import Experiment
     from draftwise.serve.guard import load_guard
@@ -130,11 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
     experiment = Experiment.load(args.experiment) if args.experiment else None
     log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
-    if args.proposal_cache_tokens < 0:
-        raise DraftwiseError(f"--proposal-cache-tokens must be >= 0 (0 turns it off), got {args.proposal_cache_tokens}")
-    if args.prompt_cache_mb < 0:
-        raise DraftwiseError(f"--prompt-cache-mb must be >= 0 (0 turns the prompt cache off), "
-                             f"got {args.prompt_cache_mb}")
+    _check_limits(args)
     engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype, device=args.device,
                                     **({"head": args.head} if args.head else {}))
     if args.prompt_cache_mb:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from draftwise.config import MAX_DRAFT_TOKENS, GenerationConfig
+from draftwise.config import MAX_DRAFT_TOKENS, SEED_RANGE, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.tokenizers import encode_prompt
 
@@ -77,7 +77,7 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
         top_k=max(0, _number(body, "top_k", 0, -1, None, integer=True)),  # -1 (vLLM's "off") is 0 here
-        seed=_number(body, "seed", None, None, None, integer=True),
+        seed=_number(body, "seed", None, *SEED_RANGE, integer=True),
         stop=_stops(body.get("stop")),
     )
     options.update(spec)
@@ -124,8 +124,10 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
             raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is understood here
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts (a string 'text') are supported",
+                                   "messages")
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
@@ -190,7 +192,9 @@ def _number(body: dict, name: str, default, low, high, integer: bool = False, op
     if value is None:
         return default
     kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not math.isfinite(value):
+    number = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    # (an int is finite, and math.isfinite overflows on one past a float's range)
+    if not number or not (isinstance(value, int) or math.isfinite(value)):
         raise RequestError(f"'{name}' must be {kind}, got {value!r}", param or name)
     too_low = low is not None and (value <= low if open_low else value < low)
     if too_low or (high is not None and value > high):
