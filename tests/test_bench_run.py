@@ -184,6 +184,7 @@ def test_cli_bench_json_prints_the_summary(tmp_path, prompts_file, fake_load, ca
 @pytest.mark.parametrize("args, message", [
     (["--methods", "none,turbo"], "unknown bench method 'turbo'; choose from: none, draft, draft-tree, lookup"),
     (["--repeats", "0"], "repeats must be at least 1, got 0"),
+    (["-k", "65"], "num-draft-tokens must be between 1 and 64, got 65"),
     (["--categories", "poetry"], "unknown category poetry; available: all, prose, code"),
     (["--per-category", "0"], "per_category must be an integer >= 1"),
     (["--dtype", "float32,float16"], f"dtype must be one of {', '.join(DTYPES)}, got 'float16'"),

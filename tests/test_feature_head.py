@@ -425,6 +425,28 @@ def test_a_tree_is_cut_to_the_room_left_in_the_context():
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
+def test_train_head_refuses_an_out_that_is_a_file_before_loading(tmp_path, capsys, monkeypatch):
+    from draftwise import cli
+
+    monkeypatch.setattr("draftwise.loading.load_models", lambda *a, **k: pytest.fail("the target loaded first"))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert cli.main(["train-head", "--target", "tiny", "--out", str(a_file), "-q"]) == 1
+    assert "is a file" in capsys.readouterr().err and a_file.read_text() == "mine"
+
+
+def test_the_default_head_folder_is_named_after_the_target_even_for_a_relative_path(tmp_path, monkeypatch):
+    from draftwise.head.command import head_home
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path / "my-model")
+    heads = tmp_path / "home" / "heads"
+    assert head_home(".") == head_home("../my-model/") == heads / "my-model"
+    assert head_home("qwen2.5-coder-1.5b-instruct") == heads / "qwen2.5-coder-1.5b-instruct"
+    assert head_home("models/small.gguf") == heads / "small"
+
+
 def test_method_head_without_a_trained_head_says_how_to_make_one(tmp_path):
     with pytest.raises(DraftwiseError, match="train-head"):
         Engine.from_models(tiny_model("qwen2", 0), tiny_tokenizer(), method="head", head=str(tmp_path / "none"))

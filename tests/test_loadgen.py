@@ -280,10 +280,9 @@ def _run(*argv) -> int:
 
 def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeypatch):
     monkeypatch.setenv("DRAFTWISE_API_KEY", "")
-    started = time.perf_counter()
     code = _run("--url", standin.url + "/v1", "--concurrency", "1,3", "--requests", "5", "--max-tokens", "4",
                 "--categories", "qa,translation", "--per-category", "2", "--out", str(tmp_path))
-    assert code == 0 and time.perf_counter() - started < 10
+    assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["summary"]
     assert [(r["mode"], r["concurrency"], r["requests"]) for r in rows] == [

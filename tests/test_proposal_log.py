@@ -160,6 +160,31 @@ def test_a_log_that_cannot_be_written_or_read_says_so(tmp_path):
         export_pairs(tmp_path / "missing.sqlite", None)
 
 
+def test_a_file_that_is_not_a_proposal_log_is_refused_and_left_as_it_was(tmp_path, capsys):
+    text, empty, other = tmp_path / "pairs.jsonl", tmp_path / "empty.db", tmp_path / "other.sqlite"
+    text.write_text('{"context": [1]}\n')
+    empty.write_bytes(b"")
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE things (x)")
+    for path in (text, empty, other):
+        before = path.read_bytes()
+        assert main(["log", "stats", str(path)]) == 1
+        assert "is not a proposal log" in capsys.readouterr().err
+        assert path.read_bytes() == before and not path.with_name(path.name + "-wal").exists()
+
+
+def test_export_writes_its_file_whole_or_not_at_all(tmp_path, capsys):
+    kept = tmp_path / "pairs.jsonl"
+    kept.write_text("earlier pairs\n")
+    assert main(["log", "export", str(tmp_path / "typo.sqlite"), "--jsonl", str(kept)]) == 1
+    assert kept.read_text() == "earlier pairs\n"  # a wrong log name no longer empties the file first
+    path = tmp_path / "log.sqlite"
+    serve(ProposalLog(path), [(PROMPTS[0], 6)])
+    assert main(["log", "export", str(path), "--jsonl", str(tmp_path / "no-such-dir" / "pairs.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err
+
+
 def test_the_target_alone_logs_nothing(tmp_path):
     path = tmp_path / "log.sqlite"
     serve(ProposalLog(path), [(PROMPTS[0], 8)], method="none")

@@ -27,7 +27,7 @@ from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts,
 from draftwise.bench.report import write_report
 from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
-from draftwise.config import DTYPES, HEAD_METHODS
+from draftwise.config import DTYPES, HEAD_METHODS, MAX_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
@@ -71,6 +71,9 @@ class BenchConfig:
         for name in ("max_new_tokens", "repeats", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise DraftwiseError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise DraftwiseError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, "
+                                 f"got {self.num_draft_tokens}")
 
 
 def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:

@@ -17,7 +17,7 @@ def head_home(target: str) -> Path:
     """Where a target's trained head lives by default: $DRAFTWISE_HOME/heads/<name>, beside the model store."""
     from draftwise.models.store import store_home
 
-    return store_home() / "heads" / Path(target.rstrip("/")).name.removesuffix(".gguf")
+    return store_home() / "heads" / Path(target).resolve().name.removesuffix(".gguf")  # (resolved: "." has no name)
 
 
 def add_train_head(commands, formatter) -> None:
@@ -77,6 +77,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise DraftwiseError(f"--lr must be > 0, got {args.lr}")
     out = Path(args.out) if args.out else head_home(args.target)
+    if out.exists() and not out.is_dir():
+        raise DraftwiseError(f"--out {out} is a file: give a folder for the head (made if missing)")
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
                       answer_tokens=args.answer_tokens)

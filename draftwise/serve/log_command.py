@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from draftwise.files import write_whole
 from draftwise.serve.proposal_log import connect
 
 
@@ -52,12 +53,23 @@ def cmd_log_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_log_export(args: argparse.Namespace) -> int:
-    out = sys.stdout if args.jsonl == "-" else open(args.jsonl, "w", encoding="utf-8")
-    try:
-        count = export_pairs(args.path, out)
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    from draftwise.errors import DraftwiseError
+
+    connect(Path(args.path)).close()  # a missing or wrong log fails before anything is written
+    if args.jsonl == "-":
+        count = export_pairs(args.path, sys.stdout)
+    else:
+        counted = []
+
+        def write(partial: Path) -> None:
+            with open(partial, "w", encoding="utf-8") as out:
+                counted.append(export_pairs(args.path, out))
+
+        try:  # whole or not at all: an earlier OUT stays as it was until the new one is complete
+            write_whole(Path(args.jsonl), write)
+        except OSError as err:
+            raise DraftwiseError(f"cannot write {args.jsonl}: {err.strerror or err}") from err
+        count = counted[0]
     print(f"wrote {count} pairs to {args.jsonl}", file=sys.stderr)
     return 0
 

@@ -163,11 +163,27 @@ def connect(path: Path, create: bool = False) -> sqlite3.Connection:
     if not create and not Path(path).is_file():
         raise DraftwiseError(f"no proposal log at {path}: give the PATH that `draftwise serve --proposal-log` wrote")
     db = sqlite3.connect(path, timeout=30)
-    db.execute("PRAGMA journal_mode=WAL")
-    if create:
-        db.executescript(SCHEMA)
-    _add_missing_columns(db)
+    try:
+        if not create:
+            _require_log(db, path)  # before the WAL switch: a file that is not a log is left as it was
+        db.execute("PRAGMA journal_mode=WAL")
+        if create:
+            db.executescript(SCHEMA)
+        _add_missing_columns(db)
+    except BaseException:
+        db.close()
+        raise
     return db
+
+
+def _require_log(db: sqlite3.Connection, path: Path) -> None:
+    try:
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError:  # not an SQLite file at all
+        tables = set()
+    if not {"requests", "rounds"} <= tables:
+        raise DraftwiseError(f"{path} is not a proposal log: give the PATH that `draftwise serve --proposal-log` "
+                             f"wrote")
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
