@@ -249,10 +249,10 @@ def _uses_draft(args: argparse.Namespace) -> bool:
     return args.draft is not None and args.method in (None, *DRAFT_METHODS)
 
 
-def _dtype_label(name: str) -> str:
+def _dtype_label(name: str, device: str) -> str:
     from draftwise.hardware import resolve_dtype
 
-    return f"auto: {resolve_dtype(name)}" if name == "auto" else name
+    return f"auto: {resolve_dtype(name, device)}" if name == "auto" else name
 
 
 def _use_color(args: argparse.Namespace, stream) -> bool:
@@ -296,7 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if chatty:
         draft = f", draft {args.draft}" if _uses_draft(args) else ""
-        _err(f"loading target {args.target}{draft} ({_dtype_label(args.dtype)})...")
+        _err(f"loading target {args.target}{draft} ({_dtype_label(args.dtype, args.device)})...")
     started = time.perf_counter()
     engine = _load_engine(args)
     if chatty:

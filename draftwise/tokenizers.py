@@ -6,13 +6,13 @@ from draftwise.errors import DraftwiseError
 _SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
+def _spelled(token: str | None) -> str:
+    return "absent" if token is None else repr(token)
+
+
 def check_same_tokenizer(target, draft) -> None:
-    """A draft that tokenizes differently proposes ids that mean other text: refuse it, naming the first difference."""
-    if len(target) != len(draft):
-        raise DraftwiseError(
-            f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}; "
-            "a draft must share the target's tokenizer"
-        )
+    """A draft that tokenizes differently proposes ids that mean other text: refuse it, naming the first difference
+    (by id, also where the two differ in size: that alone says nothing of which tokens differ)."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
     if target_vocab != draft_vocab:
         by_id_target = {i: t for t, i in target_vocab.items()}
@@ -20,7 +20,12 @@ def check_same_tokenizer(target, draft) -> None:
         first = min(i for i in by_id_target.keys() | by_id_draft.keys() if by_id_target.get(i) != by_id_draft.get(i))
         raise DraftwiseError(
             f"the draft's tokenizer differs from the target's: token id {first} is "
-            f"{by_id_target.get(first)!r} in the target but {by_id_draft.get(first)!r} in the draft; "
+            f"{_spelled(by_id_target.get(first))} in the target but {_spelled(by_id_draft.get(first))} in the draft "
+            f"(of {len(target)} and {len(draft)} tokens); a draft must share the target's tokenizer"
+        )
+    if len(target) != len(draft):
+        raise DraftwiseError(
+            f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}; "
             "a draft must share the target's tokenizer"
         )
     for name in _SPECIAL:

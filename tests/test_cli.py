@@ -529,3 +529,9 @@ def test_serve_refuses_bad_limits_before_loading_naming_the_flag(capsys, store, 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(no_load))
     code, out, err = run(capsys, "serve", "--port", "1", flag, value)
     assert code == 1 and message in err and "Traceback" not in err
+
+
+def test_the_loading_line_names_the_dtype_auto_takes_on_the_device_asked_for(capsys, loads, monkeypatch):
+    monkeypatch.setattr("draftwise.hardware.resolve_dtype", lambda name, device="cpu": f"native on {device}")
+    code, _, err = run(capsys, *gen("--device", "cuda:1"))
+    assert code == 0 and "(auto: native on cuda:1)" in err

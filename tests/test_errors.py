@@ -95,7 +95,7 @@ def test_incompatible_tokenizers_name_the_first_difference():
         Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1), draft_tokenizer=other)
     message = str(err.value)
     assert "a draft must share the target's tokenizer" in message
-    assert "token id" in message or "tokens but the target's has" in message
+    assert "token id 1 is '<|user|>' in the target but '!' in the draft" in message
 
 
 class RenamedToken:
@@ -119,3 +119,12 @@ def test_first_difference_is_named_exactly():
     with pytest.raises(DraftwiseError, match=f"token id 270 is {by_id[270]!r} in the target but 'ZZ' in the draft"):
         check_same_tokenizer(target, RenamedToken(target, 270, "ZZ"))
     check_same_tokenizer(target, RenamedToken(target, 270, by_id[270]))  # identical: no error
+
+
+def test_a_draft_tokenizer_of_another_size_names_the_first_token_it_differs_by():
+    target = tiny_tokenizer()
+    longer = RenamedToken(target, -1, "")
+    longer._vocab["<|tool|>"] = len(target)  # one token more
+    with pytest.raises(DraftwiseError, match=rf"token id {len(target)} is absent in the target but '<\|tool\|>' in "
+                                             rf"the draft \(of {len(target)} and {len(target) + 1} tokens\)"):
+        check_same_tokenizer(target, longer)
