@@ -106,6 +106,8 @@ def test_a_stop_string_ends_the_text_before_it(server):
     chunks = list(complete(url, PROMPTS[1], max_tokens=24, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # Without stream_options.include_usage, the last chunk still carries the request's stats.
+    assert chunks[-1].model_extra["draftwise"]["new_tokens"] == out.model_extra["draftwise"]["new_tokens"]
 
 
 def test_per_request_speculation_settings(server):

@@ -144,7 +144,9 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             else:
                 if event.text:  # a guard releases its held-back text with the end
                     yield _sse(reply.chunk(event.text, None))
-                yield _sse(reply.chunk("" if not reply.chat else {}, FINISH_REASONS.get(event.finish_reason)))
+                # The request's stats ride on its last chunk, as on a whole reply: a client need not ask for usage.
+                yield _sse({**reply.chunk("" if not reply.chat else {}, FINISH_REASONS.get(event.finish_reason)),
+                            "draftwise": _stats(event, reply.arm)})
                 if include_usage:
                     yield _sse(reply.usage_chunk(event))
             yield "data: [DONE]\n\n"
