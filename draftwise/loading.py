@@ -107,6 +107,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     loaded = loaded_model or target_model  # plain linears, for the head's readout and skip's copies
     target_model = on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
+    if method in HEAD_METHODS:  # a fused head reads some decoder layers' outputs too
+        target.feature_layers = getattr(proposer, "draft", proposer).head.config.feature_layers
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
     if method in NEEDS_DRAFT:

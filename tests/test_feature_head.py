@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,29 @@ def test_training_lifts_validation_accuracy_far_above_chance_and_saves_a_small_h
     assert len(ids) == head.config.readout_size
     assert record["readout_cover"] == 1.0  # the readout spans the tiny vocabulary
     assert not list(folder.glob("*.partial")) and not list((folder / "features").glob("*.partial"))
+
+
+def test_a_fused_head_reads_a_lower_layer_too_learns_and_keeps_the_targets_output(tmp_path):
+    # EAGLE-3's fusion: the first decoder layer's output beside the last hidden state, brought down to H.
+    fused = replace(TINY, feature_layers=(0,))
+    out = tmp_path / "fused"
+    record = train_head(tiny_model("qwen2", 0), tiny_tokenizer(), out, fused, progress=False, pieces=answers("qwen2"),
+                        log=lambda _: None)
+    assert record["val_after"][-1]["top1"] > 0.3 and (out / "features-0").is_dir()
+    head, _ = load_head(out)
+    assert head.config.feature_layers == (0,) and head.reduce.in_features == 2 * head.config.hidden_size
+    for method in ("head", "hybrid-head"):
+        engine = head_engine("qwen2", out, method)
+        assert engine.target.feature_layers == (0,)  # the target hands the head both layers' features
+        result = engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
+        assert result.token_ids == reference("qwen2") and result.stats.accepted > 0
+    config = json.loads((out / CONFIG_FILE).read_text())
+    (out / CONFIG_FILE).write_text(json.dumps({**config, "feature_layers": [5]}))
+    with pytest.raises(DraftwiseError, match=r"reads decoder layers \[5\]; this target has 2"):
+        head_engine("qwen2", out)
+    with pytest.raises(ValueError, match="decoder layers are 0 to 1"):
+        train_head(tiny_model("qwen2", 0), tiny_tokenizer(), tmp_path / "bad", replace(TINY, feature_layers=(2,)),
+                   progress=False, pieces=answers("qwen2"), log=lambda _: None)
 
 
 def test_the_readout_takes_the_targets_frequent_tokens_first_then_the_lowest_ids():

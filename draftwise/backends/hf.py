@@ -34,6 +34,7 @@ class HFBackend:
         self.default = self.open_slot()
         self.prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
         self.prefix_name = ""  # this model's name in it ("target", "draft")
+        self.feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs `hidden` returns too (a fused head)
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +87,8 @@ class HFBackend:
         logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded.
 
         hidden: also return each row's last hidden states [n_i, H] (after the final norm: what the output layer
-        reads), as (logits per row, hidden states per row), for a proposer that drafts from them.
+        reads; with feature_layers, those layers' outputs before it, [n_i, (layers + 1) H]), as (logits per row,
+        hidden states per row), for a proposer that drafts from them.
 
         trees: per row, None or the TreeLayout of its ids (a root and a token tree, verify/tree.py): the row's
         positions are written in order, but each token's position id is its depth past the root and it
@@ -101,7 +103,7 @@ class HFBackend:
             if slot.length + n > self.max_context:
                 raise DraftwiseError(
                     f"sequence of {slot.length + n} tokens exceeds the model's context of {self.max_context}")
-        with last_hidden_states(self.model, hidden) as captured:
+        with last_hidden_states(self.model, hidden, self.feature_layers) as captured:
             out = self._run(slots, [ids for _, ids in rows], width, logits_to_keep=width if logits else 1,
                             trees=trees or [None] * len(rows))
         for slot, n in zip(slots, lengths):
@@ -231,18 +233,31 @@ class SlotView:
 
 
 @contextmanager
-def last_hidden_states(model, enabled: bool = True):
-    """Within the block, captured[0] is the decoder's last output ([B, N, H], after the final norm)."""
+def last_hidden_states(model, enabled: bool = True, layers: tuple[int, ...] = ()):
+    """Within the block, captured[0] is the decoder's last output ([B, N, H], after the final norm). With `layers`,
+    the outputs of those decoder layers (0: the first; the residual stream, before any norm) come first, in layer
+    order: [B, N, (len(layers) + 1) H], EAGLE-3's low, middle and high features."""
     captured: list[torch.Tensor] = []
     if not enabled:
         yield captured
         return
     decoder = model.get_decoder()
-    hook = decoder.register_forward_hook(lambda _m, _args, out: captured.insert(0, out.last_hidden_state))
+    inner: list[torch.Tensor] = []  # this forward's layer outputs, in the order the layers ran
+
+    def keep_layer(_module, _args, out):
+        inner.append(out[0] if isinstance(out, tuple) else out)
+
+    def keep_last(_module, _args, out):
+        captured.insert(0, torch.cat([*inner, out.last_hidden_state], dim=-1) if inner else out.last_hidden_state)
+        inner.clear()
+
+    hooks = [decoder.layers[i].register_forward_hook(keep_layer) for i in layers]
+    hooks.append(decoder.register_forward_hook(keep_last))
     try:
         yield captured
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def cache_keyword(model) -> str:

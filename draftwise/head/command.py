@@ -58,9 +58,24 @@ def add_train_head(commands, formatter) -> None:
                         "%(default)s)")
     p.add_argument("--answer-tokens", type=int, default=DEFAULTS.answer_tokens, metavar="N",
                    help="the longest answer (default: %(default)s)")
+    p.add_argument("--feature-layers", metavar="L,L", default="",
+                   help="decoder layers (0: the first) whose outputs the head also reads, fused with the last hidden "
+                        "state as EAGLE-3 does, e.g. 2,14 (default: none, the last hidden state alone)")
     p.add_argument("--json", action="store_true", help="print the training record as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_head)
+
+
+def feature_layers(text: str) -> tuple[int, ...]:
+    """'2,14' -> (2, 14), ascending, each once; '' -> ()."""
+    try:
+        layers = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise DraftwiseError(f"--feature-layers takes decoder layer numbers separated by commas, e.g. 2,14; "
+                             f"got {text!r}") from None
+    if any(layer < 0 for layer in layers):
+        raise DraftwiseError(f"--feature-layers numbers the decoder layers from 0; got {text!r}")
+    return tuple(sorted(layers))
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
@@ -81,7 +96,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise DraftwiseError(f"--out {out} is a file: give a folder for the head (made if missing)")
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
-                      answer_tokens=args.answer_tokens)
+                      answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers))
     progress = not args.quiet
     target_model, tokenizer, _ = load_models(args.target, None, args.dtype, args.device, progress=progress)
     log = (lambda line: print(line, file=sys.stderr, flush=True))

@@ -1,7 +1,8 @@
 """The target's features over the training corpus, collected once and kept as shards beside the head.
 
 Per sequence: its token ids [L], the target's last hidden state after the final norm at every position
-[L, H] (what its output layer reads, in the dtype the target runs in), and the target's own greedy next token
+[L, H] (what its output layer reads, in the dtype the target runs in; a fused head's chosen layers' outputs
+before it, [L, (layers + 1) H]), and the target's own greedy next token
 at every position [L] (the label the head's accuracy is judged by). A shard is written whole or not at all
 and named by its sequences' content, so an interrupted collection resumes at the first missing shard.
 """
@@ -22,16 +23,19 @@ SHARD_SEQUENCES = 16
 
 
 @torch.inference_mode()
-def target_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [L, H], the target's argmax next token [L]) for one sequence."""
+def target_features(model, ids: list[int], layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [L, H], or [L, (layers + 1) H] with those layers' outputs first; the target's argmax next token
+    [L]) for one sequence."""
     input_ids = torch.tensor([ids], device=model.device)  # [1, L]
-    with last_hidden_states(model) as captured:
+    with last_hidden_states(model, layers=layers) as captured:
         logits = model(input_ids=input_ids, use_cache=False).logits[0]  # [L, vocab]
     return captured[0][0].cpu(), logits.argmax(-1).to(torch.int32).cpu()
 
 
-def collect(model, sequences: list[list[int]], folder: Path, progress: bool = True) -> list[Path]:
-    """Write the shards of `sequences` under folder (those already there are kept); returns every shard's path."""
+def collect(model, sequences: list[list[int]], folder: Path, progress: bool = True,
+            layers: tuple[int, ...] = ()) -> list[Path]:
+    """Write the shards of `sequences` under folder (those already there are kept); returns every shard's path.
+    layers: decoder layers whose outputs go beside the last hidden state (target_features)."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     starts = range(0, len(sequences), SHARD_SEQUENCES)
@@ -45,7 +49,7 @@ def collect(model, sequences: list[list[int]], folder: Path, progress: bool = Tr
             if not path.is_file():
                 tensors = {}
                 for i, ids in enumerate(batch):
-                    features, next_ids = target_features(model, ids)
+                    features, next_ids = target_features(model, ids, layers)
                     tensors.update({f"ids.{i}": torch.tensor(ids, dtype=torch.int32), f"features.{i}": features,
                                     f"next.{i}": next_ids})
                     bar.update(len(ids))

@@ -39,12 +39,15 @@ class HeadConfig:
     rope_theta: float
     rms_eps: float
     readout_size: int  # target token ids the readout covers (the common ones plus the special ones)
+    # Decoder layers whose outputs the head reads beside the last hidden state (EAGLE-3's fused features); () for
+    # the last alone. Kept as a list in the JSON.
+    feature_layers: tuple[int, ...] = ()
     target: str = ""  # the target's name or path it was trained for
     training: dict | None = None  # how it was trained (corpus, steps, accuracy): the record, not a setting
 
     @classmethod
     def for_target(cls, target_config, readout_size: int, intermediate_size: int | None = None,
-                   target: str = "") -> "HeadConfig":
+                   target: str = "", feature_layers: tuple[int, ...] = ()) -> "HeadConfig":
         """The target's own attention shape, so its features and rotary positions carry over unchanged."""
         config = target_config.get_text_config()
         heads = config.num_attention_heads
@@ -54,7 +57,8 @@ class HeadConfig:
         return cls(hidden_size=config.hidden_size, num_heads=heads,
                    num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    intermediate_size=intermediate_size or config.intermediate_size, rope_theta=float(theta),
-                   rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), readout_size=readout_size, target=target)
+                   rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), readout_size=readout_size, target=target,
+                   feature_layers=tuple(feature_layers))
 
 
 class RMSNorm(nn.Module):
@@ -109,6 +113,10 @@ class FeatureHead(nn.Module):
         self.config = config
         h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
         self.fuse = nn.Linear(2 * h, h, bias=False)
+        if config.feature_layers:  # the true features of several layers, each normed, brought down to H
+            parts = len(config.feature_layers) + 1
+            self.layer_norms = nn.ModuleList(RMSNorm(h, config.rms_eps) for _ in range(parts))
+            self.reduce = nn.Linear(parts * h, h, bias=False)
         self.input_norm = RMSNorm(h, config.rms_eps)
         self.q_proj = nn.Linear(h, config.num_heads * config.head_dim, bias=True)
         self.k_proj = nn.Linear(h, kv, bias=True)
@@ -124,11 +132,16 @@ class FeatureHead(nn.Module):
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
                 return_kv: bool = False):
-        """features, embeddings: [B, N, H] (f_t and the embedding of x_{t+1}); positions: [N] text positions t.
+        """features, embeddings: [B, N, H] (f_t and the embedding of x_{t+1}); positions: [N] text positions t. A
+        fused head's true features are [B, N, (layers + 1) H], brought down to H first; its own predicted ones
+        (a tree's deeper inputs) are [B, N, H].
 
         past: keys and values of earlier inputs, [B, kv_heads, P, D] each. mask: [N, P + N] bool, what each new
         input attends to; None is causal (every earlier input and itself). Returns the predicted features
         [B, N, H], and with return_kv also the new inputs' keys and values (to cache)."""
+        if features.shape[-1] != self.config.hidden_size:  # true features of several layers
+            parts = features.split(self.config.hidden_size, dim=-1)
+            features = self.reduce(torch.cat([norm(part) for norm, part in zip(self.layer_norms, parts)], dim=-1))
         x = self.fuse(torch.cat([embeddings, features], dim=-1))  # [B, N, H]
         attended, kv = self._attend(self.input_norm(x), positions, past, mask)
         x = x + attended
@@ -230,7 +243,8 @@ def load_head(folder: str | Path, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> tuple[FeatureHead, torch.Tensor]:
     """(the head, its readout ids) from a folder save_head wrote."""
     folder = require_head(folder)
-    config = HeadConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+    fields = json.loads((folder / CONFIG_FILE).read_text())
+    config = HeadConfig(**{**fields, "feature_layers": tuple(fields.get("feature_layers", ()))})
     tensors = load_file(str(folder / WEIGHTS_FILE))
     ids = tensors.pop("readout_ids")
     head = FeatureHead(config)
@@ -244,6 +258,9 @@ def check_fits(config: HeadConfig, target_model, folder) -> None:
     if config.hidden_size != target.hidden_size:
         raise DraftwiseError(f"the head in {folder} was trained for hidden size {config.hidden_size} "
                              f"({config.target or 'another model'}); this target's is {target.hidden_size}")
+    if any(not 0 <= layer < target.num_hidden_layers for layer in config.feature_layers):
+        raise DraftwiseError(f"the head in {folder} reads decoder layers {list(config.feature_layers)}; this target "
+                             f"has {target.num_hidden_layers}")
 
 
 def parameter_count(head: FeatureHead) -> int:

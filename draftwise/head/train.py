@@ -59,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     answers: int = 256  # requests the target answers itself, added to the corpus (answers.py); 16 to a shard
     answer_tokens: int = 256  # the longest answer
+    feature_layers: tuple[int, ...] = ()  # decoder layers read beside the last hidden state (EAGLE-3's fusion)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
 
     pieces: the sequences to train on (default: the target's own answers and the corpus of corpus.py)."""
     started = time.perf_counter()
+    layers = target_model.config.get_text_config().num_hidden_layers
+    if any(not 0 <= layer < layers for layer in cfg.feature_layers):
+        raise ValueError(f"--feature-layers {','.join(map(str, cfg.feature_layers))}: the target's decoder layers "
+                         f"are 0 to {layers - 1}")
     out.mkdir(parents=True, exist_ok=True)
     from_corpus = pieces is None
     # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
@@ -89,7 +94,9 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     if from_corpus:
         pieces = own_answers(running, tokenizer, cfg, out, progress)
         pieces += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
-    shards = collect(running, [piece.ids for piece in pieces], out / "features", progress)
+    # (a fused head's features are wider: kept apart from the last hidden state's alone)
+    folder = "features" + "".join(f"-{layer}" for layer in cfg.feature_layers)
+    shards = collect(running, [piece.ids for piece in pieces], out / folder, progress, cfg.feature_layers)
     del running  # its packed weights: as large as the target's own
     data = load_shards(shards)
     for sequence, piece in zip(data, pieces):
@@ -102,13 +109,16 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         raise ValueError(f"{len(data)} sequences from {len({p.source for p in pieces})} sources cannot be split into "
                          f"training and validation (1 source in {VAL_EVERY} is held back); give more")
     collected_s = time.perf_counter() - started
-    data_key = hashlib.sha256("".join(path.name for path in shards).encode()).hexdigest()[:16]
+    # (a fused head's shards are named as the plain head's: its folder tells a checkpoint of the other apart)
+    names = "".join(path.name for path in shards) + (folder if cfg.feature_layers else "")
+    data_key = hashlib.sha256(names.encode()).hexdigest()[:16]
 
     vocab = target_model.get_output_embeddings().weight.shape[0]
     ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids, frequent_tokens(train))
     readout = readout_layer(target_model, ids).float()
     embed = target_model.get_input_embeddings()
-    head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name)
+    head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name,
+                                     cfg.feature_layers)
     head = FeatureHead(head_cfg).to(embed.weight.device)
     trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train), data_key=data_key)
     resumed = step = trainer.resume(out / CHECKPOINT_FILE)
@@ -272,16 +282,19 @@ class _Trainer:
 
     def _losses(self, sequence: dict, noise: float):
         """([depth-1 loss, depth-2 loss], (depth-1 logits [L - 1, R], depth-2 logits [L - 2, R]))."""
-        ids, features = sequence["ids"].to(self.device), sequence["features"].to(self.device).float()  # [L], [L, H]
+        ids, inputs = sequence["ids"].to(self.device), sequence["features"].to(self.device).float()  # [L], [L, F]
+        features = inputs[:, -self.head.config.hidden_size :]  # [L, H]: the last hidden state (F = H unless fused)
         length = len(ids)
         with torch.no_grad():
             embeddings = self.embed(ids).float()  # [L, H]
             wanted = torch.softmax(self.readout(features[1:]).float(), dim=-1)  # [L - 1, R] the target's p
-        inputs = features[:-1]
-        if noise:
-            rms = inputs.pow(2).mean().sqrt()
+        inputs = inputs[:-1]
+        if noise:  # each layer's features by their own scale (a low layer's residual stream runs far larger)
+            parts = inputs.view(len(inputs), -1, features.shape[-1])  # [L - 1, layers + 1, H]
+            rms = parts.pow(2).mean(dim=(0, 2), keepdim=True).sqrt()  # [1, layers + 1, 1]
             # Drawn on the CPU, whose generator the checkpoint saves, so a resumed run draws the same noise.
-            inputs = inputs + (torch.rand(inputs.shape).to(self.device) * 2 - 1) * noise * rms
+            noisy = parts + (torch.rand(parts.shape).to(self.device) * 2 - 1) * noise * rms
+            inputs = noisy.view(len(inputs), -1)
         positions = torch.arange(length - 1, device=self.device)
         # Depth 1: true features at every position.
         predicted1, past = self.head(inputs[None], embeddings[1:][None], positions, return_kv=True)  # [1, L-1, H]
