@@ -394,11 +394,13 @@ class Engine:
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         verdicts: dict[int, Verdict] = {}
         features: dict[int, torch.Tensor] = {}
+        timed = True  # (a pass run again row by row is not the shape the step costs price)
         try:
-            verdicts, features = self._verify(seqs, drafts, live)
-        except Exception as err:  # the target pass is shared: every sequence in it lost its round
-            for i in live:
-                drafts[i] = err
+            try:
+                verdicts, features = self._verify(seqs, drafts, live)
+            except Exception as err:
+                timed = False
+                verdicts, features = self._verify_alone(seqs, drafts, live, err)
         finally:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
@@ -407,7 +409,8 @@ class Engine:
                 self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
-        if verdicts:  # the pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps
+        # The pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps.
+        if verdicts and timed:
             steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
                                             times.verify_s, draft_steps=steps)
@@ -478,6 +481,26 @@ class Engine:
         found = verify_batch(batch, torch.cat(per_row),  # [T + B, vocab]
                              [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
         return dict(zip(live, found)), dict(zip(live, features))
+
+    def _verify_alone(self, seqs: list[Sequence], drafts: list, live: list[int],
+                      shared_error: Exception) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
+        """The shared target pass failed: each of its rows once more on its own, so that what one sequence alone
+        brings (a prompt or draft the model cannot take) ends its own round, not every request in the batch. A row
+        that fails alone gets its own error in place of its draft; a single row's shared error is its own."""
+        if len(live) == 1:
+            drafts[live[0]] = shared_error
+            return {}, {}
+        verdicts, features = {}, {}
+        for i in live:
+            seqs[i].target.trim(len(seqs[i].context) - 1)  # the shared pass may have written its row: the text only
+            try:
+                verdict, feature = self._verify(seqs, drafts, [i])
+            except Exception as own:
+                drafts[i] = own
+                continue
+            verdicts.update(verdict)
+            features.update(feature)
+        return verdicts, features
 
     @staticmethod
     def _commit_caches(seq: Sequence, k: int, verdict: Verdict | None, features: torch.Tensor | None = None) -> None:

@@ -187,3 +187,28 @@ def test_the_batched_verifier_keeps_the_targets_distribution():
         for draft, verdict in zip(drafts, verdicts):
             counts[draft.token_ids[0] if verdict.num_accepted else verdict.next_token] += 1
     assert chisquare(counts.numpy(), (p[0] * n).numpy()).pvalue > 1e-3
+
+
+def test_a_target_pass_that_fails_for_one_row_ends_only_that_request():
+    # What one sequence alone brings to the shared pass ends its own round only: the pass is tried row by row.
+    eng = engine("llama")
+    doomed, failed_passes = {}, []
+    forward_batch = eng.target.forward_batch
+
+    def mark(seq):
+        if seq.prompt_ids == tiny_tokenizer()(PROMPTS[1])["input_ids"] and seq.stats.new_tokens >= 5:
+            doomed["slot"] = seq.target
+
+    def refuse_the_doomed_row(rows, **kwargs):
+        if any(view is doomed.get("slot") for view, _ in rows):
+            failed_passes.append(len(rows))
+            raise RuntimeError("injected")
+        return forward_batch(rows, **kwargs)
+
+    eng.target.forward_batch = refuse_the_doomed_row
+    seqs = run_together(eng, [(p, greedy(25)) for p in PROMPTS[:4]], fail=mark)
+    assert failed_passes[0] > 1 and failed_passes[1] == 1  # the shared pass, then the row alone
+    assert seqs[1].finish == "error" and "injected" in seqs[1].error
+    for i in (0, 2, 3):
+        assert seqs[i].context[len(seqs[i].prompt_ids):] == reference("llama", PROMPTS[i], 25)
+    assert eng.target.open_slots == 1
