@@ -24,5 +24,9 @@ def read_prompt_file(path: Path) -> str:
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """write(a partial file beside path), then rename it to path: an interrupted write leaves no half file there."""
     partial = path.with_name(f".{path.name}.partial")
-    write(partial)
+    try:
+        write(partial)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # nor a half file beside it
+        raise
     partial.replace(path)

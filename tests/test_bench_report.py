@@ -438,10 +438,11 @@ def test_a_tree_is_compared_with_its_chain_prompt_by_prompt():
                          ("draft", 4): [1.0, 1.0], ("draft-tree", 4): [1.0, 1.0]})
     runs[-1]["decode_s"] = 0.0  # and so is one with a run of no decode time)
     assert paired_ratios(runs, "draft-tree", "draft") == [2.0, 0.5]
-    both = paired_speedup([2.0, 0.5])
-    # The resampled pairs give means of 2, 1 and 0.5: the interval spans them, the geometric mean is 1.
-    assert both == {"prompts": 2, "ratio": pytest.approx(1.0), "low": pytest.approx(0.5), "high": pytest.approx(2.0),
-                    "ahead": 1}
+    assert paired_speedup([2.0, 0.5]) == {"prompts": 2, "ratio": pytest.approx(1.0), "low": None, "high": None,
+                                          "ahead": 1}  # two prompts: no interval
+    three = paired_speedup([2.0, 0.5, 1.0])
+    # The resampled triples give means from 0.5 to 2: the interval spans most of them, the geometric mean is 1.
+    assert three["ratio"] == pytest.approx(1.0) and 0.5 <= three["low"] < 1.0 < three["high"] <= 2.0
     assert paired_speedup([1.1, 1.2, 1.05])["low"] > 1.0  # ahead on every prompt: the interval is above 1
     rows = trees_beside_chains(runs)
     assert [(row["tree"], row["category"], row["prompts"]) for row in rows] == [("draft-tree", "qa", 2),
@@ -461,3 +462,7 @@ def test_the_report_marks_a_tree_slower_than_its_chain_beyond_the_noise(tmp_path
     assert "| lookup-tree | lookup | qa | 3 | 0.816x | 0.82-0.82 below | 0 of 3 |" in section  # 1.225 s against 1
     plain = write_report({"meta": {"methods": ["none"]}, "runs": _plain_runs({("qa", 1): [0.06]})}, tmp_path, None)
     assert "Trees beside" not in plain.read_text()
+    one = write_report({"meta": {"methods": ["lookup", "lookup-tree"]}, "runs": [r for r in runs if r["question_id"] == 1
+                                                                              and "lookup" in r["method"]]},
+                       tmp_path, None).read_text()
+    assert "| lookup-tree | lookup | qa | 1 | 0.816x | - | 0 of 1 |" in one  # one prompt: slower, but no interval

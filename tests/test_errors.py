@@ -128,3 +128,20 @@ def test_a_draft_tokenizer_of_another_size_names_the_first_token_it_differs_by()
     with pytest.raises(DraftwiseError, match=rf"token id {len(target)} is absent in the target but '<\|tool\|>' in "
                                              rf"the draft \(of {len(target)} and {len(target) + 1} tokens\)"):
         check_same_tokenizer(target, longer)
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_half_one_beside_it(tmp_path):
+    from draftwise.files import write_whole
+
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    def half_then_fail(partial):
+        partial.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(target, half_then_fail)
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    write_whole(target, lambda partial: partial.write_text("new"))
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]

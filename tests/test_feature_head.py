@@ -111,7 +111,7 @@ def test_a_fused_head_reads_a_lower_layer_too_learns_and_keeps_the_targets_outpu
         assert result.token_ids == reference("qwen2") and result.stats.accepted > 0
     config = json.loads((out / CONFIG_FILE).read_text())
     (out / CONFIG_FILE).write_text(json.dumps({**config, "feature_layers": [5]}))
-    with pytest.raises(DraftwiseError, match=r"reads decoder layers \[5\]; this target has 2"):
+    with pytest.raises(DraftwiseError, match=r"reads decoder layers \[5\]; this target has 2 decoder layers"):
         head_engine("qwen2", out)
     with pytest.raises(ValueError, match="decoder layers are 0 to 1"):
         train_head(tiny_model("qwen2", 0), tiny_tokenizer(), tmp_path / "bad", replace(TINY, feature_layers=(2,)),
@@ -154,6 +154,9 @@ def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_feature
     with pytest.raises(KeyboardInterrupt):
         train_head(model, tokenizer, copy, TINY, progress=False, pieces=answers("qwen2"), log=lambda _: None)
     monkeypatch.setattr(train._Trainer, "step", real_step)
+    state = torch.load(copy / CHECKPOINT_FILE, weights_only=True)
+    del state["config"]["feature_layers"]  # as a checkpoint written before the field was: it resumes all the same
+    torch.save(state, copy / CHECKPOINT_FILE)
     record = train_head(model, tokenizer, copy, TINY, progress=False, pieces=answers("qwen2"), log=lambda _: None)
     assert record["resumed_at_step"] == TINY.checkpoint_every
     resumed, _ = load_head(copy)
@@ -467,6 +470,8 @@ def test_the_default_head_folder_is_named_after_the_target_even_for_a_relative_p
     monkeypatch.chdir(tmp_path / "my-model")
     heads = tmp_path / "home" / "heads"
     assert head_home(".") == head_home("../my-model/") == heads / "my-model"
+    (tmp_path / "current").symlink_to(tmp_path / "my-model")
+    assert head_home("../current") == heads / "current"  # the name given, not the link's target
     assert head_home("qwen2.5-coder-1.5b-instruct") == heads / "qwen2.5-coder-1.5b-instruct"
     assert head_home("models/small.gguf") == heads / "small"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -313,3 +314,17 @@ def test_a_blocked_response_leaves_no_text_in_the_log(tmp_path):
     with sqlite3.connect(path) as db:
         outputs = dict(db.execute("SELECT request_id, output_ids FROM requests"))
     assert json.loads(outputs["blocked"]) == [] and json.loads(outputs["kept"]) == [7, 9]
+
+
+def test_export_writes_to_a_pipe_as_it_is(tmp_path, capsys):
+    path = tmp_path / "log.sqlite"
+    serve(ProposalLog(path), [(PROMPTS[0], 6)])
+    fifo = tmp_path / "pairs.fifo"
+    os.mkfifo(fifo)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_text()))
+    reader.start()
+    assert main(["log", "export", str(path), "--jsonl", str(fifo)]) == 0  # (a partial file beside it would never reach it)
+    reader.join(timeout=30)
+    assert read and all(json.loads(line)["context"] for line in read[0].splitlines())
+    assert not list(tmp_path.glob(".*partial"))

@@ -245,19 +245,24 @@ def _table_detail(summary: list[dict], methods: list[str], categories: list[str]
 
 
 def _table_trees(runs: list[dict]) -> str | None:
-    """Each tree method against its chain, prompt by prompt: is the tree slower, beyond this run's noise?"""
+    """Each tree method against its chain, prompt by prompt: is the tree slower, beyond what the prompts vary by?"""
     rows = trees_beside_chains(runs)
     if not rows:
         return None
     body = [[row["tree"], row["chain"], row["category"], str(row["prompts"]), f"{row['ratio']:.3f}x",
-             f"{row['low']:.2f}-{row['high']:.2f}" + (" below" if row["high"] < 1.0 else ""),
-             f"{row['ahead']} of {row['prompts']}"] for row in rows]
+             _interval(row), f"{row['ahead']} of {row['prompts']}"] for row in rows]
     legend = ("ratio: the geometric mean over prompts of the chain's median seconds per token over the tree's "
               "(above 1: the tree is faster), each prompt's runs interleaved in this process; interval: 95%, a "
-              "bootstrap over the prompts; \"below\" where all of it is under 1, a loss beyond what other prompts "
-              "of the kind would move.")
+              "bootstrap over the prompts (none under three); \"below\" where all of it is under 1, a loss beyond "
+              "what other prompts of the kind would move.")
     header = ["tree", "chain", "category", "prompts", "tree vs chain", "95% interval", "tree ahead on"]
     return "## Trees beside their chains\n\n" + md_table(header, body, align_left=3) + "\n\n" + legend
+
+
+def _interval(row: dict) -> str:
+    if row["low"] is None:
+        return "-"
+    return f"{row['low']:.2f}-{row['high']:.2f}" + (" below" if row["high"] < 1.0 else "")
 
 
 def _table_positions(summary: list[dict], methods: list[str]) -> str | None:

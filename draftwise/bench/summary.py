@@ -14,6 +14,7 @@ REFERENCE_PEER = "hf-plain"
 REFERENCE_OWN = "none"
 TREE_CHAINS = {"draft-tree": "draft", "lookup-tree": "lookup", "hybrid-tree": "hybrid"}  # a tree method -> its chain
 BOOTSTRAP_DRAWS = 2000
+INTERVAL_PROMPTS = 3  # fewer prompts give no interval: resampling one or two says nothing of the others
 
 
 def _ordered_unique(values: Iterable) -> list:
@@ -196,13 +197,16 @@ def paired_ratios(runs: Sequence[dict], method: str, baseline: str) -> list[floa
 
 def paired_speedup(ratios: Sequence[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
     """The geometric mean of per-prompt ratios, its 95% interval by a percentile bootstrap over the prompts (how far
-    it moves when other prompts of the same kind are drawn: with three a category it is wide, and says so), and on
-    how many prompts the method was ahead."""
+    it moves when other prompts of the same kind are drawn: with three a category it is wide, and says so; each
+    prompt's own repeats are in its median, not in the interval), and on how many prompts the method was ahead.
+    Under INTERVAL_PROMPTS prompts, no interval (low and high None)."""
     logs = [math.log(r) for r in ratios]
-    rng = random.Random(seed)  # a report says the same thing each time it is written
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
-    return {"prompts": len(ratios), "ratio": math.exp(statistics.fmean(logs)),
-            "low": math.exp(means[int(0.025 * draws)]), "high": math.exp(means[int(0.975 * draws) - 1]),
+    low = high = None
+    if len(logs) >= INTERVAL_PROMPTS:
+        rng = random.Random(seed)  # a report says the same thing each time it is written
+        means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+        low, high = math.exp(means[int(0.025 * draws)]), math.exp(means[int(0.975 * draws) - 1])
+    return {"prompts": len(ratios), "ratio": math.exp(statistics.fmean(logs)), "low": low, "high": high,
             "ahead": sum(r > 1.0 for r in ratios)}
 
 

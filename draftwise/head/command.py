@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ def head_home(target: str) -> Path:
     """Where a target's trained head lives by default: $DRAFTWISE_HOME/heads/<name>, beside the model store."""
     from draftwise.models.store import store_home
 
-    return store_home() / "heads" / Path(target).resolve().name.removesuffix(".gguf")  # (resolved: "." has no name)
+    # (made absolute, not resolved: "." has no name, and a link's own name is the one the user gave)
+    return store_home() / "heads" / Path(os.path.abspath(target)).name.removesuffix(".gguf")
 
 
 def add_train_head(commands, formatter) -> None:

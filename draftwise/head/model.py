@@ -260,7 +260,7 @@ def check_fits(config: HeadConfig, target_model, folder) -> None:
                              f"({config.target or 'another model'}); this target's is {target.hidden_size}")
     if any(not 0 <= layer < target.num_hidden_layers for layer in config.feature_layers):
         raise DraftwiseError(f"the head in {folder} reads decoder layers {list(config.feature_layers)}; this target "
-                             f"has {target.num_hidden_layers}")
+                             f"has {target.num_hidden_layers} decoder layers")
 
 
 def parameter_count(head: FeatureHead) -> int:

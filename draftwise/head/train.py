@@ -232,7 +232,8 @@ class _Trainer:
         if not path.is_file():
             return 0
         state = torch.load(path, weights_only=True, map_location="cpu")  # load_state_dict moves it to the head
-        if state["config"] != asdict(self.cfg) or state.get("data") != self.data_key:
+        saved = {"feature_layers": (), **state["config"]}  # (a checkpoint from before the field: a plain head's)
+        if saved != asdict(self.cfg) or state.get("data") != self.data_key:
             return 0  # another run's checkpoint: start over rather than mix two settings or two corpora
         self.head.load_state_dict(state["head"])
         torch.set_rng_state(state["rng"])  # the input noise goes on as if never interrupted

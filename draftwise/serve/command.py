@@ -141,12 +141,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise DraftwiseError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}")
+    _check_limits(args)  # (before the guard, arms and log files are opened or made)
     draft = None if args.draft in (None, "none") else args.draft
     # A bad guard, arms file or log path fails here, before the models load.
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
     experiment = Experiment.load(args.experiment) if args.experiment else None
     log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
-    _check_limits(args)
     engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype, device=args.device,
                                     **({"head": args.head} if args.head else {}))
     if args.prompt_cache_mb:

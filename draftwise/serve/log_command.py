@@ -65,8 +65,10 @@ def cmd_log_export(args: argparse.Namespace) -> int:
             with open(partial, "w", encoding="utf-8") as out:
                 counted.append(export_pairs(args.path, out))
 
-        try:  # whole or not at all: an earlier OUT stays as it was until the new one is complete
-            write_whole(Path(args.jsonl), write)
+        out = Path(args.jsonl)
+        try:  # a file is written whole or not at all (an earlier OUT stays until the new one is complete); a pipe
+            # or a device (/dev/stdout, a shell's >(...)) is written as it is
+            write_whole(out, write) if not out.exists() or out.is_file() else write(out)
         except OSError as err:
             raise DraftwiseError(f"cannot write {args.jsonl}: {err.strerror or err}") from err
         count = counted[0]
