@@ -188,11 +188,13 @@ def seconds_per_token(repeats: Sequence[dict]) -> float | None:
 def paired_ratios(runs: Sequence[dict], method: str, baseline: str) -> list[float]:
     """Per prompt that both methods ran: the baseline's median seconds per token over the method's (above 1: the
     method is faster). Both ran the prompt interleaved in one process, so the machine's slow spells fall on both."""
-    seconds = {m: {key: seconds_per_token(repeats) for key, repeats in group_by_prompt(r for r in runs
-                                                                                     if r["method"] == m).items()}
-               for m in (method, baseline)}
-    return [seconds[baseline][key] / own for key, own in seconds[method].items()
-            if own is not None and seconds[baseline].get(key) is not None]
+    own, base = (_seconds_by_prompt(runs, m) for m in (method, baseline))
+    return [base[key] / seconds for key, seconds in own.items() if seconds is not None and base.get(key) is not None]
+
+
+def _seconds_by_prompt(runs: Sequence[dict], method: str) -> dict[tuple, float | None]:
+    return {key: seconds_per_token(repeats)
+            for key, repeats in group_by_prompt(r for r in runs if r["method"] == method).items()}
 
 
 def paired_speedup(ratios: Sequence[float], draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
@@ -224,4 +226,3 @@ def trees_beside_chains(runs: Sequence[dict]) -> list[dict]:
             if ratios:
                 rows.append({"tree": tree, "chain": chain, "category": category, **paired_speedup(ratios)})
     return rows
-

@@ -187,9 +187,7 @@ def _require_log(db: sqlite3.Connection, path: Path) -> None:
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
-    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
-    if not have:  # not a proposal log: its readers say so
-        return
+    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}  # (connect made or required the table)
     with db:
         for name, kind in REQUEST_TIMING.items():
             if name not in have:
