@@ -399,9 +399,13 @@ def test_draftwise_serve_drains_on_sigterm(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, DRAFTWISE_HOME=str(tmp_path / "home"))
+    # One thread, as in this process (conftest.py): on a GPU machine running the suite on 15 workers, a server with a
+    # thread a core took over the default 30 s to write 200 tokens, and the drain ended the stream it waits for.
+    # The drain ends as soon as the stream does, so a long --drain-timeout costs nothing when all is well.
+    env = dict(os.environ, DRAFTWISE_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
     server = subprocess.Popen([sys.executable, "-m", "draftwise", "serve", "--target", str(tmp_path / "target"),
-                               "--draft", str(tmp_path / "draft"), "--model-id", MODEL, "--port", str(port)],
+                               "--draft", str(tmp_path / "draft"), "--model-id", MODEL, "--port", str(port),
+                               "--drain-timeout", "300"],
                               env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
