@@ -18,7 +18,7 @@ from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import hybrid_of
 from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
-from draftwise.tokenizers import check_same_tokenizer, eos_ids
+from draftwise.tokenizers import check_draft_reads_every_token, check_same_tokenizer, eos_ids
 
 
 HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
@@ -114,6 +114,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method in NEEDS_DRAFT:
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
+        check_draft_reads_every_token(tokenizer, draft_model)  # also when no draft tokenizer was passed
         token_ids = None
         if compact_draft:
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab,

@@ -36,6 +36,16 @@ def check_same_tokenizer(target, draft) -> None:
             )
 
 
+def check_draft_reads_every_token(tokenizer, draft_model) -> None:
+    """A draft model whose embedding has fewer rows than the tokenizer has tokens cannot read every id the prompt or
+    the target may bring (its embedding would fail mid-generation): refuse it before anything runs. More rows are
+    padding, which real pairs differ in (Qwen2.5's 7B pads to 152,064 ids, its 0.5B to 151,936)."""
+    rows = draft_model.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise DraftwiseError(f"the draft model reads {rows} token ids but the tokenizer has {len(tokenizer)} tokens; "
+                             "a draft must share the target's tokenizer")
+
+
 def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
     """Text, token ids, or chat messages -> token ids. chat=True wraps a string as one user turn."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
