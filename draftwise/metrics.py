@@ -72,13 +72,8 @@ class Stats:
 
     @property
     def predicted_speedup(self) -> float | None:
-        """Leviathan et al.: (1 - a^(k+1)) / ((1 - a)(k c + 1)), with k the mean draft length per round."""
-        alpha, c = self.acceptance_rate, self.cost_ratio
-        if alpha is None or c is None:
-            return None
-        k = self.proposed / self.rounds
-        tokens_per_pass = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens_per_pass / (k * c + 1)
+        """Leviathan et al.'s prediction over this run's rounds as they were drafted (leviathan_over_rounds)."""
+        return leviathan_over_rounds(self.acceptance_rate, self.cost_ratio, self.rounds, self.proposed_at)
 
     def to_dict(self) -> dict:
         return {
@@ -106,3 +101,23 @@ class Stats:
             "prompt_cached": self.prompt_cached,
             "fallback": self.fallback,
         }
+
+
+def leviathan_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
+    """Leviathan et al.: a round that offers k tokens, each kept with chance a, yields 1 + a + ... + a^k tokens for
+    the time of 1 + k c target steps: (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1."""
+    if a is None or k is None or c is None:
+        return None
+    tokens_per_round = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens_per_round / (k * c + 1)
+
+
+def leviathan_over_rounds(a: float | None, c: float | None, rounds: int, offered_at: list[int]) -> float | None:
+    """The same prediction summed over rounds that offered different k (adaptive k; a plain step where lookup found
+    no match or drafting did not pay): offered_at[i] rounds offered an (i+1)-th token, and each such offer adds
+    a^(i+1) expected tokens and c steps. Equal to leviathan_speedup when every round offers k; the mean k put into
+    that formula instead would credit the plain steps with part of the drafted rounds' gain (it is concave in k)."""
+    if a is None or c is None or not rounds:
+        return None
+    tokens = rounds + sum(n * a ** (i + 1) for i, n in enumerate(offered_at))
+    return tokens / (rounds + c * sum(offered_at))

@@ -12,6 +12,7 @@ from draftwise.bench.plots import speedup_reference, write_plots
 from draftwise.bench.report import below_none, md_table, split_by_dtype, write_report
 from draftwise.bench.summary import (paired_ratios, paired_speedup, per_position_acceptance, predicted_speedup,
                                      summarize, throughput, trees_beside_chains)
+from draftwise.metrics import Stats, leviathan_over_rounds, leviathan_speedup
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROOFLINE = {
@@ -166,10 +167,32 @@ def test_cost_ratio_and_leviathan_prediction():
 
 
 def test_predicted_speedup_edge_cases():
-    assert predicted_speedup(1.0, 4, 0.0) == 5.0
-    assert predicted_speedup(0.0, 4, 0.0) == 1.0
-    assert predicted_speedup(0.5, 1, 1.0) == pytest.approx(0.75)
-    assert predicted_speedup(None, 4, 0.1) is None and predicted_speedup(0.5, 4, None) is None
+    assert leviathan_speedup(1.0, 4, 0.0) == 5.0
+    assert leviathan_speedup(0.0, 4, 0.0) == 1.0
+    assert leviathan_speedup(0.5, 1, 1.0) == pytest.approx(0.75)
+    assert leviathan_speedup(None, 4, 0.1) is None and leviathan_speedup(0.5, 4, None) is None
+
+
+def test_the_prediction_sums_rounds_of_different_lengths_instead_of_averaging_k():
+    # Every round offering k: the formula itself.
+    assert leviathan_over_rounds(0.6, 0.2, 10, [10] * 4) == pytest.approx(leviathan_speedup(0.6, 4, 0.2))
+    # Half the rounds offer 4, half are plain steps (k = 2 on average): (2 + .6 + .36 + .216 + .1296) / 2 tokens a
+    # round, (1 + 4 * 0.2) / 2 + 1 / 2 steps; the mean k in the formula would say (1 + .6 + .36) / 1.4.
+    mixed = leviathan_over_rounds(0.6, 0.2, 10, [5] * 4)
+    assert mixed == pytest.approx(((2 + 0.6 + 0.36 + 0.216 + 0.1296) / 2) / 1.4)
+    assert mixed < leviathan_speedup(0.6, 2, 0.2)
+    assert leviathan_over_rounds(None, 0.2, 10, [5]) is None and leviathan_over_rounds(0.6, 0.2, 0, []) is None
+    # The bench's rows and a run's own stats give the same figure.
+    stats = Stats("draft", 4, new_tokens=9, verify_s=1.0, draft_s=0.4)
+    for offered, kept in ((4, 2), (0, 0), (4, 4), (0, 0)):
+        stats.observe_draft(offered, kept)
+    row = {"proposed": stats.proposed, "accepted": stats.accepted, "rounds": stats.rounds,
+           "proposed_at": stats.proposed_at, "accepted_at": stats.accepted_at}
+    c = stats.cost_ratio
+    assert predicted_speedup([row], 0.75, 2.0, c) == pytest.approx(stats.predicted_speedup)
+    assert stats.predicted_speedup == pytest.approx((4 + 2 * (0.75 + 0.75**2 + 0.75**3 + 0.75**4)) / (4 + 8 * c))
+    # Runs that did not count offers by position (transformers' assisted generation): the mean k.
+    assert predicted_speedup([{"rounds": 4, "proposed_at": None}], 0.75, 2.0, c) == leviathan_speedup(0.75, 2.0, c)
 
 
 def test_identical_counts_prompts_whose_every_repeat_matched():

@@ -9,6 +9,8 @@ import random
 import statistics
 from collections.abc import Iterable, Sequence
 
+from draftwise.metrics import leviathan_over_rounds, leviathan_speedup
+
 ALL = "all"
 REFERENCE_PEER = "hf-plain"
 REFERENCE_OWN = "none"
@@ -72,15 +74,14 @@ def mean_draft_length(runs: Sequence[dict]) -> float | None:
     return ratio(_fields_sum(runs, "proposed"), _fields_sum(runs, "rounds"))
 
 
-def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
-    """[i]: kept / offered i-th draft tokens over runs (runs' lists may differ in length); None without lists."""
+def offered_and_kept(runs: Sequence[dict]) -> tuple[list[int], list[int]] | None:
+    """([i], [i]): the rounds over all runs that offered, and that kept, an (i+1)-th draft token (runs' lists may
+    differ in length); None when no run counted them."""
     pairs = [(r.get("proposed_at"), r.get("accepted_at")) for r in runs]
     pairs = [(p, a) for p, a in pairs if p is not None and a is not None]
     if not pairs:
         return None
     length = max(len(p) for p, _ in pairs)
-    if length == 0:
-        return None
     offered = [0] * length
     kept = [0] * length
     for proposed_at, accepted_at in pairs:
@@ -88,7 +89,16 @@ def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
             offered[i] += n
         for i, n in enumerate(accepted_at):
             kept[i] += n
-    return [ratio(kept[i], offered[i]) for i in range(length)]
+    return offered, kept
+
+
+def per_position_acceptance(runs: Sequence[dict]) -> list[float | None] | None:
+    """[i]: kept / offered i-th draft tokens over runs; None without lists, or with nothing offered."""
+    counts = offered_and_kept(runs)
+    if counts is None or not counts[0]:
+        return None
+    offered, kept = counts
+    return [ratio(kept[i], offered[i]) for i in range(len(offered))]
 
 
 def tree_size(runs: Sequence[dict]) -> float | None:
@@ -115,12 +125,13 @@ def cost_ratio(runs: Sequence[dict], none_runs: Sequence[dict], roofline: dict |
     return ratio(seconds_per_draft_token(runs), seconds_per_target_step(none_runs, roofline))
 
 
-def predicted_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
-    """Leviathan et al.: expected speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1."""
-    if a is None or k is None or c is None:
-        return None
-    tokens_per_round = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens_per_round / (k * c + 1)
+def predicted_speedup(runs: Sequence[dict], a: float | None, k: float | None, c: float | None) -> float | None:
+    """Leviathan et al.'s prediction over the runs' rounds as drafted (metrics.leviathan_over_rounds); for runs
+    that did not count their offers by position (transformers' assisted generation), every round at the mean k."""
+    offered = offered_and_kept(runs)
+    if offered is None:
+        return leviathan_speedup(a, k, c)
+    return leviathan_over_rounds(a, c, _fields_sum(runs, "rounds"), offered[0])
 
 
 def identical_prompts(runs: Sequence[dict]) -> int | None:
@@ -147,7 +158,7 @@ def _row(method: str, category: str, runs: list[dict], none_runs: list[dict], ro
         "mean_draft_length": k,
         "tree_size": tree_size(runs),
         "cost_ratio": c,
-        "predicted_speedup": predicted_speedup(a, k, c),
+        "predicted_speedup": predicted_speedup(runs, a, k, c),
         "measured_over_predicted": None,
         "identical": identical_prompts(runs),
     }
