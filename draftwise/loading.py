@@ -114,7 +114,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if method in NEEDS_DRAFT:
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
-        check_draft_reads_every_token(tokenizer, draft_model)  # also when no draft tokenizer was passed
+        check_draft_reads_every_token(tokenizer, target_model, draft_model)  # also with no draft tokenizer
         token_ids = None
         if compact_draft:
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab,

@@ -133,8 +133,8 @@ def test_a_draft_tokenizer_of_another_size_names_the_first_token_it_differs_by()
 def test_a_draft_model_that_cannot_read_every_token_is_refused_before_it_runs():
     # No draft tokenizer to compare: the draft's embedding must still read every id the tokenizer makes.
     short = tiny_model("llama", 1, 1, vocab_size=20)
-    with pytest.raises(DraftwiseError, match=rf"the draft model reads 20 token ids but the tokenizer has "
-                                             rf"{len(tiny_tokenizer())} tokens"):
+    with pytest.raises(DraftwiseError, match=rf"the draft model reads 20 token ids but the target and its "
+                                             rf"tokenizer use {len(tiny_tokenizer())}"):
         Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=short, method="draft")
     padded = tiny_model("llama", 1, 1, vocab_size=len(tiny_tokenizer()) + 8)  # padding rows past the tokens: fine
     engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=padded, method="draft")
