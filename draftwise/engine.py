@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, DraftLengthPolicy
-from draftwise.backends.base import Backend
+from draftwise.adaptive import DraftLengthPolicy
+from draftwise.estimates import DRAFT_ESTIMATE, Acceptance
+from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import DRAFT_METHODS, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, SKIP_METHODS, GenerationConfig
@@ -62,7 +63,7 @@ class StepTimes:
 
 
 class Engine:
-    def __init__(self, target: Backend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int],
+    def __init__(self, target: SharedBackend, tokenizer, proposer: Proposer | None, method: str, eos: frozenset[int],
                  max_context: int | None = None, speed_paths: dict | None = None):
         """speed_paths: which speed paths were chosen at load (dtype, kernels, draft vocabulary), for the stats.
 

@@ -103,13 +103,17 @@ class Stats:
         }
 
 
+def expected_tokens(a: float, k: float) -> float:
+    """Tokens a round of k draft tokens emits on average, each kept with chance a, the target's own included."""
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
 def leviathan_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
     """Leviathan et al.: a round that offers k tokens, each kept with chance a, yields 1 + a + ... + a^k tokens for
     the time of 1 + k c target steps: (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1."""
     if a is None or k is None or c is None:
         return None
-    tokens_per_round = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens_per_round / (k * c + 1)
+    return expected_tokens(a, k) / (k * c + 1)
 
 
 def leviathan_over_rounds(a: float | None, c: float | None, rounds: int, offered_at: list[int]) -> float | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.adaptive import Acceptance, TreeSpread
+from draftwise.estimates import Acceptance, TreeSpread
 from draftwise.config import GenerationConfig
 from draftwise.metrics import Stats
 from draftwise.text import TextStream

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import (MAX_PROBE_GAP, PRIOR_ACCEPTED, PRIOR_TRIALS, PROBE_EVERY, STALE_STEPS, Acceptance,
-                               DraftLengthPolicy, StepCosts, TreeSpread, expected_tokens)
+from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, DraftLengthPolicy
+from draftwise.estimates import PRIOR_ACCEPTED, PRIOR_TRIALS, STALE_STEPS, Acceptance, StepCosts, TreeSpread
+from draftwise.metrics import expected_tokens
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear

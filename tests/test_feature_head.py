@@ -13,7 +13,8 @@ import torch
 from conftest import CORPUS, decode_together, tiny_model, tiny_tokenizer
 
 from draftwise import Engine
-from draftwise.adaptive import DraftLengthPolicy, StepCosts
+from draftwise.adaptive import DraftLengthPolicy
+from draftwise.estimates import StepCosts
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers

@@ -17,7 +17,7 @@ import torch
 from conftest import input_batch, tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
 from draftwise.config import GenerationConfig
-from draftwise.adaptive import StepCosts, TreeSpread
+from draftwise.estimates import StepCosts, TreeSpread
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
 from draftwise.proposers import HybridProposer, PromptLookupProposer

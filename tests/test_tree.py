@@ -8,7 +8,7 @@ from conftest import decode_together, tiny_model, tiny_tokenizer
 
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
-from draftwise.adaptive import StepCosts
+from draftwise.estimates import StepCosts
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow

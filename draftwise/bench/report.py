@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftwise.adaptive import interpolate
+from draftwise.estimates import interpolate
 from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, summarize, trees_beside_chains
 
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.adaptive import DRAFT_ESTIMATE, Acceptance, StepCosts, expected_tokens
+from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts
+from draftwise.metrics import expected_tokens
 from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.adaptive import DECAY, Acceptance, StepCosts
+from draftwise.estimates import DECAY, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache

@@ -25,7 +25,7 @@ from importlib.resources import files
 
 import torch
 
-from draftwise.adaptive import expected_tokens
+from draftwise.metrics import expected_tokens
 from draftwise.backends.hf import HFBackend
 from draftwise.proposers.compact import target_ids
 from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting

@@ -31,14 +31,14 @@ from itertools import accumulate
 
 import torch
 
-from draftwise.adaptive import StepCosts, Timings, interpolate
+from draftwise.estimates import StepCosts, Timings, interpolate
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
 
 BRANCH = 4  # children grown per expanded node
 WIDTH = 4  # nodes expanded per depth (one forward)
 MAX_NODES = 24  # the widest tree offered to the cost model
-DECAY = 0.9  # weight of the past in the trust by depth (the timings decay by adaptive.DECAY, in Timings)
+DECAY = 0.9  # weight of the past in the trust by depth (the timings decay by estimates.DECAY, in Timings)
 
 
 class TreeSizing:

@@ -1,0 +1,215 @@
+"""What the engine measures as it runs, for the draft length (adaptive.py) and the proposers that size their
+own guesses (prompt lookup, the hybrids, token trees).
+
+Speculation pays only when the tokens a round is expected to emit outweigh what the round costs, and both
+sides move: acceptance changes with the text (a copied span, then free prose), and the cost of a step
+depends on its shape, the dtype and the machine (in float32 on CPU, verifying 5 tokens costs about two plain
+steps; in bfloat16 about one), and on how many sequences share it: one row of a batch is nearly free while
+decoding is memory-bound, but every draft token adds a token per row to a pass that turns compute-bound.
+So both are measured as the engine runs:
+
+- acceptance `a`, per sequence (Acceptance): the maximum-likelihood per-token rate of a geometric run (kept
+  tokens over kept tokens plus rejections), decayed so that recent rounds count most, and starting from what
+  earlier sequences of the same method kept in this engine where that is above the estimate's own prior
+  (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
+  not turn drafting off;
+- the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
+  of each width n = k + 1, and seconds per draft forward, decayed the same way. A timing not renewed in STALE_STEPS
+  steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed;
+- the nodes a tree offers beside its deepest path, per sequence (TreeSpread).
+
+They sit below the proposers and the engine (DESIGN.md's layers): a proposer reads them, and never the
+policy that chooses k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # weight of the past in every running estimate, per round
+# A timing not renewed in this many steps is stale (Timings): it may date from a slow spell, and a shape that looks
+# dear is not chosen, so it would never be timed again.
+STALE_STEPS = 64
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
+CARRIED_TRIALS = 4.0  # a prior carried from earlier sequences (Acceptance.start_from) is worth four tokens
+DRAFT_ESTIMATE = "draft"  # the name of a sequence's drafting acceptance among those an engine carries
+
+
+def interpolate(table: dict[int, float], n: float) -> float:
+    """table[n] if measured, else linear between the nearest measured widths, else the nearest one's value."""
+    if n in table:
+        return table[n]
+    below = max((w for w in table if w < n), default=None)
+    above = min((w for w in table if w > n), default=None)
+    if below is None or above is None:
+        return table[below if above is None else above]
+    share = (n - below) / (above - below)
+    return (1 - share) * table[below] + share * table[above]
+
+
+def nearest(keys, n: int) -> int:
+    """The measured batch size closest to n (the smaller one on a tie: it costs less, so it is the optimist)."""
+    return min(keys, key=lambda m: (abs(m - n), m))
+
+
+@dataclass
+class Acceptance:
+    """One sequence's per-token acceptance rate."""
+
+    _accepted: float = PRIOR_ACCEPTED
+    _trials: float = PRIOR_TRIALS
+    kept: int = 0  # draft tokens kept since the start, undecayed and without the prior: what start_from carries
+    rejections: int = 0  # rounds since the start that rejected a draft token
+
+    def start_from(self, rate: float | None) -> None:
+        """Start a fresh estimate from a prior: `rate`, what earlier sequences of this kind kept, worth CARRIED_TRIALS
+        tokens, where it is above the prior the estimate was made with (the default, 0.5 worth two tokens, or a
+        pessimistic one lookup starts from after a short match); else that prior. Why: under the default one first
+        round that keeps nothing drops a to 0.32, below break-even for the 0.5B draft on a CPU without BF16, and
+        drafting stays off until a probe 8 steps on (16 if that fails too): traced on one prompt, the same request
+        drafted in 3 of 47 rounds in one run and in 21 of 21 in the next. A prior near what the draft usually does,
+        worth a little more, lets one bad round pass; two in a row still turn drafting off. Never below the made-with
+        prior, though: a start below it turns drafting off before the sequence's own text is tried, and what the draft
+        did on other texts says little of this one (an 8-token warm-up ended on 0.29 where the requests after it kept
+        about 0.7)."""
+        assert not (self.kept or self.rejections), "start_from starts a fresh estimate"
+        if rate is not None and rate > self.rate:
+            self._accepted, self._trials = rate * CARRIED_TRIALS, CARRIED_TRIALS
+
+    @property
+    def observed_rate(self) -> float | None:
+        """The rate of this sequence's rounds alone, undecayed (None before any): what it carries to the next."""
+        trials = self.kept + self.rejections
+        return self.kept / trials if trials else None
+
+    @property
+    def rate(self) -> float:
+        return self._accepted / self._trials
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """One round: num_draft offered, the first num_accepted kept."""
+        if num_draft > 0:
+            rejected = 1 if num_accepted < num_draft else 0
+            self.kept, self.rejections = self.kept + num_accepted, self.rejections + rejected
+            self.fold(num_accepted, rejected)
+
+    def fold(self, kept: float, rejections: float) -> None:
+        """New evidence into the decayed estimate: what came before weighs DECAY, the new counts whole. A round's
+        (observe), or a whole sequence's in the engine's pool of earlier sequences (Engine.recent_acceptance)."""
+        self._accepted = DECAY * self._accepted + kept
+        self._trials = DECAY * self._trials + kept + rejections
+
+
+class Timings:
+    """Seconds by shape (a pass's width, a batch's rows, a draft forward's nodes), decayed, each with the step it was
+    last timed at. A timing not renewed in STALE_STEPS steps is stale: it may date from a slow spell (a process
+    sharing the cores, an engine's first requests while the machine was busy), and a shape that looks dear is not
+    chosen, so it would never be timed again. Measured on the Zen 3: an engine whose first requests shared the CPU
+    with a busy process then offered 4-node trees in every round of the next 12 requests, the widths it no longer
+    ran priced at up to 2.3 times what a fresh engine measured. So a stale timing is priced at most as the fresh
+    ones imply (interpolated: optimism, as for a shape never timed; one too cheap is chosen, and timed, at once),
+    and its next timing replaces it instead of being averaged with it."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+        self._timed_at: dict[int, int] = {}
+        # priced() as of one step: the cost model reads a table dozens of times a round (each k, each tree size),
+        # and it changes only with the clock or a timing.
+        self._priced: tuple[int, dict[int, float]] | None = None
+
+    def observe(self, shape: int, seconds: float, now: int) -> None:
+        if self.stale(shape, now):
+            del self.seconds[shape]
+        decay_into(self.seconds, shape, seconds)
+        self._timed_at[shape] = now
+        self._priced = None
+
+    def stale(self, shape: int, now: int) -> bool:
+        """Whether this shape was timed, but not in the STALE_STEPS steps before `now`."""
+        at = self._timed_at.get(shape)
+        return at is not None and now - at >= STALE_STEPS
+
+    def priced(self, now: int) -> dict[int, float]:
+        """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""
+        if self._priced is None or self._priced[0] != now:
+            self._priced = now, self._price(now)
+        return self._priced[1]
+
+    def _price(self, now: int) -> dict[int, float]:
+        fresh = {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+        if not fresh or len(fresh) == len(self.seconds):
+            return self.seconds
+        return {shape: s if shape in fresh else min(s, interpolate(fresh, shape)) for shape, s in self.seconds.items()}
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a step's parts, by the number of rows (sequences) in it."""
+
+    _verify_s: dict[int, Timings] = field(default_factory=dict)  # rows -> seconds per pass by width n
+    _draft_s: Timings = field(default_factory=Timings)  # seconds per draft forward by rows
+    steps: int = 0  # steps timed: the clock that stale timings are judged by
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._verify_s)
+
+    def knows(self, rows: int, n: int) -> bool:
+        """Whether a pass of this many rows and this width has been timed."""
+        return rows in self._verify_s and n in self._verify_s[rows].seconds
+
+    def verify(self, rows: int, n: int) -> float:
+        near = self._widths(nearest(self._verify_s, rows))
+        if n in near:
+            return near[n]
+        # An unmeasured width at a batch size whose plain step is known: that step times what the width costs
+        # over a plain step at the nearest batch size that measured both, so that a batch size only just reached
+        # (a row joined) inherits its neighbour's verdict on drafting instead of finding every width free.
+        shaped = [r for r, widths in self._verify_s.items() if 1 in widths.seconds and len(widths.seconds) > 1]
+        if 1 in near and shaped:
+            ref = self._widths(nearest(shaped, rows))
+            return near[1] * interpolate(ref, n) / ref[1]
+        return interpolate(near, n)
+
+    def _widths(self, rows: int) -> dict[int, float]:
+        return self._verify_s[rows].priced(self.steps)
+
+    def draft(self, rows: int) -> float:
+        by_rows = self._draft_s.priced(self.steps)
+        return by_rows[nearest(by_rows, rows)] if by_rows else 0.0
+
+    def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+        """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
+        (default k; a tree's depth): what drafting and verifying took."""
+        self.steps += 1
+        self._verify_s.setdefault(rows, Timings()).observe(k + 1, verify_s, self.steps)
+        steps = k if draft_steps is None else draft_steps
+        if steps > 0:
+            self._draft_s.observe(rows, draft_s / steps, self.steps)
+
+
+class TreeSpread:
+    """A sequence's nodes beside its deepest path, per round its draft length priced (a hybrid's lookup rounds
+    apart, as for its acceptance), decayed: 0 for a chain, more for a tree, whose verification pass is as wide as
+    all its nodes. Why the draft length needs it: k prices a pass of k + 1 positions, and a tree k deep is verified
+    in a pass of k + 1 + this many. On the 2-core Zen 5 the head offered 3.2 nodes a round at depth 1 on prompts
+    where it kept 9% of them, drafting in almost every round: priced as a 2-token pass, the round looked like it
+    paid, and the 4-token pass it ran cost 1.1x a plain step for 1.09 tokens. Beside the path, not per position: a grown tree's side branches sit mostly near its root (its
+    likeliest alternatives), so a deeper tree is not proportionally wider (priced per position, the tree hybrid
+    lost 2% to its old self in an A/B; priced so, the head 1.02x, `hybrid-tree` 1.03x, `draft-tree` 1.00x)."""
+
+    def __init__(self):
+        self._side: dict[int, float] = {}  # {0: side nodes, decayed} once a round has drafted
+
+    @property
+    def side_nodes(self) -> float:
+        return self._side.get(0, 0.0)  # a chain's, until a round says otherwise
+
+    def observe(self, nodes: int, depth: int) -> None:
+        if depth > 0:
+            decay_into(self._side, 0, nodes - depth)
+
+
+def decay_into(table: dict[int, float], key: int, value: float) -> None:
+    """table[key] := value, or DECAY of the old value and the rest of the new one."""
+    old = table.get(key)
+    table[key] = value if old is None else DECAY * old + (1 - DECAY) * value
