@@ -24,7 +24,7 @@ from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
 from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
-from draftwise.files import read_prompt_file
+from draftwise.files import read_prompt_file, read_stdin_prompt
 
 PROG = "draftwise"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -217,7 +217,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
     if args.prompt == "-" or args.prompt_file == "-":
-        return sys.stdin.read()
+        return read_stdin_prompt(sys.stdin)
     return read_prompt_file(Path(args.prompt_file))
 
 

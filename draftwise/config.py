@@ -41,8 +41,8 @@ class SamplingConfig:
         return self.temperature == 0.0
 
     def check(self) -> None:
-        if not self.temperature >= 0.0:
-            raise DraftwiseError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise DraftwiseError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
         if self.top_k < 0:
             raise DraftwiseError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -21,6 +21,18 @@ def read_prompt_file(path: Path) -> str:
         raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
 
 
+def read_stdin_prompt(stdin) -> str:
+    """Standard input's text, decoded as UTF-8 whatever the locale, or a DraftwiseError that says where it is not."""
+    raw = getattr(stdin, "buffer", None)
+    if raw is None:  # already text (a test's StringIO)
+        return stdin.read()
+    data = raw.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DraftwiseError(f"standard input is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
     """write(a partial file beside path), then rename it to path: an interrupted write leaves no half file there."""
     partial = path.with_name(f".{path.name}.partial")

@@ -57,6 +57,9 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
     from draftwise.models import resolve  # the store pulls weights; only named models need it
 
     check_device(device)  # an instant, before a pull or a load of minutes
+    for name in (target, draft):  # a typo in either is refused before the other is pulled (minutes, a GB)
+        if name is not None:
+            resolve(name, pull_missing=False)
 
     target_source = resolve(target, progress=progress)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
@@ -98,6 +101,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     method = choose_method(method, draft_model is not None)
     check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
     check_kernels("draft", draft_kernels, DRAFT_KERNELS)
+    if method in NEEDS_DRAFT:  # before the kernels are timed or a head is read
+        if draft_tokenizer is not None:
+            check_same_tokenizer(tokenizer, draft_tokenizer)
+        check_draft_reads_every_token(tokenizer, target_model, draft_model)  # also with no draft tokenizer
     if method in HEAD_METHODS and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
@@ -112,9 +119,6 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     max_context = target.max_context
     if method in NEEDS_DRAFT:
-        if draft_tokenizer is not None:
-            check_same_tokenizer(tokenizer, draft_tokenizer)
-        check_draft_reads_every_token(tokenizer, target_model, draft_model)  # also with no draft tokenizer
         token_ids = None
         if compact_draft:
             draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab,

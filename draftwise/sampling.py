@@ -18,7 +18,10 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order transformers uses). logits: [..., vocab]."""
-    logits = logits.float() / cfg.temperature
+    logits = logits.float()
+    # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to -inf, not every logit
+    # to +-inf (whose softmax is NaN). The same distribution, for p and q alike.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / cfg.temperature
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

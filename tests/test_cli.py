@@ -259,11 +259,15 @@ def test_options_reach_the_engine(capsys, loads):
 
 def test_prompt_from_stdin_and_from_a_file(capsys, loads, monkeypatch, tmp_path):
     want = _direct().token_ids
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    # Standard input is read as bytes and decoded as UTF-8 whatever the locale's encoding says.
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPT.encode()), encoding="ascii"))
     args = gen("--json")
     args[args.index("--prompt") + 1] = "-"
     code, out, _ = run(capsys, *args)
     assert code == 0 and json.loads(out)["token_ids"] == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\xff"), encoding="utf-8"))
+    code, out, err = run(capsys, *args)
+    assert code != 0 and not out and "standard input is not UTF-8 text (invalid start byte at byte 2)" in err
 
     path = tmp_path / "prompt.txt"
     path.write_text(PROMPT, encoding="utf-8")
@@ -301,7 +305,7 @@ def test_ignored_draft_is_mentioned(capsys, loads):
     [
         (("-k", "0"), "num_draft_tokens (k) must be >= 1, got 0"),
         (("--num-draft-tokens", "-2"), "num_draft_tokens (k) must be >= 1, got -2"),
-        (("--temperature", "-0.5"), "temperature must be >= 0"),
+        (("--temperature", "-0.5"), "temperature must be a finite number >= 0"),
         (("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
         (("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
         (("--max-new-tokens", "0"), "max_new_tokens must be >= 1"),

