@@ -22,7 +22,7 @@ from draftwise.head.command import add_train_head
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
-from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, METHODS, GenerationConfig
+from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, HEAD_METHODS, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
 
@@ -293,6 +293,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chatty = not (args.quiet or args.json)
     if args.draft is not None and not _uses_draft(args) and chatty:
         _err(f"note: --draft is ignored with --method {args.method}")
+    if args.head and args.method not in HEAD_METHODS and chatty:
+        _err(f"note: --head is ignored with --method {args.method or 'the default'} (it serves head, hybrid-head)")
 
     if chatty:
         draft = f", draft {args.draft}" if _uses_draft(args) else ""

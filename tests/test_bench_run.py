@@ -204,6 +204,8 @@ def test_cli_bench_missing_prompt_file_and_out_that_is_a_file(tmp_path, prompts_
     a_file.write_text("x")
     assert cli.main(["bench", "--prompts", str(prompts_file), "--out", str(a_file)]) == 1
     assert "is a file" in capsys.readouterr().err
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--out", str(a_file / "under")]) == 1
+    assert f"--out {a_file / 'under'}: cannot make the folder (Not a directory)" in capsys.readouterr().err
     assert fake_load == []
 
 

@@ -295,6 +295,8 @@ def test_ignored_draft_is_mentioned(capsys, loads):
     code, _, err = run(capsys, *gen("--draft", "other", "--method", "none"))
     assert code == 0
     assert "--draft is ignored with --method none" in err
+    code, _, err = run(capsys, *gen("--head", "some-head", "--method", "none"))
+    assert code == 0 and "--head is ignored with --method none (it serves head, hybrid-head)" in err
 
 
 # ---- generate: errors --------------------------------------------------------------------------------------

@@ -60,3 +60,12 @@ def test_a_draft_path_that_does_not_exist_is_refused_before_the_target_is_pulled
     with pytest.raises(DraftwiseError, match=r"'\./typo\.gguf' is neither a known model nor a model on disk"):
         Engine.from_pretrained(target="qwen2.5-coder-1.5b-instruct", draft="./typo.gguf", progress=False)
     assert pulled == []  # the known target would have been pulled first (a GB, minutes)
+
+
+def test_a_damaged_weights_file_is_an_error_that_says_how_to_fetch_it_again(tmp_path):
+    folder = save(tmp_path / "damaged", tiny_model("qwen2", 0), tiny_tokenizer())
+    weights = next((tmp_path / "damaged").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:200])  # cut short, as a full disk or a killed copy leaves it
+    with pytest.raises(DraftwiseError, match=r"could not load a causal language model from .*damaged.*"
+                                             r"`draftwise models pull NAME --force` fetches it again"):
+        Engine.from_pretrained(target=folder, method="none", progress=False)

@@ -286,13 +286,17 @@ def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return _TORCH_DTYPES[resolve_dtype(name, device)]
 
 
+# A file damaged after it was stored fails only when read; a model of the store can be fetched again.
+REPULL_HINT = "; if it is a model of the store, `draftwise models pull NAME --force` fetches it again"
+
+
 def load_tokenizer(path: str, gguf_file: str | None = None):
     """The tokenizer alone: seconds, so a draft/target mismatch is caught before a model loads."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
-        raise DraftwiseError(f"could not load a tokenizer from {path}: {err}") from err
+    except Exception as err:  # a damaged file fails in whichever reader meets it first (safetensors, gguf, json)
+        raise DraftwiseError(f"could not load a tokenizer from {path}: {err}{REPULL_HINT}") from err
 
 
 def load_model(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "cpu",
@@ -302,8 +306,8 @@ def load_model(path: str, gguf_file: str | None = None, dtype: str = "auto", dev
     try:
         with transformers_progress(progress):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device), **kwargs)
-    except (OSError, ValueError) as err:
-        raise DraftwiseError(f"could not load a causal language model from {path}: {err}") from err
+    except Exception as err:  # as for the tokenizer: a truncated .safetensors is a SafetensorError, a .gguf an IndexError
+        raise DraftwiseError(f"could not load a causal language model from {path}: {err}{REPULL_HINT}") from err
     return model.to(device)
 
 

@@ -77,7 +77,7 @@ def add_bench(commands, formatter) -> None:
     out.add_argument("--resume", action="store_true",
                      help="keep the prompts an interrupted bench with the same options and code finished "
                           "under --out (its runs.jsonl) and run only the rest; without it a bench starts over")
-    out.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout")
+    out.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout (a long run's progress stays on stderr; -q for none)")
     out.add_argument("-q", "--quiet", action="store_true", help="no progress bars or loading messages")
     p.set_defaults(func=cmd_bench)
 
@@ -95,7 +95,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         target=args.target, draft=args.draft, methods=split_list(args.methods),
         categories=args.categories, per_category=args.per_category, limit=args.limit, prompts_file=args.prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
-        out=args.out, roofline=not args.no_roofline, progress=not (args.quiet or args.json), head=args.head,
+        out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
         resume=args.resume, device=args.device,
     )
     return per_dtype(cfg, split_list(args.dtype))

@@ -163,7 +163,10 @@ def prepare_out(path: str) -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise DraftwiseError(f"--out {path} is a file; give a folder for results.json, report.md and the plots")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DraftwiseError(f"--out {path}: cannot make the folder ({err.strerror or err})") from None
     return out
 
 
