@@ -150,6 +150,10 @@ def test_a_draft_model_that_cannot_read_every_token_is_refused_before_it_runs():
                                              rf"tokenizer use {len(tiny_tokenizer())}"):
         Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=short, method="draft")
     padded = tiny_model("llama", 1, 1, vocab_size=len(tiny_tokenizer()) + 8)  # padding rows past the tokens: fine
+    # A tokenizer listing a token past both models' rows: the draft reads what the target reads.
+    rows = len(tiny_tokenizer()) - 1
+    Engine.from_models(tiny_model("llama", 0, vocab_size=rows), tiny_tokenizer(),
+                       draft_model=tiny_model("llama", 1, 1, vocab_size=rows), method="draft")
     engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=padded, method="draft")
     assert engine.generate("the cat", max_new_tokens=4, ignore_eos=True).stats.new_tokens == 4
 

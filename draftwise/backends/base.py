@@ -2,8 +2,8 @@
 
 Two faces of one model: `SharedBackend` is the model that many sequences share (the engine's target, a draft
 model under load), and each sequence holds a `Backend`, its own slot of that model's cache, opened from it.
-HFBackend and its SlotView (hf.py) are the first pair (HFBackend is also a Backend: its single-sequence methods
-act on its `default` slot); layer skipping's SkippingBackend (proposers/layer_skip.py) is the target's
+HFBackend and its SlotView (hf.py) are the first pair (HFBackend's single-sequence methods, close aside, act on
+its `default` slot, so a proposer that runs one sequence at a time takes it as it is); layer skipping's SkippingBackend (proposers/layer_skip.py) is the target's
 forward_batch run with layers skipped, over views of the target's own slots."""
 from __future__ import annotations
 

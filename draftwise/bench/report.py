@@ -239,7 +239,8 @@ def _table_detail(summary: list[dict], methods: list[str], categories: list[str]
         "k: draft positions offered per round (a token tree's depth); nodes: draft tokens scored per round (a "
         "tree's every node; k for a chain); c: seconds per draft position over seconds per plain target step; "
         "predicted: Leviathan et al. (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured acceptance a and c, its "
-        "tokens and costs summed over the rounds by the k each offered (a plain step offers none); "
+        "tokens and costs summed over the rounds by the k each offered (a plain step offers none; transformers' "
+        "assisted generation, which does not count its offers by position, at its mean k); "
         "identical: prompts whose every repeat matched the reference greedy output."
     )
     return "## Per method and category\n\n" + md_table(header, body, align_left=2) + "\n\n" + legend
