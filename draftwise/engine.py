@@ -142,10 +142,13 @@ class Engine:
         when speculation does not pay); False drafts it every round.
         """
         cfg = GenerationConfig.from_options(**options)
-        seq = self.open_sequence(encode_prompt(self.tokenizer, prompt, chat), cfg)
-        return self._run(seq)
+        prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
+        self.check_open(prompt_ids, cfg)  # bad options raise at the call, not at the first token
+        return self._run(prompt_ids, cfg)
 
-    def _run(self, seq: Sequence) -> Iterator[Event]:
+    def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
+        # Opened at the first token, not at the call: a stream never iterated holds no slot (its finally never runs).
+        seq = self.open_sequence(prompt_ids, cfg)
         try:
             while not seq.prefill_done:
                 self.prefill(seq)
@@ -165,17 +168,15 @@ class Engine:
     # -- sequences ---------------------------------------------------------------------------------------
     def open_sequence(self, prompt_ids: list[int], cfg: GenerationConfig) -> Sequence:
         """A live sequence with its own cache slots and proposer; checked before anything is allocated."""
-        method = cfg.method or self.method
-        if method not in self.methods_available:
-            raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
-                                 f"{', '.join(self.methods_available)}")
-        self.check_limits(len(prompt_ids), cfg)
+        method = self.check_open(prompt_ids, cfg)
         if not self._default_in_use and method == self.method:
             self._default_in_use = True
             target, proposer = self.target.default, self.proposer
         else:
-            target, proposer = self.target.open_slot(), self._new_proposer(method)
+            target, proposer = self.target.open_slot(), None
         try:
+            if target is not self.target.default:
+                proposer = self._new_proposer(method)
             generator = make_generator(cfg.sampling.seed)
             target.trim(0)
             if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot (or a hybrid)
@@ -206,6 +207,15 @@ class Engine:
             pooled = self._carried.get((method, cfg.sampling.greedy), {})
             _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
         return seq
+
+    def check_open(self, prompt_ids: list[int], cfg: GenerationConfig) -> str:
+        """The method a sequence of these options would run, once its method and limits are checked."""
+        method = cfg.method or self.method
+        if method not in self.methods_available:
+            raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
+                                 f"{', '.join(self.methods_available)}")
+        self.check_limits(len(prompt_ids), cfg)
+        return method
 
     # -- the prompt cache --------------------------------------------------------------------------------
     def enable_prompt_cache(self, max_bytes: int) -> PrefixCache:
@@ -396,16 +406,24 @@ class Engine:
         verdicts: dict[int, Verdict] = {}
         features: dict[int, torch.Tensor] = {}
         timed = True  # (a pass run again row by row is not the shape the step costs price)
+        failed: dict[int, Exception] = {}  # sequences whose caches failed to commit the verdict
+        # A sampled row's draws, as they were before the pass: a row verified again alone draws them again, so a
+        # seeded text does not depend on whether a batch-mate's row failed the shared verification.
+        draws = {i: seqs[i].generator.get_state() for i in live if not seqs[i].cfg.sampling.greedy}
         try:
             try:
                 verdicts, features = self._verify(seqs, drafts, live)
             except Exception as err:
                 timed = False
-                verdicts, features = self._verify_alone(seqs, drafts, live, err)
+                verdicts, features = self._verify_alone(seqs, drafts, live, err, draws)
         finally:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
-                self._commit_caches(seq, ks[i], verdicts.get(i), features.get(i))
+                try:
+                    self._commit_caches(seq, ks[i], verdicts.get(i), features.get(i))
+                except Exception as err:  # this sequence's alone: it ends with it, its target holding the text
+                    seq.target.trim(len(seq.context) - 1)
+                    failed[i] = err
             for seq in too_slow:  # their drafts were good, and are used: the next rounds go without
                 self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
@@ -415,7 +433,8 @@ class Engine:
             steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
                                             times.verify_s, draft_steps=steps)
-        events = {seq: self._emit(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
+        events = {seq: self._emit_alone(seq, failed[i], None, ks[i], times) if i in failed else
+                  self._emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
             seq.stats.decode_s += times.total_s
@@ -483,17 +502,20 @@ class Engine:
                              [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
         return dict(zip(live, found)), dict(zip(live, features))
 
-    def _verify_alone(self, seqs: list[Sequence], drafts: list, live: list[int],
-                      shared_error: Exception) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
+    def _verify_alone(self, seqs: list[Sequence], drafts: list, live: list[int], shared_error: Exception,
+                      draws: dict[int, torch.Tensor]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
         """The shared target pass failed: each of its rows once more on its own, so that what one sequence alone
         brings (a prompt or draft the model cannot take) ends its own round, not every request in the batch. A row
-        that fails alone gets its own error in place of its draft; a single row's shared error is its own."""
+        that fails alone gets its own error in place of its draft; a single row's shared error is its own. draws:
+        the sampled rows' generator states from before the shared pass, which may have drawn for some rows."""
         if len(live) == 1:
             drafts[live[0]] = shared_error
             return {}, {}
         verdicts, features = {}, {}
         for i in live:
             seqs[i].target.trim(len(seqs[i].context) - 1)  # the shared pass may have written its row: the text only
+            if i in draws:
+                seqs[i].generator.set_state(draws[i])
             try:
                 verdict, feature = self._verify(seqs, drafts, [i])
             except Exception as own:
@@ -519,6 +541,13 @@ class Engine:
             if verdict is not None and hasattr(seq.proposer, "keep_path"):  # a tree drafted in the proposer's cache
                 seq.proposer.keep_path(path)
             seq.proposer.observe(kept)
+
+    def _emit_alone(self, seq: Sequence, draft, verdict: Verdict | None, k: int, times: StepTimes) -> list[Event]:
+        """_emit, where what fails ends this sequence alone (with its error), not the batch's step."""
+        try:
+            return self._emit(seq, draft, verdict, k, times)
+        except Exception as err:
+            return self._emit(seq, err, None, k, times)
 
     def _emit(self, seq: Sequence, draft, verdict: Verdict | None, k: int, times: StepTimes) -> list[Event]:
         if verdict is None:  # the round failed: the sequence ends here, its caches already consistent

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftwise.estimates import Acceptance, TreeSpread
 from draftwise.config import GenerationConfig
+from draftwise.estimates import Acceptance, TreeSpread
 from draftwise.metrics import Stats
 from draftwise.text import TextStream
 
@@ -32,6 +32,7 @@ class Sequence:
     finish: str | None = None  # set once the sequence has ended
     error: str | None = None  # why, when it ended in an error
     exception: BaseException | None = None  # the error itself
+    _prefilled_all: bool = field(default=False, repr=False)  # prefill_done, once it has been
 
     @property
     def draft_behind(self) -> int:
@@ -43,8 +44,14 @@ class Sequence:
     def prefill_done(self) -> bool:
         """The target holds the prompt but its last token; so does the draft of a sequence drafting a fixed k. An
         adaptive sequence's draft is filled only once speculation pays (Engine.wants_catch_up): under load it may
-        never be, and its prefill would be wasted."""
-        return self.prefilled >= len(self.prompt_ids) - 1 and (self.acceptance is not None or not self.draft_behind)
+        never be, and its prefill would be wasted. Once done, it stays done: a round that keeps every draft token
+        leaves the draft one behind (its last token is never fed), which the next round's first forward feeds, as
+        the engine alone does; read again, it had a server's fixed-k request sit out every step after such a round
+        while a separate forward fed that one token (a longer lag is Engine.wants_catch_up's)."""
+        if not self._prefilled_all:
+            self._prefilled_all = (self.prefilled >= len(self.prompt_ids) - 1
+                                   and (self.acceptance is not None or not self.draft_behind))
+        return self._prefilled_all
 
     @property
     def remaining(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import Engine
+from draftwise import engine as engine_module
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.sampling import make_generator
 from draftwise.types import Draft
@@ -129,6 +130,26 @@ def test_a_round_that_raises_in_one_sequence_ends_only_that_one():
     assert eng.target.open_slots == 1
 
 
+@pytest.mark.parametrize("stage", ["commit", "emit"])
+def test_a_sequence_that_fails_after_verification_ends_alone(stage):
+    # After the shared pass each sequence commits its caches and emits its text: what fails there (a proposer's
+    # commit, a detokenizer) is that sequence's alone, as a failed round is.
+    eng = engine("llama")
+
+    def fail(seq):
+        if seq.prompt_ids == tiny_tokenizer()(PROMPTS[1])["input_ids"] and seq.stats.new_tokens >= 5:
+            if stage == "commit":
+                seq.proposer.observe = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+            else:
+                seq.text.add = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+
+    seqs = run_together(eng, [(p, greedy(25)) for p in PROMPTS[:4]], fail=fail)
+    assert seqs[1].finish == "error" and "injected" in seqs[1].error
+    for i in (0, 2, 3):
+        assert seqs[i].context[len(seqs[i].prompt_ids):] == reference("llama", PROMPTS[i], 25)
+    assert eng.target.open_slots == 1
+
+
 def test_a_seeded_sampled_request_repeats_alone_and_in_a_batch():
     eng = engine("llama")
     cfg = GenerationConfig.from_options(max_new_tokens=20, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
@@ -212,3 +233,56 @@ def test_a_target_pass_that_fails_for_one_row_ends_only_that_request():
     for i in (0, 2, 3):
         assert seqs[i].context[len(seqs[i].prompt_ids):] == reference("llama", PROMPTS[i], 25)
     assert eng.target.open_slots == 1
+
+
+def test_a_seeded_request_draws_the_same_when_a_batch_mates_row_fails_the_shared_verification(monkeypatch):
+    # The shared verification draws for the rows before the one that fails it; verified again alone, the seeded
+    # row must draw from where it stood, or its text would depend on another request's failure.
+    eng = engine("llama")
+    cfg = GenerationConfig.from_options(max_new_tokens=20, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
+    alone = run_together(eng, [(PROMPTS[0], cfg)])[0].context
+    real, shared_failures = engine_module.verify_batch, []
+
+    def draw_then_fail_when_shared(batch, logits, samplings, generators):
+        verdicts = real(batch, logits, samplings, generators)
+        if len(generators) > 1:
+            shared_failures.append(len(generators))
+            raise RuntimeError("injected after the draws")
+        return verdicts
+
+    monkeypatch.setattr(engine_module, "verify_batch", draw_then_fail_when_shared)
+    sampled = GenerationConfig.from_options(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    # Both prefilled at once, so they share every step (and every shared verification draws, then fails).
+    crowd = run_together(eng, [(PROMPTS[2], sampled), (PROMPTS[0], cfg)], chunk=64)
+    assert shared_failures and crowd[0].finish == crowd[1].finish == "length"
+    assert crowd[1].context == alone
+
+
+def test_a_stream_never_read_holds_no_slot_and_a_failed_open_gives_its_slot_back(monkeypatch):
+    eng = engine("llama")
+    slots = eng.target.open_slots
+    for _ in range(3):
+        eng.stream(PROMPTS[0], max_new_tokens=4)  # made, never iterated: its finally would never run
+    assert eng.target.open_slots == slots
+    assert [e.token_id for e in eng.stream(PROMPTS[1], max_new_tokens=4, ignore_eos=True)][:4] == \
+        reference("llama", PROMPTS[1], 4)
+    held = eng.open_sequence(tiny_tokenizer()(PROMPTS[0])["input_ids"], greedy(4))  # takes the default slot
+    monkeypatch.setattr(eng, "_new_proposer", lambda method: (_ for _ in ()).throw(MemoryError("no room")))
+    with pytest.raises(MemoryError):
+        eng.open_sequence(tiny_tokenizer()(PROMPTS[1])["input_ids"], greedy(4))  # a slot of its own, then fails
+    assert eng.target.open_slots == slots
+    eng.close_sequence(held)
+
+
+def test_a_fixed_k_sequence_stays_prefilled_when_a_round_leaves_its_draft_one_behind():
+    # A draft that is the target keeps every token; the last is never fed, so the draft ends each round one behind.
+    # That is the next round's to feed, as alone: the sequence must not drop out of the batch's steps for it.
+    eng = Engine.from_models(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 0), method="draft")
+    seq = eng.open_sequence(tiny_tokenizer()(PROMPTS[1])["input_ids"], greedy(16, k=3, adaptive=False))
+    while not seq.prefill_done:
+        eng.prefill(seq)
+    for _ in range(3):
+        eng.step([seq])
+        assert seq.draft_behind == 1 and seq.prefill_done
+    assert seq.stats.accepted == seq.stats.proposed == 9
+    eng.close_sequence(seq)

@@ -156,7 +156,10 @@ class Scheduler:
             self._draining = True
             self._cond.notify()
         deadline = time.monotonic() + timeout
-        while (self._waiting or self._running) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with self._cond:  # (admitting moves a ticket from waiting to running under this lock: never in neither)
+                if not (self._waiting or self._running):
+                    break
             time.sleep(0.02)
         with self._cond:
             for ticket in [*self._waiting, *self._running]:
@@ -234,7 +237,7 @@ class Scheduler:
 
     def _step(self) -> None:
         ready = []
-        for ticket in self._running:
+        for ticket in list(self._running):  # (a ticket failed here leaves _running)
             if not ticket.seq.prefill_done:
                 continue
             try:
