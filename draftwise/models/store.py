@@ -111,7 +111,9 @@ def pull(
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
         out = work / "model"
         _convert(spec, gguf, out, steps.convert, progress, timings)
+        _sync_files(out)  # on disk before the manifest says they are whole (a power cut would otherwise decide)
         _write_manifest(out, spec, timings)
+        _sync_files(out)
         return _install(out, final, work, force)
     except OSError as err:  # a full disk, a folder made read-only: said plainly, and nothing was kept
         raise ModelStoreError(f"pulling {spec.name} failed writing under {store_home()} "
@@ -218,6 +220,16 @@ def _write_manifest(out: Path, spec: ModelSpec, timings: dict[str, float]) -> No
         "timings_s": {key: round(value, 2) for key, value in timings.items()},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _sync_files(folder: Path) -> None:
+    """Flush every file under folder, then the folder itself (its entries), to the disk."""
+    for path in [*sorted(p for p in folder.rglob("*") if p.is_file()), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _install(out: Path, final: Path, work: Path, force: bool) -> Path:
