@@ -32,7 +32,7 @@ from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.text import TextStream
-from draftwise.tokenizers import encode_prompt
+from draftwise.tokenizers import encode_prompt, readable_ids
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
@@ -75,6 +75,7 @@ class Engine:
         self.method = method
         self.eos = eos
         self.max_context = max_context or target.max_context  # the smallest context of the models involved
+        self.readable_ids = readable_ids(tokenizer, target.model)  # the ids a prompt of token ids may hold
         self.speed_paths = dict(speed_paths or {})
         self._default_in_use = False
         self.last_step = StepTimes()
@@ -215,6 +216,9 @@ class Engine:
             raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
                                  f"{', '.join(self.methods_available)}")
         self.check_limits(len(prompt_ids), cfg)
+        if any(not 0 <= t < self.readable_ids for t in prompt_ids):
+            raise DraftwiseError(f"token ids in the prompt must be in [0, {self.readable_ids}): the ids the "
+                                 "tokenizer and the target's embedding share")
         return method
 
     # -- the prompt cache --------------------------------------------------------------------------------

@@ -527,6 +527,7 @@ def test_check_device_names_the_gpus_there_are(monkeypatch):
     ("--prompt-cache-mb", "nan", "--prompt-cache-mb must be a number >= 0"),
     ("--drain-timeout", "-5", "--drain-timeout must be a number >= 0, got -5.0"),
     ("--draft-timeout-ms", "0", "--draft-timeout-ms must be a number > 0"),
+    ("--api-key", "", "--api-key (or $DRAFTWISE_API_KEY) is empty"),
 ])
 def test_serve_refuses_bad_limits_before_loading_naming_the_flag(capsys, store, monkeypatch, flag, value, message):
     def no_load(*args, **kwargs):

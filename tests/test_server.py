@@ -131,6 +131,9 @@ def test_per_request_speculation_settings(server):
     ({"extra_body": {"speculation": {"k": 3}}}, "speculation"), ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"seed": 1.5}, "seed"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
     ({"seed": 2**64}, "seed"), ({"max_tokens": 10**400}, "max_tokens"),  # (past a float's range: no overflow)
+    ({"stop": "x" * 1001}, "stop"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"extra_body": {"max_completion_tokens": None, "max_tokens": 10**6}}, "max_tokens"),
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
 ])
 def test_bad_parameters_are_400s_that_name_the_parameter(server, options, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -152,6 +155,31 @@ def test_unknown_model_malformed_json_and_overlong_prompts(server):
     parts = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
     not_text = httpx.post(f"{url}/v1/chat/completions", json=parts)
     assert not_text.status_code == 400 and not_text.json()["error"]["param"] == "messages"
+    assert complete(url, PROMPTS[0]).choices[0].text  # and the server goes on serving
+
+
+def test_bodies_no_tokenizer_or_parser_can_take_are_400s_or_413_not_500s(server, monkeypatch):
+    url = server[0]
+
+    def post(content: bytes, route="completions"):
+        return httpx.post(f"{url}/v1/{route}", content=content, headers={"content-type": "application/json"})
+
+    surrogate = post(b'{"model": "tiny", "prompt": "a\\ud800"}')  # a lone surrogate, as JSON may escape it
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"
+    chat = post(b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', "chat/completions")
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    digits = post(b'{"model": "tiny", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}")
+    deep = post(b"[" * 200_000)
+    assert digits.status_code == deep.status_code == 400 and deep.json()["error"]["code"] == "invalid_json"
+    # Refused by their size before a tokenizer or the per-id check runs on the event loop.
+    for prompt in ("word " * 10_000, [1] * 100_000):  # (the tiny context: 512 tokens, 32,768 characters)
+        too_long = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt}, timeout=30)
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    ids = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, len(tiny_tokenizer())]})
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+    monkeypatch.setattr("draftwise.serve.app.MAX_BODY_BYTES", 1000)
+    large = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2000})
+    assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
     assert complete(url, PROMPTS[0]).choices[0].text  # and the server goes on serving
 
 
@@ -297,6 +325,24 @@ def test_a_client_that_leaves_is_counted_as_cancelled(server):
     wait_until(lambda: metric(url, "draftwise_requests_total", '{finish_reason="cancelled",arm=""}') == before + 1)
 
 
+def test_a_client_that_leaves_a_whole_reply_while_tokens_keep_coming_frees_its_slot():
+    # Tokens every 20 ms, never a pause of the relay's poll: the disconnect must still be seen within about one.
+    url, scheduler, metrics, stop = start()
+    scheduler.fault_injector = lambda seq: time.sleep(0.02)
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+                "speculation": "off"}  # a token a step: about 8 s to max_tokens
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+        left = time.monotonic()
+        wait_until(lambda: metric(url, "draftwise_requests_total", '{finish_reason="cancelled",arm=""}') == 1)
+        wait_until(lambda: scheduler.engine.target.open_slots == 1)  # (freed at the scheduler's next step)
+        assert time.monotonic() - left < 4.0
+    finally:
+        stop()
+        scheduler.drain(5)
+
+
 def test_a_wrong_or_missing_api_key_is_refused_but_health_is_open():
     url, scheduler, _, stop = start(api_key="s3cret")
     try:
@@ -305,6 +351,8 @@ def test_a_wrong_or_missing_api_key_is_refused_but_health_is_open():
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200
         assert client(url, "s3cret").models.list().data[0].id == MODEL
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
     finally:
         stop()
         scheduler.drain(5)

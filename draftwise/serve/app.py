@@ -27,6 +27,7 @@ from draftwise.types import Event
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "content_filter": "content_filter"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
+MAX_BODY_BYTES = 32 * 2**20  # a request body; a context of 32,768 tokens is well under 1 MiB of text
 
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
@@ -46,8 +47,9 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
     _add_error_handlers(app, metrics)
 
     def check_key(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if api_key and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer"  # (the scheme's case is free, as in RFC 9110)
+                            and secrets.compare_digest(given.strip().encode(), api_key.encode())):
             raise RequestError("a valid API key is required: send the header 'Authorization: Bearer KEY'",
                                status=401, kind="authentication_error", code="invalid_api_key", reason="unauthorized")
 
@@ -80,8 +82,8 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
         arrived = time.perf_counter()
         try:
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                body = json.loads(await _body(request))
+            except (ValueError, RecursionError) as err:  # (a bad encoding, an integer of 5,000 digits, deep nests)
                 raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
                                    reason="invalid_json") from err
             parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens, experiment)
@@ -190,24 +192,47 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
         return _error(RequestError(f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error"))
 
 
+async def _body(request: Request) -> bytes:
+    """The request's body, read up to MAX_BODY_BYTES: more is refused (413) before it is all in memory."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise _too_large()
+    return bytes(body)
+
+
+def _too_large() -> RequestError:
+    return RequestError(f"the request body is over {MAX_BODY_BYTES // 2**20} MiB", status=413,
+                        code="request_too_large", reason="too_large")
+
+
 class _Relay:
     """Carries events from the scheduler thread into this request's event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._checked = loop.time()  # when the client was last seen connected
 
     def sink(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def next(self, request: Request, poll_s: float = 0.5) -> Event | None:
-        """The next event, or None once the client has disconnected."""
+        """The next event, or None once the client has disconnected. Asked every poll_s whether events come or
+        not: asked only in a pause between events, a client that left a whole reply while tokens kept coming held
+        its slot to max_tokens."""
         while True:
+            if self.loop.time() - self._checked >= poll_s:
+                self._checked = self.loop.time()
+                if await request.is_disconnected():
+                    return None
             try:
                 return await asyncio.wait_for(self.queue.get(), poll_s)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                continue
 
 
 class _Reply:

@@ -128,6 +128,9 @@ def _check_limits(args: argparse.Namespace) -> None:
     if args.draft_timeout_ms is not None and not (math.isfinite(args.draft_timeout_ms) and args.draft_timeout_ms > 0):
         raise DraftwiseError(f"--draft-timeout-ms must be a number > 0 (leave it out for no timeout), "
                              f"got {args.draft_timeout_ms}")
+    if args.api_key is not None and not args.api_key.strip():  # an empty key would quietly turn the check off
+        raise DraftwiseError("--api-key (or $DRAFTWISE_API_KEY) is empty: give a key, or leave both unset to serve "
+                             "without one")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -156,5 +156,5 @@ def _unit_hash(value) -> float:
     """A point of [0, 1) that depends on the value alone: the same in every process and on every run (unlike
     Python's hash, salted per process)."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    digest = hashlib.sha256(text.encode()).digest()
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()  # (JSON may carry a lone surrogate)
     return int.from_bytes(digest[:8], "big") / 2**64

@@ -12,6 +12,10 @@ from draftwise.errors import DraftwiseError
 from draftwise.tokenizers import encode_prompt
 
 MAX_STOPS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 1000  # each stop string: matched against the text's end at every token, on the model's thread
+# A prompt string longer than this many characters a context position is refused before it is tokenized (the
+# tokenizer runs on the server's event loop): no tokenizer packs that much text into a token.
+MAX_CHARS_PER_TOKEN = 64
 
 # OpenAI parameters this server does not implement: refused when set to anything but "off", so that a client never
 # silently gets something other than what it asked for. Fields not named here and not read below are ignored.
@@ -57,17 +61,19 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
                            status=404, code="model_not_found", reason="unknown_model")
     _number(body, "n", 1, 1, 1, integer=True)
     _refuse_unsupported(body)
-    prompt_ids = _chat_ids(body, engine.tokenizer) if chat else _prompt_ids(body, engine.tokenizer)
+    prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context) if chat
+                  else _prompt_ids(body, engine.tokenizer, engine.max_context, engine.readable_ids))
     room = engine.max_context - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}",
                            "messages" if chat else "prompt", code="context_length_exceeded", reason="context_length")
     default_max = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
-    max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                         default_max, 1, None, integer=True)
+    # The newer name wins where it is given; a null one leaves the older name in force.
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, limit, default_max, 1, None, integer=True)
     if max_tokens > room:
-        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                           f"context of {engine.max_context} tokens; at most {room} fit", "max_tokens",
+        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus {limit} ({max_tokens}) exceeds the "
+                           f"context of {engine.max_context} tokens; at most {room} fit", limit,
                            code="context_length_exceeded", reason="context_length")
     arm, speculation = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
     spec = speculation_options(speculation, engine.methods_available)
@@ -82,14 +88,19 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
     )
     options.update(spec)
     stream = _flag(body, "stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise RequestError("'stream_options' must be an object", "stream_options")
+    stream_options = body.get("stream_options")
+    if stream_options is None:
+        stream_options = {}
+    elif not isinstance(stream_options, dict):
+        raise RequestError("'stream_options' must be an object {include_usage}", "stream_options")
+    elif not stream:
+        raise RequestError("'stream_options' is only allowed with stream: true", "stream_options")
+    include_usage = _flag(stream_options, "include_usage", param="stream_options.include_usage")
     try:
         cfg = GenerationConfig.from_options(**options)
     except DraftwiseError as err:
         raise RequestError(str(err)) from err
-    return Parsed(prompt_ids, cfg, stream, bool(stream_options.get("include_usage")), arm)
+    return Parsed(prompt_ids, cfg, stream, include_usage, arm)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -99,22 +110,47 @@ def _refuse_unsupported(body: dict) -> None:
                                f"{json.dumps(off[-1])})", name, code="unsupported_parameter")
 
 
-def _prompt_ids(body: dict, tokenizer) -> list[int]:
+def _prompt_ids(body: dict, tokenizer, max_context: int, readable_ids: int) -> list[int]:
+    """readable_ids: the ids the target reads (its embedding's rows, at most the tokenizer's tokens)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return encode_prompt(tokenizer, prompt, False)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = len(tokenizer)
-        if any(not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"token ids in 'prompt' must be in [0, {vocab})", "prompt")
-        return list(prompt)
+        _check_length(len(prompt), max_context, "prompt")
+        return _encoded(lambda: encode_prompt(tokenizer, prompt, False), "prompt")
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > max_context:  # (before each id is looked at)
+            _check_length(len(prompt), max_context, "prompt", unit="token ids")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(not 0 <= t < readable_ids for t in prompt):
+                raise RequestError(f"token ids in 'prompt' must be in [0, {readable_ids})", "prompt")
+            return list(prompt)
     raise RequestError("'prompt' must be a non-empty string, or a non-empty list of token ids (one prompt: n=1)",
                        "prompt")
 
 
-def _chat_ids(body: dict, tokenizer) -> list[int]:
+def _check_length(size: int, max_context: int, param: str, unit: str = "characters") -> None:
+    """Refuse, before tokenizing, what cannot fit the context however it tokenizes."""
+    most = max_context if unit == "token ids" else max_context * MAX_CHARS_PER_TOKEN
+    if size > most:
+        raise RequestError(f"the {param} has {size} {unit}; the context holds {max_context} tokens (at most "
+                           f"{most} {unit})", param, code="context_length_exceeded", reason="context_length")
+
+
+def _encoded(encode, param: str) -> list[int]:
+    """The tokenizer's ids, or a 400 naming the parameter: text it cannot take (a lone surrogate) or no tokens."""
+    try:
+        return encode()
+    except (TypeError, UnicodeError) as err:
+        raise RequestError(f"the {param} cannot be tokenized ({type(err).__name__}: {err}); send valid Unicode "
+                           "text", param) from err
+    except TemplateError as err:  # the model's template refuses the conversation (e.g. roles must alternate)
+        raise RequestError(f"the model's chat template refused these messages: {err}", param) from err
+    except DraftwiseError as err:  # (an empty prompt)
+        raise RequestError(str(err), param) from err
+
+
+def _chat_ids(body: dict, tokenizer, max_context: int) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -132,12 +168,8 @@ def _chat_ids(body: dict, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
         plain.append({"role": m["role"], "content": content})
-    try:
-        return encode_prompt(tokenizer, plain, True)
-    except TemplateError as err:  # the model's template refuses the conversation (e.g. roles must alternate)
-        raise RequestError(f"the model's chat template refused these messages: {err}", "messages") from err
-    except DraftwiseError as err:
-        raise RequestError(str(err), "messages") from err
+    _check_length(sum(len(m["role"]) + len(m["content"]) for m in plain), max_context, "messages")
+    return _encoded(lambda: encode_prompt(tokenizer, plain, True), "messages")
 
 
 def speculation_options(value, methods_available) -> dict:
@@ -172,8 +204,10 @@ def _stops(value) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise RequestError(f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them", "stop")
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise RequestError(f"'stop' must be a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of "
+                           f"up to {MAX_STOPS} of them", "stop")
     return tuple(stops)
 
 
