@@ -493,3 +493,63 @@ def test_a_head_for_another_hidden_size_is_refused(heads):
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)).eval()
     with pytest.raises(DraftwiseError, match="hidden size 64"):
         Engine.from_models(wider, tokenizer, method="head", head=str(folder))
+
+
+def test_a_finished_run_run_again_keeps_its_head_and_record(heads):
+    folder, _ = heads()
+    before = (folder / "training.json").read_text()
+    said = []
+    again = train_head(tiny_model("qwen2", 0), tiny_tokenizer(), folder, TINY, progress=False,
+                       pieces=answers("qwen2"), log=said.append)
+    assert again == json.loads(before) and (folder / "training.json").read_text() == before  # (it had crashed)
+    assert said == [f"the head in {folder} is already trained with these settings and data; its record is kept"]
+
+
+def test_a_folder_holds_one_targets_run(heads):
+    # Another model (or dtype) would reuse this run's features, named by the text alone, and resume its checkpoint.
+    folder, _ = heads()
+    with pytest.raises(ValueError, match="holds a run of another target or dtype"):
+        train_head(tiny_model("qwen2", 1), tiny_tokenizer(), folder, TINY, progress=False, pieces=answers("qwen2"),
+                   log=lambda _: None)
+    with pytest.raises(ValueError, match="holds a run of another target or dtype"):
+        train_head(tiny_model("qwen2", 0).to(torch.bfloat16), tiny_tokenizer(), folder, TINY, progress=False,
+                   pieces=answers("qwen2"), log=lambda _: None)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--out", "{file}/head"], "cannot make the folder (Not a directory)"),
+    (["--lr", "inf"], "--lr must be a number > 0, got inf"),
+])
+def test_train_head_refuses_an_unusable_out_or_lr_before_loading(tmp_path, capsys, monkeypatch, options, message):
+    from draftwise import cli
+
+    monkeypatch.setattr("draftwise.loading.load_models", lambda *a, **k: pytest.fail("the target loaded first"))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    args = [option.format(file=a_file) for option in options]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "head")]
+    assert cli.main(["train-head", "--target", "tiny", *out, *args, "-q"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_the_corpus_keeps_no_benchmark_no_standard_library_copy_and_each_text_once(tmp_path):
+    import textwrap as stdlib_module
+
+    from draftwise.head.corpus import corpus_texts, stdlib_lines
+
+    prose = "A guide to this package. " * 40
+    files = {
+        "alpha/guide.md": prose,
+        "alpha/evals/human_eval_tasks.md": "Tasks to check a model with. " * 40,  # named in its path
+        "beta/notes.md": "Scores on SpecBench prompts. " * 40,  # named in its text
+        "beta/_vendor/alpha/guide.md": prose,  # a vendored copy: the same text
+        "gamma/_compat/textwrap.py": Path(stdlib_module.__file__).read_text(),  # the standard library's own
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    kept = [label for label, _ in corpus_texts(sorted(tmp_path.iterdir()), stdlib_lines())]
+    assert kept == ["alpha/guide.md"]
+    # A vendored copy's name falls on the same side of the split as its package's own file.
+    assert all(_held_back(f"pip/_vendor/{name}") == _held_back(name) for name in ("rich/a.py", "idna/core.py",
+                                                                                  "packaging/version.py"))

@@ -2,12 +2,14 @@
 
 Why these: they are on every machine that runs draftwise (no download), they mix code with English prose
 (docstrings, READMEs, guides), and nothing we evaluate on is among them. Excluded on purpose: the Python
-standard library (users benchmark code assistants on it), draftwise itself (its package data holds the
-Spec-Bench prompts), and any file that names HumanEval or MBPP. Files are taken round-robin across packages
+standard library (users benchmark code assistants on it), a package's vendored copy of it too, draftwise itself
+(its package data holds the Spec-Bench prompts), and any file whose path or text names HumanEval, MBPP or
+Spec-Bench. Files are taken round-robin across packages
 in sorted order, so the corpus is the same on every run and no one package dominates it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -16,7 +18,11 @@ from pathlib import Path
 
 SUFFIXES = (".py", ".md", ".rst", ".txt")
 EXCLUDED_PACKAGES = ("draftwise",)
-EXCLUDED_WORDS = ("humaneval", "mbpp", "spec_bench", "spec-bench")
+EXCLUDED_WORDS = ("humaneval", "human_eval", "human-eval", "mbpp", "spec_bench", "spec-bench", "specbench")
+# A package may vendor a copy of a standard-library module (setuptools' _distutils, a backport): a file whose long
+# lines are mostly the standard library's is that library, wherever it is installed.
+STDLIB_SHARE = 0.5
+STDLIB_LINE = 24  # characters: shorter lines ("import os", "return None") are every file's
 MAX_FILE_BYTES = 200_000  # generated tables and vendored blobs teach nothing
 MIN_FILE_BYTES = 400
 MAX_SEQUENCES_PER_FILE = 2  # more files, not longer ones: variety teaches more than one file's tail
@@ -44,9 +50,12 @@ def package_files(root: Path) -> list[Path]:
     return sorted(found, key=lambda path: path.suffix == ".py")
 
 
-def corpus_texts(roots: list[Path]) -> Iterator[tuple[str, str]]:
-    """(a label "package/relative/path", the file's text), round-robin over the packages' files."""
+def corpus_texts(roots: list[Path], stdlib: frozenset[int] | None = None) -> Iterator[tuple[str, str]]:
+    """(a label "package/relative/path", the file's text), round-robin over the packages' files; each text once (a
+    vendored copy is the same file), none that names a benchmark or copies the standard library.
+    stdlib: the standard library's long lines (stdlib_lines(); read on first use)."""
     queues = [(root, package_files(root)) for root in roots]
+    seen: set[int] = set()
     for i in range(max((len(files) for _, files in queues), default=0)):
         for root, files in queues:
             if i >= len(files):
@@ -55,9 +64,41 @@ def corpus_texts(roots: list[Path]) -> Iterator[tuple[str, str]]:
                 text = files[i].read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            if any(word in text.lower() for word in EXCLUDED_WORDS):
+            label = f"{root.name}/{files[i].relative_to(root)}"
+            if any(word in f"{label}\n{text}".lower() for word in EXCLUDED_WORDS) or hash(text) in seen:
                 continue
-            yield f"{root.name}/{files[i].relative_to(root)}", text
+            if stdlib is None:
+                stdlib = stdlib_lines()
+            if copies_stdlib(text, stdlib):
+                continue
+            seen.add(hash(text))
+            yield label, text
+
+
+def _long_lines(text: str) -> set[int]:
+    return {hash(line) for line in map(str.strip, text.splitlines()) if len(line) >= STDLIB_LINE}
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_lines() -> frozenset[int]:
+    """The long lines of the standard library's Python source (of the Python running this)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines: set[int] = set()
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages", "__pycache__")]
+        for name in names:
+            if name.endswith(".py"):
+                try:
+                    lines |= _long_lines((Path(folder) / name).read_text(encoding="utf-8"))
+                except (OSError, UnicodeDecodeError):
+                    continue
+    return frozenset(lines)
+
+
+def copies_stdlib(text: str, stdlib: frozenset[int]) -> bool:
+    """Whether most of the text's long lines are the standard library's."""
+    lines = _long_lines(text)
+    return bool(lines) and len(lines & stdlib) >= STDLIB_SHARE * len(lines)
 
 
 @dataclass(frozen=True)

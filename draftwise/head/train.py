@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import time
 import zlib
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +42,7 @@ from draftwise.hardware import native_bf16
 
 VAL_EVERY = 20  # one source file in 20 is held back for validation
 CHECKPOINT_FILE = "checkpoint.pt"
+TARGET_FILE = "target.json"  # the target (class, dtype, device, weights) whose run the folder holds
 REGRESSION_WEIGHT = 0.1
 WINDOW_SHARE = 0.98  # of the training sequences, those the head's attention window covers whole
 
@@ -85,6 +87,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         raise ValueError(f"--feature-layers {','.join(map(str, cfg.feature_layers))}: the target's decoder layers "
                          f"are 0 to {layers - 1}")
     out.mkdir(parents=True, exist_ok=True)
+    _claim(out, target_fingerprint(target_model))
     from_corpus = pieces is None
     # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
     # it (backends/kernels.py; same values). On a Zen 3 in float32, generate()'s batch of 8 answers took 63 s
@@ -122,6 +125,9 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     head = FeatureHead(head_cfg).to(embed.weight.device)
     trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train), data_key=data_key)
     resumed = step = trainer.resume(out / CHECKPOINT_FILE)
+    if resumed == cfg.epochs * len(train) and (out / "training.json").is_file():
+        log(f"the head in {out} is already trained with these settings and data; its record is kept")
+        return json.loads((out / "training.json").read_text())
     before = trainer.evaluate(val)
     log(f"validation {'at the checkpoint' if step else 'before training'}: {before.line()}")
     order = random.Random(cfg.seed)
@@ -146,6 +152,8 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
             after = trainer.evaluate(val)
             history.append(asdict(after))
             log(f"validation after epoch {epoch + 1}: {after.line()}")
+    if not history:  # every epoch ended before the checkpoint, whose record was lost: the head as it was saved
+        history.append(asdict(before))
     trained_lengths = [len(s["ids"]) for s in train]
     record = {
         "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
@@ -168,6 +176,28 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     save_head(head, ids, out)
     (out / "training.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def target_fingerprint(model) -> dict:
+    """What makes a run's answers, features and checkpoint this target's own: its class, dtype, device and weights
+    (their sums, as a checksum; read in float64 without a copy)."""
+    sums = [float(layer.weight.detach().sum(dtype=torch.float64)) for layer in (model.get_input_embeddings(),
+                                                                         model.get_output_embeddings())]
+    return {"model": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch."),
+            "device": model.device.type, "weight_sums": [round(value, 6) for value in sums]}
+
+
+def _claim(out: Path, fingerprint: dict) -> None:
+    """One folder, one target: a run of another model or dtype would reuse this one's answers and features (named
+    by the text alone) and resume its checkpoint, silently training on the other's features."""
+    path = out / TARGET_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved != fingerprint:
+            raise ValueError(f"{out} holds a run of another target or dtype ({saved}; this one: {fingerprint}); "
+                             "give another --out, or delete that folder to start over")
+        return
+    write_whole(path, lambda p: p.write_text(json.dumps(fingerprint)))
 
 
 def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[Piece]:
@@ -211,8 +241,11 @@ def readout_cover(sequences: list[dict], ids: torch.Tensor) -> float:
 
 
 def _held_back(source: str) -> bool:
-    """One source in VAL_EVERY, by a hash of its name: the same files on every run."""
-    return zlib.crc32(source.encode()) % VAL_EVERY == 0
+    """One source in VAL_EVERY, by a hash of its name: the same files on every run. A vendored copy
+    (pip/_vendor/rich/x.py) is named as its own package's file (rich/x.py), so the two, nearly one text, fall on the
+    same side of the split."""
+    own = re.split(r"/_?vendor(?:ed)?/", source)[-1]
+    return zlib.crc32(own.encode()) % VAL_EVERY == 0
 
 
 class _Trainer:
