@@ -75,11 +75,21 @@ def machine_key(device: str = "cpu") -> str:
 
 
 def _cpu_model_name() -> str:
+    """The processor's name with its family and model: clouds name different generations alike ("AMD EPYC" is a
+    Zen 3, 4 or 5), and what a timing or a calibration measured on one says little of another."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name

@@ -5,6 +5,7 @@ Tiny models; what is checked is which runs happen and what results.json holds, n
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -119,6 +120,35 @@ def test_a_line_cut_off_by_a_crash_runs_again_and_the_journal_stays_readable(tmp
 
     res = run_bench(_config(tmp_path, prompts_file, resume=True), models=MODELS)
     assert len(calls) == 2 * PER_PROMPT and res["meta"]["resumed_prompts"] == {"float32": 2}
+
+
+def test_a_line_that_is_not_an_entry_runs_its_prompt_again(tmp_path, prompts_file, timed_runs):
+    calls, _ = timed_runs
+    _interrupt(tmp_path, prompts_file, timed_runs, after=PER_PROMPT)
+    journal = tmp_path / "out" / JOURNAL_NAME
+    journal.write_text(journal.read_text() + '{"dtype": "float32"}\n{"runs": []}\n')  # parse, but hold no runs
+    res = run_bench(_config(tmp_path, prompts_file, resume=True), models=MODELS)
+    assert res["meta"]["resumed_prompts"] == {"float32": 1}
+
+
+def test_resume_refuses_a_journal_of_another_machine_or_model_files(tmp_path, prompts_file, timed_runs,
+                                                                     monkeypatch):
+    _interrupt(tmp_path, prompts_file, timed_runs, after=PER_PROMPT)
+    monkeypatch.setattr("draftwise.bench.run.machine_description", lambda: "another machine")
+    with pytest.raises(DraftwiseError, match=r"differs in: machine\)"):
+        run_bench(_config(tmp_path, prompts_file, resume=True), models=MODELS)
+    monkeypatch.undo()
+    target = tmp_path / "my-model"  # a local folder, retrained between the crash and the resume
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"old")
+    cfg = _config(tmp_path / "local", prompts_file)
+    from draftwise.bench.run import model_files
+
+    before = model_files(replace(cfg, target=str(target)))
+    (target / "model.safetensors").write_bytes(b"newer")
+    after = model_files(replace(cfg, target=str(target)))
+    assert before["target"] != after["target"] and before["target"][0][:2] == ["model.safetensors", 3]
+    assert model_files(replace(cfg, target="qwen2.5-coder-1.5b-instruct"))["target"] is None  # the store's: by name
 
 
 def test_resume_refuses_a_journal_of_other_settings(tmp_path, prompts_file, timed_runs):

@@ -111,6 +111,15 @@ def test_bad_category_and_id(tmp_path):
         load_prompts(path)
 
 
+def test_a_repeated_prompt_id_names_both_lines(tmp_path):
+    # Runs, reference outputs and the journal find a prompt by (category, question_id): two would be confused.
+    rows = [{"question_id": 1, "category": "a", "turns": ["x"]}, {"question_id": 1, "category": "b", "turns": ["y"]},
+            {"question_id": 1, "category": "a", "turns": ["z"]}]
+    path = _write(tmp_path, [json.dumps(row) for row in rows])
+    with pytest.raises(DraftwiseError, match=r"p\.jsonl:3: category 'a' and question_id 1 repeat line 1"):
+        load_prompts(path)
+
+
 @pytest.mark.parametrize("content", ["", "\n  \n\n"])
 def test_empty_file(tmp_path, content):
     path = tmp_path / "empty.jsonl"

@@ -102,8 +102,8 @@ def configs_from_args(args: argparse.Namespace) -> list:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from draftwise.bench.journal import read_finished, settings_of
-    from draftwise.bench.run import choose_prompts, prepare_out, run_per_dtype
+    from draftwise.bench.journal import read_finished
+    from draftwise.bench.run import choose_prompts, journal_settings, prepare_out, run_per_dtype
 
     # Everything that can fail without a model fails here, before minutes of loading.
     configs = configs_from_args(args)
@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = choose_prompts(cfg)
     out = prepare_out(cfg.out)
     if cfg.resume:
-        read_finished(out, settings_of(configs, prompts))
+        read_finished(out, journal_settings(configs, prompts))
     command = "draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     # The module's load_bench_models, looked up now: tests replace it.
     results = run_per_dtype(configs, command=command, load=load_bench_models)

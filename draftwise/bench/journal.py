@@ -24,8 +24,9 @@ JOURNAL_NAME = "runs.jsonl"
 NOT_MEASURED = ("out", "progress", "roofline", "resume")
 
 
-def settings_of(configs: Sequence, prompts: Sequence) -> dict:
-    """What a run's numbers depend on: the bench's settings, the exact prompts and the code that ran them."""
+def settings_of(configs: Sequence, prompts: Sequence, machine: str, models: dict) -> dict:
+    """What a run's numbers depend on: the bench's settings, the exact prompts, the code that ran them, the machine
+    (processor, threads, torch and transformers: run.machine_description) and the model files (run.model_files)."""
     from dataclasses import asdict
 
     settings = {k: v for k, v in asdict(configs[0]).items() if k not in NOT_MEASURED and k != "dtype"}
@@ -34,6 +35,7 @@ def settings_of(configs: Sequence, prompts: Sequence) -> dict:
     text = json.dumps([[p.category, p.question_id, p.text] for p in prompts])
     settings["prompts_sha256"] = hashlib.sha256(text.encode()).hexdigest()
     settings["code_sha256"] = _code_digest()
+    settings["machine"], settings["models"] = machine, models
     return settings
 
 
@@ -63,7 +65,10 @@ class Journal:
         # Written afresh either way: a line a crash cut off must not run into the next one appended.
         lines = [{"settings": settings}, *({"dtype": key[0], "runs": runs} for key, runs in finished.items())]
         partial = path.with_suffix(".partial")
-        partial.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        with partial.open("w") as f:
+            f.write("".join(json.dumps(line) + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it replaces the journal: a power cut must not leave it empty
         partial.replace(path)
         return cls(path, finished)
 
@@ -102,8 +107,8 @@ def read_finished(out: Path, settings: dict) -> dict[tuple, list[dict]]:
     for line in lines[1:]:
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line a crash cut off: that prompt runs again
-        runs = entry["runs"]
-        finished[(entry["dtype"], *prompt_key(runs[0]))] = runs
+            runs = entry["runs"]
+            finished[(entry["dtype"], *prompt_key(runs[0]))] = runs
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+            continue  # the line a crash cut off (or one that is not an entry): that prompt runs again
     return finished

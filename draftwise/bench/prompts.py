@@ -68,10 +68,17 @@ def _spec_bench_category(category: str) -> str:
 
 def _parse_jsonl(text: str, name: str) -> list[BenchPrompt]:
     """Parse JSONL prompt lines (blank lines skipped); errors name the file and line."""
-    prompts = [_parse_line(line, f"{name}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not prompts:
+    numbered = [(n, _parse_line(line, f"{name}:{n}")) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not numbered:
         raise DraftwiseError(f"{name}: no prompts; the file needs one JSON object per line like {LINE_FORMAT}")
-    return prompts
+    first: dict[tuple, int] = {}
+    for n, prompt in numbered:  # a prompt's runs, its reference output and its journal entry are found by this key
+        key = (prompt.category, prompt.question_id)
+        if key in first:
+            raise DraftwiseError(f"{name}:{n}: category {key[0]!r} and question_id {key[1]!r} repeat line {first[key]}; "
+                                 "each prompt needs its own question_id within its category")
+        first[key] = n
+    return [prompt for _, prompt in numbered]
 
 
 def _parse_line(line: str, where: str) -> BenchPrompt:

@@ -109,7 +109,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
         cfg.check()
     prompts = choose_prompts(configs[0])
     out = prepare_out(configs[0].out)
-    journal = Journal.open(out, settings_of(configs, prompts), configs[0].resume)
+    journal = Journal.open(out, journal_settings(configs, prompts), configs[0].resume)
     load = load or load_models
     started, started_clock = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
     passes = []
@@ -245,8 +245,36 @@ def _meta(configs: Sequence[BenchConfig], command: str, prompts) -> dict:
 
 
 def machine_description() -> str:
+    """The machine a bench ran on, the processor named (with its family and model) as every figure needs."""
     import transformers
 
+    from draftwise.hardware import describe_machine
+
+    cpu = describe_machine("cpu")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores, {gpu}, {platform.system()} {platform.machine()}, "
+    return (f"{cpu['name']}, {cpu['capability']}{', native bfloat16' if cpu['native_bf16'] else ''}, "
+            f"{os.cpu_count()} cores, {gpu}, {platform.system()} {platform.machine()}, "
             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+def journal_settings(configs: Sequence[BenchConfig], prompts) -> dict:
+    """What the journal's runs depend on (journal.settings_of), on this machine and these model files."""
+    return settings_of(configs, prompts, machine_description(), model_files(configs[0]))
+
+
+def model_files(cfg: BenchConfig) -> dict:
+    """What the models and head on disk are, for the journal: a local folder or file by its files' sizes and times
+    (it may be retrained or replaced between a crash and --resume); a model of the store by its name alone (its
+    weights are checked against a fixed SHA-256)."""
+    from draftwise.models.registry import KNOWN_MODELS
+
+    def files_of(name: str | None):
+        if name is None or name in KNOWN_MODELS or not os.path.exists(name):
+            return None
+        root = Path(name)
+        paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        return [[str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns]
+                for p in paths]
+
+    return {"target": files_of(cfg.target), "draft": files_of(cfg.draft if uses_draft(cfg) else None),
+            "head": files_of(cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None)}
