@@ -110,3 +110,52 @@ def test_a_tree_and_a_ragged_batch_score_as_on_transformers_attention(arch, monk
     for ours, theirs in zip(rows["grouped"], rows["loaded"]):
         assert torch.allclose(ours, theirs, atol=1e-4)
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("options, windows", [
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}, {None: None}),  # no layer slides
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     {"full_attention": None, "sliding_attention": 4}),
+])
+def test_a_window_only_where_the_model_itself_slides(options, windows):
+    # Qwen2 keeps sliding_window set when max_window_layers covers every layer, yet attends to all of its cache: a
+    # window there would hide keys the model reads, past 4 tokens of text.
+    from conftest import tiny_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from draftwise import Engine
+    from draftwise.backends.hf import attention_windows
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, **options)
+    assert attention_windows(config) == windows
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog and runs")["input_ids"]
+    want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    got = Engine.from_models(model, tokenizer, method="lookup").generate(ids, max_new_tokens=12, ignore_eos=True)
+    assert got.token_ids == want
+
+
+def test_a_short_rows_padding_stays_within_a_learned_position_table():
+    # GPT-2 reads positions from a table of n_positions rows: a row near the end, padded to a wider row's width,
+    # once asked for rows past it (an IndexError on the CPU; on a GPU, a device-side assert).
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=8, n_embd=32, n_layer=2, n_head=2)).eval()
+    backend = HFBackend(model)
+    near_end, short = backend.open_slot(), backend.open_slot()
+    near_end.prefill([1, 2, 3, 4, 5, 6])
+    short.prefill([7, 8])
+    together = backend.forward_batch([(near_end, [9]), (short, [10, 11, 12])])
+    alone = HFBackend(model)
+    alone.prefill([1, 2, 3, 4, 5, 6])
+    assert torch.allclose(together[0], alone.forward([9]), atol=1e-5)
+    alone.prefill([7, 8])
+    assert torch.allclose(together[1], alone.forward([10, 11, 12]), atol=1e-5)

@@ -134,6 +134,10 @@ class HFBackend:
                                      f"{slots[row].length}")
                 root = positions[row, 0] - behind
                 position_ids[row, :n] = root + torch.tensor(tree.depth[behind:], device=device)
+        if min(lengths) < width:  # a short row's padding: no query sees its keys, but a learned position table
+            position_ids = position_ids.clone() if position_ids is positions else position_ids  # (GPT-2's) must
+            for row, n in enumerate(lengths):  # still hold its ids, so it repeats the row's last
+                position_ids[row, n:] = position_ids[row, n - 1]
         out = self.model(input_ids=input_ids, **{self._cache_keyword: self.cache}, use_cache=True,
                          attention_mask=self._masks(positions, end, trees, position_ids, lengths),
                          position_ids=position_ids, logits_to_keep=logits_to_keep)
@@ -267,12 +271,18 @@ def cache_keyword(model) -> str:
 
 
 def attention_windows(config) -> dict[str | None, int | None]:
-    """The masks a model needs: {None: window} for one mask on every layer, or one per layer type."""
+    """The masks a model needs: {None: window} for one mask on every layer, or one per layer type. A window only
+    where the model itself slides: a config that types its layers slides on its "sliding_attention" ones alone
+    (Qwen2 with use_sliding_window and max_window_layers covering every layer keeps sliding_window set, yet attends
+    to all of its cache), and use_sliding_window=False turns the window off; an untyped config (Mistral) slides on
+    every layer by its sliding_window."""
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
     layer_types = getattr(config, "layer_types", None) or ()
     if "sliding_attention" in layer_types:
         return {"full_attention": None, "sliding_attention": window}
-    return {None: window}
+    return {None: None if layer_types else window}
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
