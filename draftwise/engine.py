@@ -43,6 +43,7 @@ MAX_DRAFT_LAG = 16
 # How far behind (the text's last token aside) drafting itself leaves a draft: a round that kept every guess leaves
 # the last one unfed. A round's first draft forward feeds it with the text's last token.
 ROUND_FEED = 1
+TEXT_CONTEXT = 5  # the prompt's last ids, decoded ahead of the text (TextStream: a continuation's leading space)
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Engine:
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
-                       acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop), stats=stats,
+                       acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop, prompt_ids[-TEXT_CONTEXT:]), stats=stats,
                        generator=generator, context=list(prompt_ids), prefilled=reused)
         if acceptance is not None:
             pooled = self._carried.get((method, cfg.sampling.greedy), {})

@@ -46,6 +46,27 @@ def test_a_phrase_split_across_pieces_is_caught_before_any_of_it_leaves():
     assert "b" not in "".join(sent).replace("Some fine text and", "")
 
 
+def test_the_regex_looks_back_a_bounded_reach_and_the_end_checks_the_whole_text(monkeypatch):
+    # Each piece is searched from REGEX_REACH characters back: a long reply's checks stay linear. A match that starts
+    # further back (longer than the reach) is still caught by the final check of the whole text.
+    monkeypatch.setattr("draftwise.serve.guard.REGEX_REACH", 16)
+    searched = []
+    pattern = load_guard(None, r"(?s)begin.*end").pattern
+
+    class Recording:
+        def search(self, text, pos=0):
+            searched.append(len(text) - pos)
+            return pattern.search(text, pos)
+
+    guarded = Guard(pattern=Recording(), window=4).stream({})
+    pieces = ["begin ", *["filler " * 3] * 20, "the end"]
+    out = [guarded.add(piece) for piece in pieces[:-1]]
+    assert all(part is not None for part in out) and max(searched) <= 16 + len(pieces[1])  # never the whole text
+    assert guarded.add(pieces[-1], final=True) is None and guarded.blocked  # the whole text, at the end
+    lookbehind = Guard(pattern=load_guard(None, r"(?<=bad )word").pattern, window=4).stream({})
+    assert lookbehind.add("a bad ") is not None and lookbehind.add("word") is None  # (pos keeps what lies before)
+
+
 def test_an_allowed_text_is_released_whole_at_the_end():
     guarded = Guard(pattern=load_guard(None, "never-there").pattern, window=8).stream({})
     pieces = ["one ", "two ", "three ", "four"]

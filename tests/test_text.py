@@ -58,3 +58,39 @@ def test_a_possible_stop_prefix_is_held_back_until_it_is_resolved():
             assert not shown.endswith("brown")
     assert not ts.stopped
     assert shown + ts.finish() == "The quick brown fox"
+
+
+def test_a_character_cut_short_by_the_end_is_shown_as_the_tokenizer_decodes_it():
+    # max_new_tokens may end the text mid-character: the ids were counted, so their text is shown (U+FFFD), as
+    # decoding them all at once shows it, instead of being dropped.
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("ok 日本語")["input_ids"]
+    for end in range(1, len(ids) + 1):
+        ts = TextStream(tokenizer)
+        shown = "".join(ts.add(token) for token in ids[:end]) + ts.finish()
+        assert shown == tokenizer.decode(ids[:end], skip_special_tokens=True)
+
+
+def test_special_tokens_stay_out_of_the_decode_window():
+    # With ignore_eos a model may emit its EOS again and again: each would lengthen every later decode.
+    tokenizer = tiny_tokenizer()
+    ts = TextStream(tokenizer)
+    ids = tokenizer("The quick")["input_ids"]
+    shown = "".join(ts.add(token) for token in [*ids, *[tokenizer.eos_token_id] * 500, *ids])
+    assert len(ts.ids) == 2 * len(ids) and shown + ts.finish() == "The quickThe quick"
+
+
+def test_the_prompts_last_ids_give_a_continuation_its_leading_space():
+    # A SentencePiece decoder strips the first word's leading space: decoded alone, the continuation of "Hello"
+    # would read "world!", and a client joining prompt and text would get "Helloworld!".
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<unk>": 1, "▁Hello": 2, "▁world": 3, "!": 4}
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", unk_token="<unk>")
+    assert tokenizer.decode([3, 4]) == "world!"
+    ts = TextStream(tokenizer, context=[0, 2])
+    assert ts.add(3) + ts.add(4) + ts.finish() == " world!"
