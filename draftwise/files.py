@@ -42,3 +42,15 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         partial.unlink(missing_ok=True)  # nor a half file beside it
         raise
     partial.replace(path)
+
+
+def prepare_out(path: str | Path, holds: str = "results.json, report.md and the plots") -> Path:
+    """The --out folder, made now (before minutes of work), or a DraftwiseError that says why it cannot be."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise DraftwiseError(f"--out {path} is a file; give a folder for {holds}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DraftwiseError(f"--out {path}: cannot make the folder ({err.strerror or err})") from None
+    return out

@@ -60,6 +60,7 @@ BAD = [
     (ARM + "weight = 0\n", "the weight must be a number > 0, got 0"),
     (ARM + "weight = -2.5\n", "the weight must be a number > 0, got -2.5"),
     (ARM + 'weight = "2"\n', "the weight must be a number > 0, got '2'"),
+    (ARM + "weight = 1e308\n" + ARM.replace('"a"', '"b"') + "weight = 1e308\n", "add up past a float's range"),
     (ARM + "k = 4\n", "arm 'a': unknown keys k; allowed: name, weight, speculation"),
     ('[[arm]]\nname = "a"\n', "arm 'a' needs speculation"),
     ('[[arm]]\nname = "a"\nspeculation = { method = "psychic" }\n',

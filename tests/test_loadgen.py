@@ -104,6 +104,11 @@ def test_completion_chunks_error_chunks_and_no_usage():
     assert not r.tokens_from_usage and r.error == "error in stream: the request failed while generating: boom"
     with pytest.raises(ValueError):
         take_chunk(r, ["not", "an", "object"], 0.6)
+    # Chunks of another shape are a bad stream for their request (ValueError), never an error that ends the run.
+    for chunk in ({"choices": [None]}, {"choices": "abc"}, {"choices": [{"delta": "x"}]},
+                  {"usage": {"completion_tokens": None}}, {"draftwise": {"proposed": "many"}}):
+        with pytest.raises(ValueError, match="not in OpenAI's shape"):
+            take_chunk(_rec("on", 1), chunk, 0.1)
 
 
 def test_sse_lines_and_http_errors():
@@ -138,7 +143,7 @@ def test_urls_and_request_bodies():
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--speculation", "on,maybe"], "--speculation"), (["--requests", "0"], "--requests"),
-    (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"), (["--timeout", "inf"], "--timeout"),
     (["--categories", "nope"], "unknown category"),
 ])
 def test_bad_options_fail_before_any_request(argv, message):
@@ -344,6 +349,41 @@ def test_a_wrong_api_key_stops_the_run_with_the_servers_reason(tmp_path, standin
     with pytest.raises(DraftwiseError, match="warm-up request .* HTTP 401"):
         _run("--url", standin.url, "--model", "m", "--concurrency", "1", "--per-category", "1",
              "--out", str(tmp_path))
+
+
+def test_an_unusable_out_is_refused_before_any_request(tmp_path, standin):
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    with pytest.raises(DraftwiseError, match="cannot make the folder"):
+        _run("--url", standin.url, "--concurrency", "1", "--per-category", "1", "--out", str(a_file / "sub"))
+    assert standin.posts == []
+
+
+def test_levels_run_before_a_failing_one_are_written(tmp_path, standin, monkeypatch):
+    # The server went away at the second level: what the first measured is kept, with the error raised after.
+    from draftwise.serve import loadgen
+
+    real_warm_up, levels = loadgen._warm_up, []
+
+    async def warm_up_then_fail_at_the_second_level(http, plan, body, mode, level):
+        levels.append(level)
+        if level == 3:
+            raise DraftwiseError("the server went away")
+        return await real_warm_up(http, plan, body, mode, level)
+
+    monkeypatch.setattr(loadgen, "_warm_up", warm_up_then_fail_at_the_second_level)
+    with pytest.raises(DraftwiseError, match="the server went away"):
+        _run("--url", standin.url, "--concurrency", "1,3", "--speculation", "on", "--requests", "2",
+             "--max-tokens", "2", "--per-category", "1", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 2)]
+
+
+def test_the_run_never_goes_through_a_proxy_from_the_environment(tmp_path, standin, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nobody listens there
+    monkeypatch.setenv("NO_PROXY", "")
+    assert _run("--url", standin.url, "--concurrency", "1", "--speculation", "off", "--requests", "1",
+                "--per-category", "1", "--out", str(tmp_path)) == 0
 
 
 def test_no_server_at_the_address_is_a_clear_error(tmp_path):

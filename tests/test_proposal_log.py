@@ -114,7 +114,26 @@ def test_a_full_queue_drops_rows_and_counts_them_never_a_request(tmp_path):
     assert all(f.finish_reason == "length" for f in finals)  # every request finished
     assert log.dropped > 0
     assert len(rows(path)) + log.dropped == sum(f.stats.proposed for f in finals)
-    assert log_stats(path)["rows_dropped"] == log.dropped
+    # A request's own row lost the same way is counted too: its arm's figures in `log stats` lack it.
+    assert len(texts(path)) + log.requests_dropped == len(finals)
+    stats = log_stats(path)
+    assert stats["rows_dropped"] == log.dropped and stats["requests_dropped"] == log.requests_dropped
+
+
+def test_a_log_that_cannot_be_opened_by_the_writer_counts_every_row_lost(tmp_path, monkeypatch):
+    path = tmp_path / "log.sqlite"
+    log_module = __import__("draftwise.serve.proposal_log", fromlist=["connect"])
+    real_connect = log_module.connect
+
+    def gone_once_started(p, create=False):
+        if not create:
+            raise log_module.DraftwiseError("no proposal log there")  # the file went away after start
+        return real_connect(p, create)
+
+    monkeypatch.setattr(log_module, "connect", gone_once_started)
+    log = ProposalLog(path)
+    finals = serve(log, [(p, 8) for p in PROMPTS[:2]])
+    assert log.dropped == sum(f.stats.proposed for f in finals) and log.requests_dropped == len(finals)
 
 
 def test_the_log_keeps_at_most_max_rows_the_newest(tmp_path):

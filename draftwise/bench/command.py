@@ -103,7 +103,8 @@ def configs_from_args(args: argparse.Namespace) -> list:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from draftwise.bench.journal import read_finished
-    from draftwise.bench.run import choose_prompts, journal_settings, prepare_out, run_per_dtype
+    from draftwise.bench.run import choose_prompts, journal_settings, run_per_dtype
+    from draftwise.files import prepare_out
 
     # Everything that can fail without a model fails here, before minutes of loading.
     configs = configs_from_args(args)

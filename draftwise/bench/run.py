@@ -29,6 +29,7 @@ from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods
 from draftwise.bench.summary import summarize
 from draftwise.config import DTYPES, HEAD_METHODS, MAX_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
+from draftwise.files import prepare_out
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
@@ -157,17 +158,6 @@ def load_models(cfg: BenchConfig):
 
 def uses_draft(cfg: BenchConfig) -> bool:
     return any(m in NEEDS_DRAFT for m in cfg.methods)
-
-
-def prepare_out(path: str) -> Path:
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise DraftwiseError(f"--out {path} is a file; give a folder for results.json, report.md and the plots")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DraftwiseError(f"--out {path}: cannot make the folder ({err.strerror or err})") from None
-    return out
 
 
 def _warm_up(runners: Runners, methods, prompt_ids: list[int]) -> None:

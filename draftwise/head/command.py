@@ -10,6 +10,7 @@ from pathlib import Path
 
 from draftwise.config import DEFAULT_TARGET, DEVICE_HELP, DTYPES
 from draftwise.errors import DraftwiseError
+from draftwise.files import prepare_out
 from draftwise.head.train import TrainConfig
 
 DEFAULTS = TrainConfig()
@@ -94,13 +95,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise DraftwiseError(f"--seq-len must be >= 8 (a sequence teaches its positions past the second), got {args.seq_len}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise DraftwiseError(f"--lr must be a number > 0, got {args.lr}")
-    out = Path(args.out) if args.out else head_home(args.target)
-    if out.exists() and not out.is_dir():
-        raise DraftwiseError(f"--out {out} is a file: give a folder for the head (made if missing)")
-    try:  # made now, not after the target has loaded for minutes
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DraftwiseError(f"--out {out}: cannot make the folder ({err.strerror or err})") from None
+    out = prepare_out(args.out or head_home(args.target), "the head")  # now, not after the target loads
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
                       answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers))

@@ -73,6 +73,9 @@ class Experiment:
                 raise DraftwiseError(f"{source}: two arms are named {arm.name!r}; each name labels one arm's "
                                      "metrics and log rows")
             seen.add(arm.name)
+        if not math.isfinite(sum(arm.weight for arm in parsed)):  # each finite, their sum past a float: no shares
+            raise DraftwiseError(f"{source}: the arms' weights add up past a float's range; give smaller weights "
+                                 "(only their ratios count)")
         experiment = cls(parsed, by, rng, source)
         experiment.check(METHODS)
         return experiment

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from draftwise.errors import DraftwiseError
+from draftwise.files import prepare_out, write_whole
 
 # on: the server's default speculation (its draft length adapts to acceptance and load); always: the same method
 # drafting its full k every round (adaptive off); off: the target alone.
@@ -138,7 +140,7 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
 
     _at_least("--requests", args.requests, 1, allow_none=True)
     _at_least("--max-tokens", args.max_tokens, 1)
-    if not args.timeout > 0:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # (a run must end by itself)
         raise DraftwiseError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
     modes = tuple(dict.fromkeys(m.strip() for m in args.speculation.split(",") if m.strip()))
     if not modes or any(m not in MODES for m in modes):
@@ -185,12 +187,18 @@ def _at_least(name: str, value, low: int, allow_none: bool = False) -> None:
 
 def cmd_loadgen(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
-    out = Path(args.out)
-    records = asyncio.run(run_load(plan))
+    out = prepare_out(args.out, "results.json, report.md and the plot")  # before the run, not after it
+    records: list[RequestRecord] = []
+    try:
+        asyncio.run(run_load(plan, records=records))
+    finally:  # a level that failed (the server went away) or Ctrl-C: the levels already run are kept
+        if records:
+            write_results(out, plan, records, summarise(records),
+                          command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+            print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
+                  file=sys.stderr)
     rows = summarise(records)
-    write_results(out, plan, records, rows, command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     print(json.dumps(rows, indent=1) if args.json else markdown_table(rows))
-    print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}", file=sys.stderr)
     return 0
 
 
@@ -200,8 +208,8 @@ def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], co
             "method": plan.method, "prompts": len(plan.prompts),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     results = {"meta": meta, "summary": rows, "requests": [asdict(r) for r in records]}
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "report.md").write_text(report_markdown(meta, rows))
+    write_whole(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
+    write_whole(out / "report.md", lambda p: p.write_text(report_markdown(meta, rows)))
     plot(rows, out / "loadgen.png")
 
 
@@ -232,16 +240,19 @@ class RequestRecord:
     level_wall_s: float | None = None  # the wall time of the level this request ran in
 
 
-async def run_load(plan: LoadPlan, log=None) -> list[RequestRecord]:
-    """Every level and mode of the plan, in order; the records of the counted requests."""
+async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> list[RequestRecord]:
+    """Every level and mode of the plan, in order; the records of the counted requests, added to `records` level by
+    level (so that a caller keeps those of the levels that ran when a later one fails)."""
     import httpx
 
     log = log or _stderr
     headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
     # Enough connections that the pool never holds a request back from the concurrency asked for.
     limits = httpx.Limits(max_connections=max(plan.levels) + 1, max_keepalive_connections=max(plan.levels) + 1)
-    records: list[RequestRecord] = []
-    async with httpx.AsyncClient(base_url=plan.url, headers=headers, timeout=plan.timeout, limits=limits) as http:
+    records = [] if records is None else records
+    # trust_env=False: the server named by --url, never a proxy from the environment (with the API key in clear).
+    async with httpx.AsyncClient(base_url=plan.url, headers=headers, timeout=plan.timeout, limits=limits,
+                                 trust_env=False) as http:
         model = plan.model or await first_model(http, plan.url)
         log(f"loadgen: {plan.url}{plan.path}, model {model}, {len(plan.prompts)} prompts, "
             f"max_tokens {plan.max_tokens}")
@@ -373,10 +384,21 @@ def sse_data(line: str) -> str | None:
     return line[5:].strip()
 
 
+STAT_NUMBERS = ("proposed", "accepted", "acceptance_rate", "mean_accepted_length")  # what the summary reads
+
+
 def take_chunk(record: RequestRecord, chunk: dict, t: float) -> None:
-    """Fold one OpenAI stream chunk (chat or completions), received t seconds into the request, into record."""
+    """Fold one OpenAI stream chunk (chat or completions), received t seconds into the request, into record. A
+    chunk not of that shape is a ValueError (the request's "bad stream"), never another error that ends the run."""
     if not isinstance(chunk, dict):
         raise ValueError(f"a chunk must be a JSON object, got {chunk!r:.80}")
+    try:
+        _take(record, chunk, t)
+    except (TypeError, AttributeError, KeyError) as err:
+        raise ValueError(f"a chunk not in OpenAI's shape ({type(err).__name__}: {err}): {chunk!r:.80}") from None
+
+
+def _take(record: RequestRecord, chunk: dict, t: float) -> None:
     if "error" in chunk:  # the server ended the request mid-stream
         error = chunk["error"]
         message = error.get("message") if isinstance(error, dict) else error
@@ -394,9 +416,12 @@ def take_chunk(record: RequestRecord, chunk: dict, t: float) -> None:
     if isinstance(usage, dict) and "completion_tokens" in usage:
         record.completion_tokens = int(usage["completion_tokens"])
         record.tokens_from_usage = True
-    if isinstance(chunk.get("draftwise"), dict):
-        record.stats = chunk["draftwise"]
-        record.acceptance = record.stats.get("acceptance_rate")
+    stats = chunk.get("draftwise")
+    if isinstance(stats, dict):
+        if any(not isinstance(stats.get(name, 0), (int, float, type(None))) for name in STAT_NUMBERS):
+            raise TypeError(f"the draftwise stats hold a non-number among {', '.join(STAT_NUMBERS)}")
+        record.stats = stats
+        record.acceptance = stats.get("acceptance_rate")
 
 
 def http_error(status: int, body: bytes) -> str:

@@ -81,7 +81,7 @@ def log_stats(path: str | Path, spans: int = 8) -> dict:
     try:
         total, accepted, first, last = db.execute(
             "SELECT COUNT(*), COALESCE(SUM(accepted), 0), MIN(id), MAX(id) FROM rounds").fetchone()
-        dropped = db.execute("SELECT COALESCE(MAX(value), 0) FROM meta WHERE key = 'dropped'").fetchone()[0]
+        lost = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('dropped', 'requests_dropped')"))
         by_position = [_rate_row({"position": p}, n, a) for p, n, a in db.execute(
             "SELECT position, COUNT(*), SUM(accepted) FROM rounds GROUP BY position ORDER BY position")]
         by_arm = [_rate_row({"method": m, "arm": arm, "rounds": r, "draft_ms_per_round": 1000 * d,
@@ -102,7 +102,8 @@ def log_stats(path: str | Path, spans: int = 8) -> dict:
     finally:
         db.close()
     return {"path": str(path), "proposed": total, "accepted": accepted, "acceptance": _rate(accepted, total),
-            "requests_finished": requests, "requests_fallen_back": fallbacks, "rows_dropped": dropped, "by_position": by_position,
+            "requests_finished": requests, "requests_fallen_back": fallbacks, "rows_dropped": lost.get("dropped", 0),
+            "requests_dropped": lost.get("requests_dropped", 0), "by_position": by_position,
             "by_method_and_arm": by_arm, "over_time": over_time, "by_arm": arms}
 
 
@@ -151,7 +152,8 @@ def format_stats(stats: dict) -> str:
     lines = [f"{stats['path']}: {stats['proposed']} proposed tokens, {stats['accepted']} accepted "
              f"({pct(stats['acceptance'])}), {stats['requests_finished']} finished requests "
              f"({stats['requests_fallen_back']} fell back to the target alone), "
-             f"{stats['rows_dropped']} rows dropped", "", "by draft position", "| position | proposed | acceptance |",
+             f"{stats['rows_dropped']} rows and {stats['requests_dropped']} requests dropped (the writer fell behind)",
+             "", "by draft position", "| position | proposed | acceptance |",
              "|---|---|---|"]
     lines += [f"| {r['position']} | {r['proposed']} | {pct(r['acceptance'])} |" for r in stats["by_position"]]
     lines += ["", "by method and arm",

@@ -16,7 +16,7 @@ Tables:
   (tokens, target passes, proposed, accepted, decode seconds, seconds from submission to its first and last
   token), so that `draftwise log stats` can compare A/B arms (experiment.py). Requests served by the target
   alone are recorded only under an experiment, where an "off" arm is the baseline;
-- meta: rows dropped because the disk fell behind.
+- meta: rows dropped because the disk fell behind (proposed-token rows, and request rows apart).
 """
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ class ProposalLog:
         except (OSError, sqlite3.Error) as err:
             raise DraftwiseError(f"cannot write the proposal log at {self.path}: {err}") from err
         self.max_rows = max_rows
-        self.dropped = 0  # rows the queue had no room for
+        self.dropped = 0  # proposed-token rows lost: no room in the queue, or a write that failed
+        self.requests_dropped = 0  # request rows lost the same ways: their arm's comparison in `log stats` lacks them
+        self._counting = threading.Lock()  # (the model thread and the writer both count)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._write_loop, name="draftwise-proposal-log", daemon=True)
         self._thread.start()
@@ -94,13 +96,18 @@ class ProposalLog:
                   if stats is not None else (None,) * 5)
         row = (request_id, time.time(), arm, method, json.dumps(prompt_ids), json.dumps(output_ids), finish, fallback,
                *counts, ttft_s, last_token_s)
-        self._put(("requests", [row]), 0)  # `dropped` counts proposed-token rows
+        self._put(("requests", [row]), 0, 1)
 
-    def _put(self, item, rows: int) -> None:
+    def _put(self, item, rows: int, requests: int = 0) -> None:
         try:
             self._queue.put_nowait(item)
         except queue.Full:
+            self._lost(rows, requests)
+
+    def _lost(self, rows: int, requests: int) -> None:
+        with self._counting:
             self.dropped += rows
+            self.requests_dropped += requests
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop the writer."""
@@ -112,7 +119,10 @@ class ProposalLog:
 
     # -- the writer thread ----------------------------------------------------------------------------
     def _write_loop(self) -> None:
-        db = connect(self.path)
+        try:
+            db = connect(self.path)
+        except (OSError, sqlite3.Error, DraftwiseError):  # (the file went away since start): rows are lost, counted
+            db = None
         try:
             while True:
                 batch = [self._queue.get()]
@@ -124,13 +134,17 @@ class ProposalLog:
                 stop = None in batch
                 items = [item for item in batch if item is not None]
                 try:
+                    if db is None:
+                        raise sqlite3.OperationalError(f"the proposal log at {self.path} could not be opened")
                     self._write(db, items)
                 except sqlite3.Error:  # a full disk, a locked file: these rows are lost and counted, not the writer
-                    self.dropped += sum(len(rows) for kind, rows in items if kind == "rounds")
+                    self._lost(sum(len(rows) for kind, rows in items if kind == "rounds"),
+                               sum(len(rows) for kind, rows in items if kind == "requests"))
                 if stop:
                     return
         finally:
-            db.close()
+            if db is not None:
+                db.close()
 
     def _write(self, db: sqlite3.Connection, items: list) -> None:
         rounds = [row for kind, rows in items if kind == "rounds" for row in rows]
@@ -142,7 +156,8 @@ class ProposalLog:
                            f"({', '.join('?' * len(REQUEST_COLUMNS))})", requests)
             blocked = [(row[0],) for row in requests if row[REQUEST_COLUMNS.index("finish")] == "content_filter"]
             db.executemany("DELETE FROM rounds WHERE request_id = ?", blocked)  # their rows came before: FIFO
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (self.dropped,))
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                           [("dropped", self.dropped), ("requests_dropped", self.requests_dropped)])
             self._rotate(db)
 
     def _rotate(self, db: sqlite3.Connection) -> None:
