@@ -70,7 +70,8 @@ def describe_machine(device: str = "cpu") -> dict:
 def machine_key(device: str = "cpu") -> str:
     """A file-name-safe name for what a timing depends on: the processor, its instruction set, threads, torch."""
     facts = describe_machine(device)
-    parts = [facts["name"], facts.get("capability", ""), f"{facts.get('threads', 0)}t", f"torch{torch.__version__}"]
+    bf16 = "bf16" if facts.get("native_bf16") else ""  # (a VM may hide AMX or AVX-512 BF16 from one CPU model)
+    parts = [facts["name"], facts.get("capability", ""), bf16, f"{facts.get('threads', 0)}t", f"torch{torch.__version__}"]
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(p for p in parts if p)).strip("_")
 
 

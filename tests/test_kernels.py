@@ -12,7 +12,8 @@ import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.backends import kernels
-from draftwise.backends.kernels import OneDNNLinear, SplitLinear, kernel_counts, plan_kernels, with_kernels
+from draftwise.backends.kernels import (EXACT_KERNELS, OneDNNLinear, SplitLinear, kernel_counts, plan_kernels,
+                                       with_kernels)
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import machine_key, resolve_dtype
@@ -94,6 +95,28 @@ def test_a_damaged_cache_is_measured_again(home):
     again = plan_kernels(model)
     assert set(again.choices.values()) <= {"dense", "onednn", "split"}
     json.loads(path.read_text())  # rewritten whole
+
+
+@cpu_kernels
+def test_a_cached_choice_outside_the_kernels_asked_for_is_measured_again(home):
+    # A hand-edited (or damaged) entry naming int8 must never put the target on a kernel that changes its values.
+    model = tiny_model("llama", seed=0)
+    plan_kernels(model)
+    path = home / "calibration" / f"{machine_key()}.json"
+    entries = json.loads(path.read_text())
+    path.write_text(json.dumps({key: {**entry, "kernel": "int8"} for key, entry in entries.items()}))
+    assert set(plan_kernels(model).choices.values()) <= set(EXACT_KERNELS)
+    path.write_text("[]")  # JSON, but not a cache
+    assert set(plan_kernels(model).choices.values()) <= set(EXACT_KERNELS)
+
+
+def test_no_kernel_that_builds_is_a_clear_error(monkeypatch):
+    def refuses(linear):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setitem(kernels._BUILDERS, "onednn", refuses)
+    with pytest.raises(DraftwiseError, match="none of the kernels onednn could be built .* add dense"):
+        plan_kernels(tiny_model("llama", seed=0), ("onednn",), cache=False)
 
 
 def test_a_kernel_that_fails_to_build_is_left_out(monkeypatch):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 import time
 import warnings
 from collections import Counter
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.backends.attention import groups_queries, use_grouped_attention
+from draftwise.errors import DraftwiseError
 
 EXACT_KERNELS = ("dense", "onednn", "split")  # what the target may use: the model's own values
 DRAFT_KERNELS = ("dense", "onednn", "split", "int8", "int8-dynamic")
@@ -177,7 +179,7 @@ def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, 
     choices, timings = {}, {}
     for key, linear in linears.items():
         entry_key = f"v{RULE_VERSION}|{key}|{','.join(kernels)}|{','.join(map(str, widths))}"
-        entry = store.get(entry_key) or _measure(linear, kernels, widths)
+        entry = store.get(entry_key, kernels) or _measure(linear, kernels, widths)
         store.put(entry_key, entry)
         choices[key], timings[key] = entry["kernel"], entry["ms"]
     store.save()
@@ -252,6 +254,9 @@ def _measure(linear: nn.Linear, kernels, widths) -> dict:
     if "split" in kernels and {"dense", "onednn"} <= set(ms):
         ms["split"] = ms["dense"][:1] + ms["onednn"][1:]
     ms = {name: row for name, row in ms.items() if name in kernels}
+    if not ms:  # every kernel asked for failed to build here (oneDNN refusing bfloat16 without AVX-512)
+        raise DraftwiseError(f"none of the kernels {', '.join(kernels)} could be built for a {_shape_key(linear)} "
+                             "linear on this machine; add dense to the kernels")
     return {"kernel": _choose(ms), "ms": ms}
 
 
@@ -306,12 +311,18 @@ class CalibrationCache:
         if self.path is None or not self.path.is_file():
             return {}
         try:
-            return json.loads(self.path.read_text())
+            entries = json.loads(self.path.read_text())
         except (OSError, ValueError):  # a damaged cache is measured again, never trusted
             return {}
+        return entries if isinstance(entries, dict) else {}
 
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
+    def get(self, key: str, kernels: tuple[str, ...]) -> dict | None:
+        """The entry measured for key, if it is one and chose among `kernels`: a hand-edited or damaged one (an int8
+        choice for the target's exact kernels) is measured again, never trusted."""
+        entry = self.entries.get(key)
+        if isinstance(entry, dict) and entry.get("kernel") in kernels and isinstance(entry.get("ms"), dict):
+            return entry
+        return None
 
     def put(self, key: str, entry: dict) -> None:
         if self.entries.get(key) != entry:
@@ -322,9 +333,14 @@ class CalibrationCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(self.entries, indent=1, sort_keys=True))
-            os.replace(partial, self.path)
+            fd, partial = tempfile.mkstemp(suffix=".tmp", dir=self.path.parent)  # (one name per writer)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(self.entries, indent=1, sort_keys=True))
+                os.replace(partial, self.path)
+            except OSError:
+                Path(partial).unlink(missing_ok=True)
+                raise
         except OSError:  # a read-only home costs a re-measurement next load, nothing else
             pass
 
