@@ -424,11 +424,13 @@ def test_models_path(capsys, store):
     code, _, err = run(capsys, "models", "path", "no-such-model")
     assert code == 1 and all(known in err for known in KNOWN_MODELS)
 
-    from draftwise.models.store import MANIFEST  # what marks a folder pulled
+    from draftwise.models.store import MANIFEST  # what marks a folder pulled (of this pin)
 
     folder = store / "models" / name
     folder.mkdir(parents=True)
-    (folder / MANIFEST).write_text("{}")
+    (folder / MANIFEST).write_text(json.dumps({"sha256": "0" * 64}))  # another pin of the name: not this one
+    assert run(capsys, "models", "path", name)[0] == 1
+    (folder / MANIFEST).write_text(json.dumps({"sha256": KNOWN_MODELS[name].sha256}))
     code, out, _ = run(capsys, "models", "path", name)
     assert code == 0 and out == f"{folder}\n"
     code, out, _ = run(capsys, "models", "path", name, "--json")

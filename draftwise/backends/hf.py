@@ -302,7 +302,8 @@ REPULL_HINT = "; if it is a model of the store, `draftwise models pull NAME --fo
 
 def load_tokenizer(path: str, gguf_file: str | None = None):
     """The tokenizer alone: seconds, so a draft/target mismatch is caught before a model loads."""
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    # Never the model's own code: a folder naming a class transformers lacks is refused, not asked about mid-load.
+    kwargs = {"trust_remote_code": False, **({"gguf_file": gguf_file} if gguf_file else {})}
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as err:  # a damaged file fails in whichever reader meets it first (safetensors, gguf, json)
@@ -312,7 +313,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
 def load_model(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "cpu",
                progress: bool = True) -> PreTrainedModel:
     """A causal LM from a local folder, or a .gguf file inside it, cast to dtype."""
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    kwargs = {"trust_remote_code": False, **({"gguf_file": gguf_file} if gguf_file else {})}
     try:
         with transformers_progress(progress):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device), **kwargs)

