@@ -1,10 +1,13 @@
 """Engine.from_pretrained on local Hugging Face folders: the path every named model takes after the store."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise import DraftwiseError, Engine
+from draftwise.backends.hf import load_model, load_tokenizer
 from test_errors import RenamedToken
 
 PROMPT = "def quicksort(arr):"
@@ -69,3 +72,30 @@ def test_a_damaged_weights_file_is_an_error_that_says_how_to_fetch_it_again(tmp_
     with pytest.raises(DraftwiseError, match=r"could not load a causal language model from .*damaged.*"
                                              r"`draftwise models pull NAME --force` fetches it again"):
         Engine.from_pretrained(target=folder, method="none", progress=False)
+
+
+def test_a_folder_that_needs_the_models_own_code_is_refused_not_asked_about(tmp_path, monkeypatch):
+    # transformers would ask on the terminal whether to run the folder's code (and wait); a load never runs it.
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "my-own-arch", "auto_map": {"AutoConfig": "modeling_mine.MyConfig",
+                                                  "AutoModelForCausalLM": "modeling_mine.MyModel"}}))
+    (folder / "modeling_mine.py").write_text("raise SystemExit('the model folder code ran')\n")
+    with pytest.raises(DraftwiseError, match="could not load a causal language model"):
+        load_model(str(folder))
+    # On a terminal transformers asks first, unless told no: every load says no.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    asked = []
+
+    def stop_here(*args, **kwargs):
+        asked.append(kwargs.get("trust_remote_code"))
+        raise OSError("stopped before loading")
+
+    for auto in (AutoModelForCausalLM, AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", stop_here)
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(DraftwiseError, match="stopped before loading"):
+            load(str(folder))
+    assert asked == [False, False]
