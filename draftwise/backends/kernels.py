@@ -179,7 +179,7 @@ def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, 
     choices, timings = {}, {}
     for key, linear in linears.items():
         entry_key = f"v{RULE_VERSION}|{key}|{','.join(kernels)}|{','.join(map(str, widths))}"
-        entry = store.get(entry_key, kernels) or _measure(linear, kernels, widths)
+        entry = store.kernel_choice(entry_key, kernels) or _measure(linear, kernels, widths)
         store.put(entry_key, entry)
         choices[key], timings[key] = entry["kernel"], entry["ms"]
     store.save()
@@ -316,11 +316,15 @@ class CalibrationCache:
             return {}
         return entries if isinstance(entries, dict) else {}
 
-    def get(self, key: str, kernels: tuple[str, ...]) -> dict | None:
-        """The entry measured for key, if it is one and chose among `kernels`: a hand-edited or damaged one (an int8
-        choice for the target's exact kernels) is measured again, never trusted."""
+    def get(self, key: str) -> dict | None:
         entry = self.entries.get(key)
-        if isinstance(entry, dict) and entry.get("kernel") in kernels and isinstance(entry.get("ms"), dict):
+        return entry if isinstance(entry, dict) else None
+
+    def kernel_choice(self, key: str, kernels: tuple[str, ...]) -> dict | None:
+        """The kernel entry measured for key, if it chose among `kernels`: a hand-edited or damaged one (an int8
+        choice for the target's exact kernels) is measured again, never trusted."""
+        entry = self.get(key)
+        if entry is not None and entry.get("kernel") in kernels and isinstance(entry.get("ms"), dict):
             return entry
         return None
 

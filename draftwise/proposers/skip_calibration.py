@@ -61,8 +61,12 @@ def plan_skip(target: HFBackend, ids: list[int], k: int = 4, cache: bool = True,
     name = getattr(model.config, "_name_or_path", "") or ""
     store = CalibrationCache(enabled=cache and bool(name))
     key = f"skip-v{PLAN_VERSION}:{name}:{model.dtype}:{len(decoder_layers(model))}:{len(ids)}:k{k}:{stack.describe()}"
-    if (entry := store.get(key)) is not None:
-        return SkipPlan(tuple(entry["skip"]), entry["agreement"], entry["cost"], tuple(entry["candidates"]))
+    entry = store.get(key)
+    try:
+        if entry is not None:
+            return SkipPlan(tuple(entry["skip"]), entry["agreement"], entry["cost"], tuple(entry["candidates"]))
+    except (KeyError, TypeError):  # a damaged or hand-edited entry is measured again, never trusted
+        pass
     plan = measure_skip(target, ids, k, stack)
     store.put(key, {**asdict(plan), "skip": list(plan.skip), "candidates": list(plan.candidates)})
     store.save()
