@@ -153,7 +153,8 @@ def format_stats(stats: dict) -> str:
              f"({pct(stats['acceptance'])}), {stats['requests_finished']} finished requests "
              f"({stats['requests_fallen_back']} fell back to the target alone), "
              f"{stats['rows_dropped']} rows and {stats['requests_dropped']} requests dropped (the writer fell behind)",
-             "", "by draft position", "| position | proposed | acceptance |",
+             "", "by draft position (a tree's rounds: its kept path and the first guess after it)",
+             "| position | proposed | acceptance |",
              "|---|---|---|"]
     lines += [f"| {r['position']} | {r['proposed']} | {pct(r['acceptance'])} |" for r in stats["by_position"]]
     lines += ["", "by method and arm",
