@@ -150,6 +150,33 @@ def test_a_sequence_that_fails_after_verification_ends_alone(stage):
     assert eng.target.open_slots == 1
 
 
+def test_a_draft_forward_that_fails_for_one_row_ends_only_that_request():
+    # The draft model's forward is shared by the sequences drafting: what one alone brings ends its own round only.
+    eng = engine("llama")
+    doomed, failed_forwards = {}, []
+    draft_model = eng.proposer.backend  # the draft's shared backend (forked proposers hold views of its slots)
+    forward_batch = draft_model.forward_batch
+
+    def mark(seq):
+        if seq.prompt_ids == tiny_tokenizer()(PROMPTS[1])["input_ids"] and seq.stats.new_tokens >= 5:
+            backend = seq.proposer.backend
+            doomed["slot"] = backend.slot if hasattr(backend, "slot") else draft_model.default.slot
+
+    def refuse_the_doomed_row(rows, **kwargs):
+        if any(view.slot is doomed.get("slot") for view, _ in rows):
+            failed_forwards.append(len(rows))
+            raise RuntimeError("injected draft failure")
+        return forward_batch(rows, **kwargs)
+
+    draft_model.forward_batch = refuse_the_doomed_row
+    seqs = run_together(eng, [(p, greedy(25, adaptive=False)) for p in PROMPTS[:4]], fail=mark)
+    assert failed_forwards[0] > 1 and 1 in failed_forwards  # the shared forward, then the row alone
+    assert seqs[1].finish == "error" and "injected draft failure" in seqs[1].error
+    for i in (0, 2, 3):
+        assert seqs[i].finish == "length"
+        assert seqs[i].context[len(seqs[i].prompt_ids):] == reference("llama", PROMPTS[i], 25)
+
+
 def test_a_seeded_sampled_request_repeats_alone_and_in_a_batch():
     eng = engine("llama")
     cfg = GenerationConfig.from_options(max_new_tokens=20, temperature=0.8, top_k=50, seed=7, ignore_eos=True)

@@ -87,17 +87,38 @@ def _step_together(proposers: list, stepped: list[int], results: list) -> None:
             try:
                 rows = shared.forward_batch([(_shared(proposers[i].backend)[1], feed) for i, feed in group],
                                             **with_trees)
-            except Exception as err:  # the pass was shared: every sequence in it lost its round
-                for i, _ in group:
-                    results[i] = err
+            except Exception as err:
+                _step_alone(proposers, group, shared, trees, results, err)
                 continue
             seconds = time.perf_counter() - started
             for (i, _), logits in zip(group, rows):
-                try:
-                    _time_forward(proposers[i], seconds)
-                    proposers[i].take(_rows_for(proposers[i], logits))
-                except Exception as err:
-                    results[i] = err
+                _take(proposers, i, logits, seconds, results)
+
+
+def _step_alone(proposers: list, group: list, shared, trees: list, results: list, shared_error: Exception) -> None:
+    """The shared draft forward failed: each of its rows once more on its own, so that what one sequence alone brings
+    ends its own round, not every round in the forward (as the target's pass does: Engine._verify_alone). A row moves
+    its slot only once its forward has succeeded, so nothing is left to undo."""
+    if len(group) == 1:
+        results[group[0][0]] = shared_error
+        return
+    for (i, feed), tree in zip(group, trees):
+        started = time.perf_counter()
+        try:
+            logits = shared.forward_batch([(_shared(proposers[i].backend)[1], feed)],
+                                          **({"trees": [tree]} if tree is not None else {}))[0]
+        except Exception as own:
+            results[i] = own
+            continue
+        _take(proposers, i, logits, time.perf_counter() - started, results)
+
+
+def _take(proposers: list, i: int, logits, seconds: float, results: list) -> None:
+    try:
+        _time_forward(proposers[i], seconds)
+        proposers[i].take(_rows_for(proposers[i], logits))
+    except Exception as err:
+        results[i] = err
 
 
 def _time_forward(proposer, seconds: float) -> None:
