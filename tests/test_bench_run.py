@@ -63,13 +63,15 @@ def test_every_method_runs_every_prompt_and_repeat(results):
     assert all(r["decode_s"] > 0 for r in runs)
 
 
-def test_methods_are_interleaved_and_rotated(results):
+def test_methods_are_interleaved_rotated_and_reversed(results):
     runs = results[0]["runs"]
-    first = [runs[i]["method"] for i in range(0, len(runs), len(DEFAULT_METHODS))]
-    # Prompt 1 repeat 0 starts with the first method, repeat 1 with the second, and so on.
-    assert first[:2] == [DEFAULT_METHODS[0], DEFAULT_METHODS[1]]
-    block = [r["method"] for r in runs[len(DEFAULT_METHODS): 2 * len(DEFAULT_METHODS)]]
-    assert block == list(DEFAULT_METHODS[1:]) + [DEFAULT_METHODS[0]]
+    methods = list(DEFAULT_METHODS)
+    # Repeat 0 runs the methods in order; repeat 1 rotated by one and backwards, so neighbours change.
+    assert [r["method"] for r in runs[: len(methods)]] == methods
+    block = [r["method"] for r in runs[len(methods): 2 * len(methods)]]
+    assert block == list(reversed(methods[1:] + methods[:1]))
+    followers = {(a, b) for a, b in zip(block, block[1:])}
+    assert not followers & set(zip(methods, methods[1:]))  # no method follows the one it followed before
 
 
 def test_every_method_reproduces_the_target_greedy_output(results):

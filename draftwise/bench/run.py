@@ -185,11 +185,14 @@ def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded, jour
 
 
 def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt_ids: list[int], bar) -> list[dict]:
-    """Every method on one prompt, every repeat, interleaved, the order rotated each repeat."""
+    """Every method on one prompt, every repeat, interleaved: the order rotated each repeat, and run backwards on odd
+    repeats, so that no method always follows the same one (a rotation alone keeps each method's neighbours: a tree
+    after its chain every time, the very pairs the report sets side by side)."""
     methods, runs = list(cfg.methods), []
     for repeat in range(cfg.repeats):
         shift = repeat % len(methods)
-        for method in methods[shift:] + methods[:shift]:
+        order = methods[shift:] + methods[:shift]
+        for method in reversed(order) if repeat % 2 else order:
             bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
             record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
             runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
