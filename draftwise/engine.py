@@ -438,8 +438,10 @@ class Engine:
             steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
                                             times.verify_s, draft_steps=steps)
-        events = {seq: self._emit_alone(seq, failed[i], None, ks[i], times) if i in failed else
-                  self._emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
+        for i, err in failed.items():  # (after the costs: the pass itself ran for them)
+            drafts[i] = err
+            verdicts.pop(i, None)
+        events = {seq: self._emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
             seq.stats.decode_s += times.total_s

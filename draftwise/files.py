@@ -1,6 +1,8 @@
 """Reading the user's files, with errors that say why not; writing ours whole or not at all."""
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,8 +36,9 @@ def read_stdin_prompt(stdin) -> str:
 
 
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """write(a partial file beside path), then rename it to path: an interrupted write leaves no half file there."""
-    partial = path.with_name(f".{path.name}.partial")
+    """write(a partial file beside path), then rename it to path: an interrupted write leaves no half file there.
+    The partial is named for its writer (process and thread), so two writing one path never write into one file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     try:
         write(partial)
     except BaseException:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -41,6 +39,7 @@ from torch import nn
 
 from draftwise.backends.attention import groups_queries, use_grouped_attention
 from draftwise.errors import DraftwiseError
+from draftwise.files import write_whole
 
 EXACT_KERNELS = ("dense", "onednn", "split")  # what the target may use: the model's own values
 DRAFT_KERNELS = ("dense", "onednn", "split", "int8", "int8-dynamic")
@@ -337,14 +336,8 @@ class CalibrationCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, partial = tempfile.mkstemp(suffix=".tmp", dir=self.path.parent)  # (one name per writer)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(self.entries, indent=1, sort_keys=True))
-                os.replace(partial, self.path)
-            except OSError:
-                Path(partial).unlink(missing_ok=True)
-                raise
+            text = json.dumps(self.entries, indent=1, sort_keys=True)
+            write_whole(self.path, lambda partial: partial.write_text(text))  # (a partial of its own per writer)
         except OSError:  # a read-only home costs a re-measurement next load, nothing else
             pass
 

@@ -192,12 +192,12 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
     try:
         asyncio.run(run_load(plan, records=records))
     finally:  # a level that failed (the server went away) or Ctrl-C: the levels already run are kept
+        rows = summarise(records)
         if records:
-            write_results(out, plan, records, summarise(records),
+            write_results(out, plan, records, rows,
                           command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
             print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
                   file=sys.stderr)
-    rows = summarise(records)
     print(json.dumps(rows, indent=1) if args.json else markdown_table(rows))
     return 0
 

@@ -116,11 +116,10 @@ def _prompt_ids(body: dict, tokenizer, max_context: int, readable_ids: int) -> l
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        _check_length(len(prompt), max_context, "prompt")
+        _check_length(len(prompt), max_context * MAX_CHARS_PER_TOKEN, "characters", "prompt", max_context)
         return _encoded(lambda: encode_prompt(tokenizer, prompt, False), "prompt")
     if isinstance(prompt, list) and prompt:
-        if len(prompt) > max_context:  # (before each id is looked at)
-            _check_length(len(prompt), max_context, "prompt", unit="token ids")
+        _check_length(len(prompt), max_context, "token ids", "prompt", max_context)  # (before each id is looked at)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if any(not 0 <= t < readable_ids for t in prompt):
                 raise RequestError(f"token ids in 'prompt' must be in [0, {readable_ids})", "prompt")
@@ -129,9 +128,8 @@ def _prompt_ids(body: dict, tokenizer, max_context: int, readable_ids: int) -> l
                        "prompt")
 
 
-def _check_length(size: int, max_context: int, param: str, unit: str = "characters") -> None:
-    """Refuse, before tokenizing, what cannot fit the context however it tokenizes."""
-    most = max_context if unit == "token ids" else max_context * MAX_CHARS_PER_TOKEN
+def _check_length(size: int, most: int, unit: str, param: str, max_context: int) -> None:
+    """Refuse, before tokenizing, what cannot fit the context however it tokenizes: more than `most` units."""
     if size > most:
         raise RequestError(f"the {param} has {size} {unit}; the context holds {max_context} tokens (at most "
                            f"{most} {unit})", param, code="context_length_exceeded", reason="context_length")
@@ -168,7 +166,8 @@ def _chat_ids(body: dict, tokenizer, max_context: int) -> list[int]:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
         plain.append({"role": m["role"], "content": content})
-    _check_length(sum(len(m["role"]) + len(m["content"]) for m in plain), max_context, "messages")
+    _check_length(sum(len(m["role"]) + len(m["content"]) for m in plain), max_context * MAX_CHARS_PER_TOKEN,
+                  "characters", "messages", max_context)
     return _encoded(lambda: encode_prompt(tokenizer, plain, True), "messages")
 
 
