@@ -12,7 +12,9 @@ from conftest import tiny_model, tiny_tokenizer
 
 from draftwise import cli
 from draftwise.bench import command
+from draftwise.bench import runners as runner_module
 from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
+from draftwise.bench.runners import Runners, StepMark, _peer_record
 from draftwise.config import DTYPES
 from draftwise.hardware import resolve_dtype
 
@@ -245,3 +247,48 @@ def test_cli_bench_runs_a_dtype_once_however_it_is_named(tmp_path, prompts_file,
     assert fake_load[0].dtype == resolve_dtype("auto")
     results = json.loads((tmp_path / "res" / "results.json").read_text())
     assert results["meta"]["dtypes"] == [cfg.dtype for cfg in fake_load]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How the peers are timed
+
+
+def test_a_peer_is_timed_from_its_first_step_end_at_that_rate_for_every_token():
+    # Prompt of 5; the prefill step emits 1 token (ends at 10 s), then 3 more steps emit 1 + 2 + 1 (end at 16 s).
+    marks = [StepMark(10.0, 6, 1, 1), StepMark(12.0, 7, 2, 3), StepMark(14.0, 9, 3, 5), StepMark(16.0, 10, 4, 6)]
+    target, draft = [5.0, 1.5, 1.5, 1.5], [0.1] * 6
+    record = _peer_record("hf-assisted", 5, marks, target, draft)
+    # 4 tokens in the 6 s after the prefill step: 1.5 s a token, for all 5.
+    assert record["decode_s"] == pytest.approx(7.5) and record["tokens_per_s"] == pytest.approx(5 / 7.5)
+    assert record["verify_s"] == pytest.approx(5 / 4 * 4.5)  # the passes after the first, at the same rate
+    assert record["draft_s"] == pytest.approx(5 / 4 * 0.5)
+    assert (record["target_forwards"], record["rounds"], record["proposed"], record["accepted"]) == (4, 4, 6, 1)
+    alone = _peer_record("hf-plain", 1, marks[:1], target[:1], [])  # one token: nothing decoded after the prefill
+    assert alone["decode_s"] == 0.0 and alone["tokens_per_s"] is None
+
+
+def test_peer_step_marks_follow_generate_steps(tmp_path, prompts_file):
+    target, tokenizer, draft = _models(draft_seed=1)
+    runners = Runners(target, tokenizer, draft)
+    marks = []
+    real = runner_module._peer_record
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "_peer_record", lambda method, n, steps, *calls: marks.append(steps) or
+                      real(method, n, steps, *calls))
+        record, token_ids = runners.run("hf-plain", [1, 2, 3, 4, 5], N)
+    steps = marks[0]
+    # One mark a step: the first after the prompt's prefill (its first token), then one token a step.
+    assert [m.length for m in steps] == list(range(6, 6 + N))
+    assert [m.target_calls for m in steps] == list(range(1, N + 1))
+    assert len(token_ids) == N and record["target_forwards"] == N and record["decode_s"] > 0
+
+
+def test_peers_decode_greedily_whatever_the_model_generation_config_adds(tmp_path, prompts_file):
+    # A generation_config.json may carry processors ours do not apply: the peers leave them out too, or their
+    # text (and cost a step) would not be the target's plain greedy one.
+    target, tokenizer, draft = tiny_model("llama", seed=0), tiny_tokenizer(), tiny_model("llama", seed=0)
+    target.generation_config.repetition_penalty = 3.0
+    target.generation_config.no_repeat_ngram_size = 1
+    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "hf-plain", "hf-lookup"), repeats=1,
+                            roofline=False), models=(target, tokenizer, draft))
+    assert all(r["identical"] for r in res["runs"])

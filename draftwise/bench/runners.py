@@ -1,16 +1,22 @@
 """One greedy generation of one prompt by one method, timed the same way for ours and transformers'.
 
 Every runner returns a raw run record (the fields summary.py reads) plus the emitted token ids.
-Prefill is excluded on both sides: ours times it apart; for the peers, forward hooks time each model
-call, and the first call of each model (the prompt's prefill) is taken out of the decode time.
+Decoding is timed whole on both sides, each step with all its work (not only the model calls), and the prompt's
+prefill is left out: ours times it apart. transformers' generate has no such split, so a stopping criterion,
+which it asks after every step, marks when each step ended; the first step is the prompt's prefill (with, for the
+assisted peers, the first round), and the peer is timed from its end to the last step's, at that rate for every
+token it emitted.
 """
 from __future__ import annotations
 
 import copy
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from draftwise.backends.kernels import on_timed_kernels
 from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS
@@ -50,7 +56,7 @@ class Runners:
         self.tokenizer = tokenizer
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
-        self._peer_config = _no_eos_config(target_model.generation_config)
+        self._peer_config = _greedy_config(target_model.generation_config.pad_token_id)
 
     @property
     def draft_in_use(self):
@@ -98,38 +104,77 @@ class Runners:
         # An explicit mask: without one, generate masks every pad id, and chat templates contain it.
         attention_mask = torch.ones_like(input_ids)
         with _timed_calls(self.target_model) as target, _timed_calls(extra.get("assistant_model")) as draft:
-            with torch.inference_mode(), _quiet_transformers():
+            steps = _StepMarks(input_ids.device, target, draft)
+            with torch.inference_mode(), _quiet_transformers(), _own_defaults(self.target_model, self.draft_model):
                 output = self.target_model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                                                    **extra)
+                                                    stopping_criteria=StoppingCriteriaList([steps]), **extra)
         token_ids = output[0, len(prompt_ids):].tolist()
-        return _peer_record(method, len(token_ids), target, draft), token_ids
+        return _peer_record(method, len(token_ids), steps.marks, target, draft), token_ids
 
 
-def _peer_record(method: str, new_tokens: int, target: list[float], draft: list[float]) -> dict:
-    # The first call of each model is its prefill (for hf-assisted the target's first call also verifies
-    # the first draft, so the peer is spared the cost of one round: a small bias in its favour).
-    decode_s = sum(target[1:]) + sum(draft[1:])
+@dataclass(frozen=True)
+class StepMark:
+    """The end of one of generate's steps: when (seconds), the text's length then, and each model's calls so far."""
+    at: float
+    length: int
+    target_calls: int
+    draft_calls: int
+
+
+class _StepMarks(StoppingCriteria):
+    """A stopping criterion that never stops: generate asks it after every step, so it marks each step's end."""
+
+    def __init__(self, device: torch.device, target_calls: list, draft_calls: list):
+        self.device, self.target_calls, self.draft_calls = device, target_calls, draft_calls
+        self.marks: list[StepMark] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.device.type == "cuda":  # the step's kernels done (generate waits for them here anyway, to check EOS)
+            torch.cuda.synchronize(self.device)
+        self.marks.append(StepMark(time.perf_counter(), input_ids.shape[1], len(self.target_calls),
+                                   len(self.draft_calls)))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # [B]: none finished
+
+
+def _peer_record(method: str, new_tokens: int, marks: list[StepMark], target: list[float], draft: list[float]) -> dict:
+    """The run record of a peer's generation: its decoding timed from the end of its first step (the prompt's prefill,
+    and for hf-assisted the first round verified with it) to the end of its last, at that rate for all new_tokens, as
+    ours is timed over all of its own. target, draft: each model call's seconds, in order."""
+    first, last = marks[0], marks[-1]
+    timed_tokens = last.length - first.length
+    scale = new_tokens / timed_tokens if timed_tokens else 0.0  # (one step alone: no decoding apart from the prefill)
+    decode_s = scale * (last.at - first.at)
     record = {
         "new_tokens": new_tokens, "decode_s": decode_s, "tokens_per_s": new_tokens / decode_s if decode_s else None,
-        "target_forwards": len(target), "verify_s": sum(target[1:]), **dict.fromkeys(SPECULATION_FIELDS),
+        "target_forwards": len(target), "verify_s": scale * sum(target[first.target_calls:]),
+        **dict.fromkeys(SPECULATION_FIELDS),
     }
     if method == "hf-assisted":
         # Each assistant call proposes one token, and each target pass keeps the accepted ones plus its own.
         record.update(proposed=len(draft), accepted=new_tokens - len(target), rounds=len(target),
-                      draft_s=sum(draft[1:]))
+                      draft_s=scale * sum(draft[first.draft_calls:]))
     return record
 
 
-def _no_eos_config(generation_config):
-    """Greedy, and an end-of-sequence id that no token has, so every method emits exactly max_new_tokens
+def _greedy_config(pad_token_id: int | None) -> GenerationConfig:
+    """Greedy, with an end-of-sequence id that no token has, so every method emits exactly max_new_tokens
     (transformers falls back to the model's EOS when the field is None; -1 matches no token)."""
-    config = copy.deepcopy(generation_config)
-    config.do_sample = False
-    config.eos_token_id = -1
-    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
-    for name in ("temperature", "top_p", "top_k"):  # sampling fields would only raise warnings
-        setattr(config, name, None)
-    return config
+    return GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0 if pad_token_id is None else pad_token_id)
+
+
+@contextmanager
+def _own_defaults(*models):
+    """generate on transformers' own defaults, not the models' generation_config.json: it fills every field the
+    given config leaves unset from the model's, and one may add a repetition penalty, beams or other processors
+    that ours do not apply, which would change the peer's text and its cost a step."""
+    saved = [(model, model.generation_config) for model in models if model is not None]
+    try:
+        for model, _ in saved:
+            model.generation_config = GenerationConfig()
+        yield
+    finally:
+        for model, config in saved:
+            model.generation_config = config
 
 
 @contextmanager
