@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -15,6 +16,7 @@ from draftwise.bench import command
 from draftwise.bench import runners as runner_module
 from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
 from draftwise.bench.runners import Runners, StepMark, _peer_record
+from draftwise.bench.summary import throughput
 from draftwise.config import DTYPES
 from draftwise.hardware import resolve_dtype
 
@@ -118,6 +120,7 @@ def test_outputs_are_written(results):
     assert on_disk["meta"]["started"] <= on_disk["meta"]["finished"] and on_disk["meta"]["wall_seconds"] > 0
     assert {r["dtype"] for r in on_disk["runs"] + on_disk["summary"]} == {"float32"}
     report = (out / "report.md").read_text()
+    assert on_disk["meta"]["code"] and f"Code: {on_disk['meta']['code']}." in report  # which code printed it
     assert "target as loaded ms" in report
     assert "hf-assisted" in report and "speedup_by_category.png" in report
     for png in ("speedup_by_category.png", "acceptance_by_position.png"):
@@ -256,39 +259,69 @@ def test_cli_bench_runs_a_dtype_once_however_it_is_named(tmp_path, prompts_file,
 def test_a_peer_is_timed_from_its_first_step_end_at_that_rate_for_every_token():
     # Prompt of 5; the prefill step emits 1 token (ends at 10 s), then 3 more steps emit 1 + 2 + 1 (end at 16 s).
     marks = [StepMark(10.0, 6, 1, 1), StepMark(12.0, 7, 2, 3), StepMark(14.0, 9, 3, 5), StepMark(16.0, 10, 4, 6)]
-    target, draft = [5.0, 1.5, 1.5, 1.5], [0.1] * 6
+    target, draft = [5.0, 1.5, 1.5, 1.5], [0.1, 0.2, 0.2, 0.2, 0.2, 0.2]
     record = _peer_record("hf-assisted", 5, marks, target, draft)
     # 4 tokens in the 6 s after the prefill step: 1.5 s a token, for all 5.
     assert record["decode_s"] == pytest.approx(7.5) and record["tokens_per_s"] == pytest.approx(5 / 7.5)
-    assert record["verify_s"] == pytest.approx(5 / 4 * 4.5)  # the passes after the first, at the same rate
-    assert record["draft_s"] == pytest.approx(5 / 4 * 0.5)
+    # Each model's calls at their rate after the first step, for every call: the draft's c is per proposal.
+    assert record["verify_s"] == pytest.approx(4 * 1.5) and record["draft_s"] == pytest.approx(6 * 0.2)
     assert (record["target_forwards"], record["rounds"], record["proposed"], record["accepted"]) == (4, 4, 6, 1)
-    alone = _peer_record("hf-plain", 1, marks[:1], target[:1], [])  # one token: nothing decoded after the prefill
-    assert alone["decode_s"] == 0.0 and alone["tokens_per_s"] is None
 
 
-def test_peer_step_marks_follow_generate_steps(tmp_path, prompts_file):
+def test_a_peer_that_emitted_every_token_in_its_first_step_has_no_decode_time_and_is_left_out():
+    alone = _peer_record("hf-assisted", 4, [StepMark(10.0, 9, 1, 4)], [5.0], [0.1] * 4)
+    assert alone["decode_s"] is None and alone["tokens_per_s"] is None and alone["draft_s"] is None
+    timed = {"new_tokens": 4, "decode_s": 2.0, "question_id": 2, "category": "code"}
+    assert throughput([{**alone, "question_id": 1, "category": "code"}, timed]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("method", ["hf-plain", "hf-assisted", "hf-lookup"])
+def test_peer_step_marks_follow_generate_steps(method):
     target, tokenizer, draft = _models(draft_seed=1)
     runners = Runners(target, tokenizer, draft)
-    marks = []
+    seen = []
     real = runner_module._peer_record
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner_module, "_peer_record", lambda method, n, steps, *calls: marks.append(steps) or
-                      real(method, n, steps, *calls))
-        record, token_ids = runners.run("hf-plain", [1, 2, 3, 4, 5], N)
-    steps = marks[0]
-    # One mark a step: the first after the prompt's prefill (its first token), then one token a step.
-    assert [m.length for m in steps] == list(range(6, 6 + N))
-    assert [m.target_calls for m in steps] == list(range(1, N + 1))
-    assert len(token_ids) == N and record["target_forwards"] == N and record["decode_s"] > 0
+        patch.setattr(runner_module, "_peer_record", lambda *args: seen.append(args) or real(*args))
+        record, token_ids = runners.run(method, [1, 2, 3, 4, 5], N)
+    _, _, marks, target_calls, draft_calls = seen[0]
+    # One mark a step, the first after the prompt's prefill; the text grows every step, to prompt + N.
+    lengths = [m.length for m in marks]
+    assert lengths[0] >= 6 and lengths[-1] == 5 + N and lengths == sorted(set(lengths))
+    assert [m.target_calls for m in marks] == list(range(1, len(target_calls) + 1))  # one target pass a step
+    assert marks[-1].draft_calls == len(draft_calls)  # the assistant's own generate adds no marks
+    if method == "hf-plain":
+        assert lengths == list(range(6, 6 + N))
+    assert len(token_ids) == N and record["target_forwards"] == len(marks)
 
 
-def test_peers_decode_greedily_whatever_the_model_generation_config_adds(tmp_path, prompts_file):
+def test_peers_decode_greedily_whatever_the_models_generation_configs_add(tmp_path, prompts_file):
     # A generation_config.json may carry processors ours do not apply: the peers leave them out too, or their
     # text (and cost a step) would not be the target's plain greedy one.
-    target, tokenizer, draft = tiny_model("llama", seed=0), tiny_tokenizer(), tiny_model("llama", seed=0)
-    target.generation_config.repetition_penalty = 3.0
-    target.generation_config.no_repeat_ngram_size = 1
-    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "hf-plain", "hf-lookup"), repeats=1,
-                            roofline=False), models=(target, tokenizer, draft))
+    target, tokenizer, draft = tiny_model("llama", seed=0), tiny_tokenizer(), tiny_model("llama", seed=1)
+    for model in (target, draft):
+        model.generation_config.repetition_penalty = 3.0
+        model.generation_config.no_repeat_ngram_size = 1
+    res = run_bench(_config(tmp_path, prompts_file, methods=("none", "hf-plain", "hf-lookup", "hf-assisted"),
+                            repeats=1, roofline=False), models=(target, tokenizer, draft))
     assert all(r["identical"] for r in res["runs"])
+    assert [m.generation_config.repetition_penalty for m in (target, draft)] == [3.0, 3.0]  # given back
+
+
+def test_the_code_is_named_by_its_commit_in_a_checkout_and_by_its_digest_elsewhere(tmp_path, monkeypatch):
+    from draftwise.bench import journal
+
+    package = tmp_path / "draftwise"
+    package.mkdir()
+    (package / "engine.py").write_text("x = 1\n")
+    monkeypatch.setattr(journal, "files", lambda name: package)
+    assert journal.code_version().startswith("draftwise sources sha256 ")  # not a checkout
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True)
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", "draftwise")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "code")
+    commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+    assert journal.code_version() == commit
+    (package / "engine.py").write_text("x = 2\n")
+    assert journal.code_version() == f"{commit} with local changes to draftwise/"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -37,6 +38,26 @@ def settings_of(configs: Sequence, prompts: Sequence, machine: str, models: dict
     settings["code_sha256"] = _code_digest()
     settings["machine"], settings["models"] = machine, models
     return settings
+
+
+def code_version() -> str:
+    """The code a bench ran, for its report (a figure is only as good as knowing which code printed it): the git
+    commit of a checkout, marked where draftwise's sources differ from it, else the digest of those sources."""
+    package = Path(str(files("draftwise")))
+    root = package.parent
+    if (root / ".git").exists():  # (a checkout; a .git file in a worktree)
+        try:
+            commit = _git(root, "rev-parse", "--short", "HEAD")
+            changed = _git(root, "status", "--porcelain", "--untracked-files=no", "--", package.name)
+            return commit + (" with local changes to draftwise/" if changed else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"draftwise sources sha256 {_code_digest()[:16]}"
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                          check=True).stdout.strip()
 
 
 def _code_digest() -> str:

@@ -141,6 +141,8 @@ def _header(meta: dict, dtypes: list[str]) -> str:
         lines += ["", when]
     if meta.get("command"):
         lines += ["", f"Command: `{meta['command']}`"]
+    if meta.get("code"):
+        lines += ["", f"Code: {meta['code']}."]
     resumed = {dtype: n for dtype, n in (meta.get("resumed_prompts") or {}).items() if n}
     if resumed:
         counts = ", ".join(f"{n} of {meta.get('prompts', '?')} in {dtype}" for dtype, n in resumed.items())

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftwise.bench.journal import Journal, settings_of
+from draftwise.bench.journal import Journal, code_version, settings_of
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
@@ -232,6 +232,7 @@ def _meta(configs: Sequence[BenchConfig], command: str, prompts) -> dict:
         categories=categories_of(prompts),
         prompts=len(prompts),
         machine=machine_description(),
+        code=code_version(),
         command=command,
     )
     return meta

@@ -94,12 +94,12 @@ class Runners:
 
     def _run_peer(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         extra = {}
+        config = copy.copy(self._peer_config)
+        config.max_new_tokens = max_new_tokens
         if method == "hf-assisted":
             extra["assistant_model"] = self.draft_model  # transformers' own defaults for draft length
         elif method == "hf-lookup":
-            extra["prompt_lookup_num_tokens"] = self.num_draft_tokens
-        config = copy.copy(self._peer_config)
-        config.max_new_tokens = max_new_tokens
+            config.prompt_lookup_num_tokens = self.num_draft_tokens
         input_ids = torch.tensor([prompt_ids], device=self.target_model.device)  # [1, prompt]
         # An explicit mask: without one, generate masks every pad id, and chat templates contain it.
         attention_mask = torch.ones_like(input_ids)
@@ -139,21 +139,28 @@ class _StepMarks(StoppingCriteria):
 def _peer_record(method: str, new_tokens: int, marks: list[StepMark], target: list[float], draft: list[float]) -> dict:
     """The run record of a peer's generation: its decoding timed from the end of its first step (the prompt's prefill,
     and for hf-assisted the first round verified with it) to the end of its last, at that rate for all new_tokens, as
-    ours is timed over all of its own. target, draft: each model call's seconds, in order."""
+    ours is timed over all of its own; each model's seconds likewise at its rate a call after the first step, for all
+    its calls. A first step that emitted every token leaves no decoding to time: decode_s is None (the summary leaves
+    the prompt out). target, draft: each model call's seconds, in order."""
     first, last = marks[0], marks[-1]
     timed_tokens = last.length - first.length
-    scale = new_tokens / timed_tokens if timed_tokens else 0.0  # (one step alone: no decoding apart from the prefill)
-    decode_s = scale * (last.at - first.at)
+    decode_s = new_tokens / timed_tokens * (last.at - first.at) if timed_tokens else None
     record = {
         "new_tokens": new_tokens, "decode_s": decode_s, "tokens_per_s": new_tokens / decode_s if decode_s else None,
-        "target_forwards": len(target), "verify_s": scale * sum(target[first.target_calls:]),
+        "target_forwards": len(target), "verify_s": _at_later_rate(target, first.target_calls) if decode_s else None,
         **dict.fromkeys(SPECULATION_FIELDS),
     }
     if method == "hf-assisted":
         # Each assistant call proposes one token, and each target pass keeps the accepted ones plus its own.
         record.update(proposed=len(draft), accepted=new_tokens - len(target), rounds=len(target),
-                      draft_s=scale * sum(draft[first.draft_calls:]))
+                      draft_s=_at_later_rate(draft, first.draft_calls) if decode_s else None)
     return record
+
+
+def _at_later_rate(calls: list[float], first_step_calls: int) -> float | None:
+    """The seconds of all the calls, at the mean of those after the first step's (None when there are none)."""
+    later = calls[first_step_calls:]
+    return sum(later) / len(later) * len(calls) if later else None
 
 
 def _greedy_config(pad_token_id: int | None) -> GenerationConfig:
@@ -169,8 +176,8 @@ def _own_defaults(*models):
     that ours do not apply, which would change the peer's text and its cost a step."""
     saved = [(model, model.generation_config) for model in models if model is not None]
     try:
-        for model, _ in saved:
-            model.generation_config = GenerationConfig()
+        for model, config in saved:
+            model.generation_config = type(config)()  # (a model may have a class of its own)
         yield
     finally:
         for model, config in saved:

@@ -51,9 +51,12 @@ def group_by_prompt(runs: Iterable[dict]) -> dict[tuple, list[dict]]:
 
 
 def throughput(runs: Sequence[dict]) -> float | None:
-    """Tokens/s over the prompts: sum of new tokens / sum of each prompt's MEDIAN decode time over its repeats."""
+    """Tokens/s over the prompts: sum of new tokens / sum of each prompt's MEDIAN decode time over its repeats. A
+    prompt with a repeat of no decode time (a peer that emitted every token in its prefill step) is left out."""
     tokens = seconds = 0.0
     for repeats in group_by_prompt(runs).values():
+        if any(r["decode_s"] is None for r in repeats):
+            continue
         tokens += statistics.median(r["new_tokens"] for r in repeats)
         seconds += statistics.median(r["decode_s"] for r in repeats)
     return ratio(tokens, seconds)
