@@ -235,7 +235,7 @@ class Engine:
 
     # -- the proposal cache ------------------------------------------------------------------------------
     def enable_proposal_cache(self, max_tokens: int) -> ProposalCache:
-        """Let prompt lookup (method lookup, and hybrid's lookup rounds) propose from the texts of earlier
+        """Let prompt lookup (methods lookup and lookup-tree, and every hybrid's lookup rounds) propose from the texts of earlier
         sequences too, the last max_tokens tokens of them (see proposers/proposal_cache.py)."""
         self.proposal_cache = ProposalCache(max_tokens)
         lookup = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's lookup
