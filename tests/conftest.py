@@ -76,6 +76,25 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: 
     return model
 
 
+def transformers_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The model's own greedy tokens after ids, from transformers' generate: an implementation independent of ours.
+    An explicit mask: without one, generate masks every pad id, and a chat template may hold it."""
+    input_ids = torch.tensor([ids], device=model.device)  # [1, prompt]
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def near_model(arch: str = "llama", noise: float = 0.08):
+    """tiny_model(arch, 0) with a noisy output layer: a draft that agrees with that target often but not always, so
+    rounds keep part of a draft and cut the rest (and a tree's kept path ends anywhere, siblings' included)."""
+    draft = tiny_model(arch, 0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g).to(draft.device))
+    return draft
+
+
 def decode_together(eng, prompts: list[list[int]], cfg) -> list:
     """One sequence per prompt (token ids) under cfg, decoded in one batch to their ends, then closed."""
     seqs = [eng.open_sequence(p, cfg) for p in prompts]

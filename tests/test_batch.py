@@ -200,14 +200,34 @@ def random_batch(seed, vocab=11):
     return drafts, logits
 
 
+SAMPLINGS = [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5),
+             SamplingConfig(temperature=1.3, top_p=0.8), SamplingConfig(temperature=1.0)]
+
+
+def batched_verdicts(seed):
+    drafts, logits = random_batch(seed)
+    return drafts, logits, verify_batch(DraftBatch.of(drafts), torch.cat(logits), SAMPLINGS,
+                                        [make_generator(seed * 10 + b) for b in range(5)])
+
+
+def test_the_random_batches_take_every_path_in_sampled_rows():
+    # The comparison below means something only if the sampled rows' drafts were kept in part, cut short, and kept
+    # whole (the bonus token), over its seeds.
+    kept, offered = [], []
+    for seed in range(20):
+        drafts, _, verdicts = batched_verdicts(seed)
+        for b in range(1, 5):
+            if drafts[b].token_ids:
+                kept.append(verdicts[b].num_accepted)
+                offered.append(len(drafts[b].token_ids))
+    assert sum(0 < n for n in kept) >= 5 and sum(n < k for n, k in zip(kept, offered)) >= 5
+    assert any(n == k for n, k in zip(kept, offered))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_batched_verdicts_equal_the_scalar_verifiers(seed):
-    drafts, logits = random_batch(seed)
-    samplings = [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5),
-                 SamplingConfig(temperature=1.3, top_p=0.8), SamplingConfig(temperature=1.0)]
-    batched = verify_batch(DraftBatch.of(drafts), torch.cat(logits), samplings,
-                           [make_generator(seed * 10 + b) for b in range(5)])
-    for b, (draft, rows, sampling) in enumerate(zip(drafts, logits, samplings)):
+    drafts, logits, batched = batched_verdicts(seed)
+    for b, (draft, rows, sampling) in enumerate(zip(drafts, logits, SAMPLINGS)):
         if sampling.greedy:
             oracle = verify_greedy(draft.token_ids, rows)
         else:

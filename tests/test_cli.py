@@ -253,8 +253,9 @@ def test_options_reach_the_engine(capsys, loads):
                        "--seed", "7", "--ignore-eos")
     want = _direct("other", temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
     assert sampled["token_ids"] == want.token_ids
-    assert sampled["token_ids"] != run_json(capsys, "--draft", "other", "--temperature", "1.0", "--seed", "8")[
-        "token_ids"], "the seed must matter"
+    reseeded = run_json(capsys, "--draft", "other", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9",
+                        "--seed", "8", "--ignore-eos")
+    assert sampled["token_ids"] != reseeded["token_ids"], "the seed must matter"
 
 
 def test_prompt_from_stdin_and_from_a_file(capsys, loads, monkeypatch, tmp_path):

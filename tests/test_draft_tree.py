@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import near_model, tiny_model, tiny_tokenizer
 
 from draftwise import Engine
 from draftwise.adaptive import DraftLengthPolicy
@@ -27,14 +27,8 @@ def model(arch, seed, layers=2):
 
 
 @functools.lru_cache(maxsize=None)
-def near(arch, noise=0.08):
-    """The target with a noisy output layer: it agrees with the target often but not always, so kept paths
-    end anywhere in the tree, siblings' included."""
-    draft = tiny_model(arch, 0)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(noise * torch.randn(draft.lm_head.weight.shape, generator=g).to(draft.device))
-    return draft
+def near(arch):
+    return near_model(arch)
 
 
 def drafts(arch):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, decode_together, tiny_model, tiny_tokenizer
+from conftest import CORPUS, decode_together, tiny_model, tiny_tokenizer, transformers_greedy
 
 from draftwise import Engine
 from draftwise.adaptive import DraftLengthPolicy
@@ -66,13 +66,8 @@ def prompt_ids() -> list[int]:
 
 
 def reference(arch: str) -> list[int]:
-    """The target's own greedy tokens, from transformers' generate: an independent implementation."""
-    ids = prompt_ids()
-    input_ids = torch.tensor([ids])  # [1, prompt]
-    # An explicit mask: without one, generate masks every pad id, and the chat template holds the pad (<|end|>).
-    out = tiny_model(arch, 0).generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    """The target's own greedy tokens, from transformers' generate."""
+    return transformers_greedy(tiny_model(arch, 0), prompt_ids(), NEW_TOKENS)
 
 
 def head_engine(arch: str, folder: Path, method: str = "head") -> Engine:
@@ -296,6 +291,7 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads, method):
              for p in prompts]
     cfg = GenerationConfig.from_options(max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False)
     seqs = decode_together(eng, prompts, cfg)
+    assert alone == [transformers_greedy(tiny_model("qwen2", 0), p, 24) for p in prompts]
     assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == alone
     if method == "hybrid-head":  # the batched rounds (in steps, batch.py) went to both
         assert sum(seq.proposer.rounds["lookup"] for seq in seqs) > 0

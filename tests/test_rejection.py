@@ -111,3 +111,44 @@ def test_emitted_tokens_follow_p(q):
 def test_a_biased_sampler_fails_the_same_test(q):
     first, _ = emitted_tokens(biased_verify, q)
     assert fit_pvalue(first, as_table(P[0])) < 1e-6
+
+
+# --- drafts of several tokens: each position's residual from its own row ---------------------------------
+
+# A target whose distribution at each text position is its own row (whatever came before), and a draft whose rows
+# differ from each other as much as from the target's: a residual taken from the wrong row shows.
+P_AT = torch.tensor([[0.5, 0.3, 0.1, 0.1, 0.0], [0.1, 0.1, 0.2, 0.2, 0.4], [0.3, 0.3, 0.2, 0.1, 0.1],
+                     [0.2, 0.2, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])  # [position, vocab]
+Q_AT = torch.tensor([[0.1, 0.2, 0.5, 0.1, 0.1], [0.6, 0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.6],
+                     [0.2, 0.2, 0.2, 0.2, 0.2]])
+
+
+def emitted_at_positions(k=2, n=20000, positions=3, seed=0):
+    """The tokens emitted at the first `positions` text positions, over n generations of k-token draft rounds."""
+    g = gen(seed)
+    texts = []
+    for _ in range(n):
+        text = []
+        while len(text) < positions:
+            at = len(text)
+            q = Q_AT[at: at + k]  # [k, vocab]
+            draft = [sample(row, g) for row in q]
+            verdict = verify_rejection(draft, q, P_AT[at: at + k + 1], g)
+            text += draft[: verdict.num_accepted] + [verdict.next_token]
+        texts.append(text[:positions])
+    return texts
+
+
+def test_every_position_of_a_longer_draft_follows_p():
+    texts = emitted_at_positions()
+    for position in range(3):
+        assert fit_pvalue([t[position] for t in texts], as_table(P_AT[position])) > 1e-3, position
+
+
+def test_a_residual_from_the_wrong_row_fails_the_same_test(monkeypatch):
+    import draftwise.verify.rejection as rejection
+
+    right = rejection._residual
+    monkeypatch.setattr(rejection, "_residual", lambda p_i, q, i, token: right(p_i, q, 0, token))  # always row 0
+    texts = emitted_at_positions()
+    assert fit_pvalue([t[1] for t in texts], as_table(P_AT[1])) < 1e-6

@@ -67,6 +67,16 @@ def exact_pairs(cfg: SamplingConfig, prompt_name: str = "loop", min_prob=1e-4) -
     return table
 
 
+def outside_support(pairs: list, cfg: SamplingConfig, prompt_name: str) -> list:
+    """The sampled pairs that the target's truncated distribution (top-k, top-p) gives no chance at all. The chi-square
+    check pools rare outcomes, so a token leaking past the truncation now and then would hide there."""
+    ids = prompt(prompt_name)
+    with torch.no_grad():
+        first = logits_to_probs(target()(input_batch(ids)).logits[0, -1], cfg)
+        second = {t1: logits_to_probs(target()(input_batch(ids + [t1])).logits[0, -1], cfg) for t1, _ in set(pairs)}
+    return [(t1, t2) for t1, t2 in pairs if first[t1] == 0 or second[t1][t2] == 0]
+
+
 SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)}
 
 
@@ -160,6 +170,8 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
 def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     pairs, (kept, not_kept), rounds = sampled_pairs(method, setting, k, prompt_name)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) > 1e-3
+    if setting != "t1":  # truncated: every token drawn is one the target itself could draw
+        assert outside_support(pairs, SETTINGS[setting], prompt_name) == []
     # Both accepting and rejecting rounds were exercised, many times. Counted, not as a rate: an unseeded run's k
     # follows the measured costs, so how many guesses it offers depends on the device (on an H100, lookup-corpus
     # kept 5.9% of its guesses; 11% here). The tree's prompt leaves the loop, so its guesses are kept some 40
@@ -205,3 +217,17 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid-head", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
+
+
+def test_an_engine_with_a_wrong_recovery_rule_fails_the_same_check():
+    """Power through the engine, not only a verifier alone: after a rejected guess, drawing from p itself (rather
+    than the residual max(0, p - q), or a tree's p without its rejected siblings) is a plausible bug, and the check
+    the methods pass must catch it for a drafted chain, a one-hot guess, a tree and a hybrid of chains."""
+    with mock.patch("draftwise.verify.batch._residual", lambda p_i, q, i, token: p_i), \
+            mock.patch("draftwise.verify.tree._without", lambda r, token: r):
+        # (draft at k=1 after "loop" is not among them: there the target is so sure of its token that drawing the
+        # recovery from p moves the first two tokens' table too little to show in 800 runs; at k=2 it does.)
+        for method, setting, k, prompt_name in [("draft", "t1", 2, "loop"), ("lookup", "t1", 2, "loop"),
+                                                ("draft-tree", "t1", 2, "mid-loop"), ("hybrid", "t1", 2, "mid-loop")]:
+            pairs, _, _ = sampled_pairs.__wrapped__(method, setting, k, prompt_name)  # (not the cached right ones)
+            assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) < 1e-3, method

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_together, tiny_model, tiny_tokenizer
+from conftest import decode_together, tiny_model, tiny_tokenizer, transformers_greedy
 
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
@@ -14,6 +14,7 @@ from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, 
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow
 from draftwise.sampling import sample
 from draftwise.types import Draft, Verdict
+from draftwise.verify import verify_greedy
 from draftwise.verify.batch import DraftBatch, verify_batch
 from draftwise.verify.tree import TreeLayout, chain_parents, verify_tree_greedy, verify_tree_sampled
 from stats_helpers import fit_pvalue
@@ -114,6 +115,7 @@ def test_the_batch_verifier_gives_the_tree_verdicts():
     logits = torch.log(torch.cat([P, P[:3]]) + 1e-9)  # [6 + 3, vocab]
     greedy = verify_batch(DraftBatch.of([tree, chain]), logits, [SamplingConfig()] * 2, [gen(), gen()])
     assert greedy[0] == verify_tree_greedy(TOKENS, TreeLayout.of(PARENTS), P.argmax(-1).tolist())
+    assert greedy[1] == verify_greedy([2, 2], logits[6:])  # the chain's rows follow the tree's
     sampled = verify_batch(DraftBatch.of([tree]), logits[:6], [SamplingConfig(temperature=1.0)], [gen(5)])
     assert sampled[0] == verify_tree_sampled(TOKENS, TreeLayout.of(PARENTS), torch.softmax(logits[:6], -1), gen(5))
 
@@ -353,8 +355,7 @@ def test_a_lookup_guess_armed_for_a_round_goes_no_further():
 
 
 def _reference(prompt, n):
-    return Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="none").generate(
-        prompt, max_new_tokens=n, ignore_eos=True).token_ids
+    return transformers_greedy(tiny_model("llama", 0), tiny_tokenizer()(prompt)["input_ids"], n)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
