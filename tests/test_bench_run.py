@@ -16,7 +16,7 @@ from draftwise.bench import command
 from draftwise.bench import runners as runner_module
 from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
 from draftwise.bench.runners import Runners, StepMark, _peer_record
-from draftwise.bench.summary import throughput
+from draftwise.bench.summary import summarize
 from draftwise.config import DTYPES
 from draftwise.hardware import resolve_dtype
 
@@ -271,8 +271,18 @@ def test_a_peer_is_timed_from_its_first_step_end_at_that_rate_for_every_token():
 def test_a_peer_that_emitted_every_token_in_its_first_step_has_no_decode_time_and_is_left_out():
     alone = _peer_record("hf-assisted", 4, [StepMark(10.0, 9, 1, 4)], [5.0], [0.1] * 4)
     assert alone["decode_s"] is None and alone["tokens_per_s"] is None and alone["draft_s"] is None
-    timed = {"new_tokens": 4, "decode_s": 2.0, "question_id": 2, "category": "code"}
-    assert throughput([{**alone, "question_id": 1, "category": "code"}, timed]) == pytest.approx(2.0)
+    base = {"method": "hf-assisted", "category": "code", "repeat": 0, "identical": True}
+    untimed = {**alone, **base, "question_id": 1}  # 3 of 4 proposals kept
+    timed = {**alone, **base, "question_id": 2, "decode_s": 2.0, "tokens_per_s": 2.0, "accepted": 1,
+             "draft_s": 0.4, "verify_s": 1.6}  # 1 of 4 kept
+    plain = [{"method": "none", "category": "code", "repeat": 0, "question_id": q, "new_tokens": 4, "decode_s": 4.0,
+              "target_forwards": 4, "identical": True} for q in (1, 2)]
+    row = next(r for r in summarize([untimed, timed, *plain]) if (r["method"], r["category"]) == ("hf-assisted", "all"))
+    # Every figure of the row is the timed prompt's alone: its tokens/s, its acceptance, and a c (a sum of draft
+    # seconds over both prompts would have none).
+    assert row["prompts"] == 1 and row["tokens_per_s"] == pytest.approx(2.0)
+    assert row["acceptance_rate"] == pytest.approx(0.25)
+    assert row["cost_ratio"] == pytest.approx((0.4 / 4) / (4.0 / 4))
 
 
 @pytest.mark.parametrize("method", ["hf-plain", "hf-assisted", "hf-lookup"])
@@ -288,8 +298,9 @@ def test_peer_step_marks_follow_generate_steps(method):
     # One mark a step, the first after the prompt's prefill; the text grows every step, to prompt + N.
     lengths = [m.length for m in marks]
     assert lengths[0] >= 6 and lengths[-1] == 5 + N and lengths == sorted(set(lengths))
-    assert [m.target_calls for m in marks] == list(range(1, len(target_calls) + 1))  # one target pass a step
-    assert marks[-1].draft_calls == len(draft_calls)  # the assistant's own generate adds no marks
+    # One target pass a step, and no other marks: the assistant's own generate adds none.
+    assert [m.target_calls for m in marks] == list(range(1, len(target_calls) + 1))
+    assert marks[-1].draft_calls == len(draft_calls)
     if method == "hf-plain":
         assert lengths == list(range(6, 6 + N))
     assert len(token_ids) == N and record["target_forwards"] == len(marks)

@@ -48,7 +48,7 @@ def code_version() -> str:
     if (root / ".git").exists():  # (a checkout; a .git file in a worktree)
         try:
             commit = _git(root, "rev-parse", "--short", "HEAD")
-            changed = _git(root, "status", "--porcelain", "--untracked-files=no", "--", package.name)
+            changed = _git(root, "status", "--porcelain", "--", package.name)
             return commit + (" with local changes to draftwise/" if changed else "")
         except (OSError, subprocess.SubprocessError):
             pass
@@ -56,8 +56,10 @@ def code_version() -> str:
 
 
 def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
-                          check=True).stdout.strip()
+    """git on the checkout at root (never one an inherited GIT_DIR or GIT_WORK_TREE names)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GIT_")}
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, check=True,
+                          env=env).stdout.strip()
 
 
 def _code_digest() -> str:

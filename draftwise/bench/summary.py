@@ -51,12 +51,9 @@ def group_by_prompt(runs: Iterable[dict]) -> dict[tuple, list[dict]]:
 
 
 def throughput(runs: Sequence[dict]) -> float | None:
-    """Tokens/s over the prompts: sum of new tokens / sum of each prompt's MEDIAN decode time over its repeats. A
-    prompt with a repeat of no decode time (a peer that emitted every token in its prefill step) is left out."""
+    """Tokens/s over the prompts: sum of new tokens / sum of each prompt's MEDIAN decode time over its repeats."""
     tokens = seconds = 0.0
     for repeats in group_by_prompt(runs).values():
-        if any(r["decode_s"] is None for r in repeats):
-            continue
         tokens += statistics.median(r["new_tokens"] for r in repeats)
         seconds += statistics.median(r["decode_s"] for r in repeats)
     return ratio(tokens, seconds)
@@ -167,6 +164,13 @@ def _row(method: str, category: str, runs: list[dict], none_runs: list[dict], ro
     }
 
 
+def timed_prompts(runs: list[dict]) -> list[dict]:
+    """The runs of the prompts whose every repeat timed some decoding: a peer that emitted every token in its prefill
+    step (a short max_new_tokens) has none, and its prompt is left out of every figure of its method's rows."""
+    untimed = {prompt_key(r) for r in runs if r["decode_s"] is None}
+    return [r for r in runs if prompt_key(r) not in untimed]
+
+
 def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
     """One row per (method, category) in order methods x categories (first appearance), then "all" per method."""
     methods = _ordered_unique(r["method"] for r in runs)
@@ -175,7 +179,7 @@ def summarize(runs: list[dict], roofline: dict | None = None) -> list[dict]:
 
     rows = []
     for method in methods:
-        own = [r for r in runs if r["method"] == method]
+        own = timed_prompts([r for r in runs if r["method"] == method])
         groups = [(c, [r for r in own if r["category"] == c]) for c in categories] + [(ALL, own)]
         for category, selected in groups:
             if not selected:
