@@ -85,6 +85,7 @@ def transformers_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(ids):].tolist()
 
 
+@functools.lru_cache(maxsize=None)
 def near_model(arch: str = "llama", noise: float = 0.08):
     """tiny_model(arch, 0) with a noisy output layer: a draft that agrees with that target often but not always, so
     rounds keep part of a draft and cut the rest (and a tree's kept path ends anywhere, siblings' included)."""

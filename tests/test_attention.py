@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, transformers_greedy
 
 from draftwise.backends import attention
 from draftwise.backends.hf import HFBackend
@@ -136,8 +136,7 @@ def test_a_window_only_where_the_model_itself_slides(options, windows):
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     ids = tokenizer("The quick brown fox jumps over the lazy dog and runs")["input_ids"]
-    want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
+    want = transformers_greedy(model, ids, 12)
     got = Engine.from_models(model, tokenizer, method="lookup").generate(ids, max_new_tokens=12, ignore_eos=True)
     assert got.token_ids == want
 

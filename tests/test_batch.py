@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
 from draftwise import engine as engine_module
 from draftwise.config import GenerationConfig, SamplingConfig
@@ -37,10 +37,7 @@ def model(arch, seed, layers=2):
 
 @functools.lru_cache(maxsize=None)
 def reference(arch, prompt, new_tokens):
-    ids = tiny_tokenizer()(prompt)["input_ids"]
-    out = model(arch, 0).generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(model(arch, 0), tiny_tokenizer()(prompt)["input_ids"], new_tokens)
 
 
 def engine(arch, method="draft"):
@@ -220,7 +217,7 @@ def test_the_random_batches_take_every_path_in_sampled_rows():
             if drafts[b].token_ids:
                 kept.append(verdicts[b].num_accepted)
                 offered.append(len(drafts[b].token_ids))
-    assert sum(0 < n for n in kept) >= 5 and sum(n < k for n, k in zip(kept, offered)) >= 5
+    assert sum(0 < n < k for n, k in zip(kept, offered)) >= 3 and sum(n < k for n, k in zip(kept, offered)) >= 5
     assert any(n == k for n, k in zip(kept, offered))
 
 

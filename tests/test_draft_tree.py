@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from conftest import near_model, tiny_model, tiny_tokenizer
+from conftest import near_model, tiny_model, tiny_tokenizer, transformers_greedy
 
 from draftwise import Engine
 from draftwise.adaptive import DraftLengthPolicy
@@ -26,22 +26,15 @@ def model(arch, seed, layers=2):
     return tiny_model(arch, seed, layers)
 
 
-@functools.lru_cache(maxsize=None)
-def near(arch):
-    return near_model(arch)
-
-
 def drafts(arch):
-    return {"same": model(arch, 0), "unrelated": model(arch, 1, 1), "near": near(arch)}
+    return {"same": model(arch, 0), "unrelated": model(arch, 1, 1), "near": near_model(arch)}
 
 
 @functools.lru_cache(maxsize=None)
 def reference(arch, prompt=PROMPT, n=NEW_TOKENS):
     """The target's own greedy tokens, from transformers' generate: an independent implementation."""
     ids = tiny_tokenizer()(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-    out = model(arch, 0).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(model(arch, 0), ids, n)
 
 
 def engine(arch, draft, **options):
@@ -172,7 +165,7 @@ def test_a_depth_expands_only_the_nodes_whose_rows_pay_and_the_output_and_cache_
     seq = _open(eng, PROMPT, num_draft_tokens=4)
     while seq.finish is None:
         eng.step([seq])
-        assert_draft_holds_text(seq.proposer, seq.context, near(arch))
+        assert_draft_holds_text(seq.proposer, seq.context, near_model(arch))
     assert seq.context[len(seq.prompt_ids):] == reference(arch)
     assert widths[:3] == [4, 4, 4]  # the first round, nothing timed yet: k depths, WIDTH nodes each
     assert widths[3:] and set(widths[3:]) == {1}
@@ -233,7 +226,7 @@ def test_the_draft_cache_holds_exactly_the_accepted_text_after_every_round(arch,
     moves = _record_moves(seq.proposer)
     while seq.finish is None:
         eng.step([seq])
-        assert_draft_holds_text(seq.proposer, seq.context, near(arch))
+        assert_draft_holds_text(seq.proposer, seq.context, near_model(arch))
     assert seq.context[len(seq.prompt_ids):] == reference(arch)
     if not adaptive:  # (adaptive rounds here mostly draft depth 1: nothing fed to keep)
         assert any(moves)  # some kept path ran through a sibling, moved into place
@@ -253,7 +246,7 @@ def test_a_round_that_fails_leaves_only_the_text_in_the_draft_cache(monkeypatch)
     monkeypatch.setattr(eng.target, "forward_batch", boom)
     events = eng.step([seq])[seq]
     assert events[-1].finish_reason == "error" and "boom" in seq.error
-    assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+    assert_draft_holds_text(seq.proposer, seq.context, near_model("llama"))
     monkeypatch.setattr(eng.target, "forward_batch", forward_batch)
     eng.close_sequence(seq)
 
@@ -270,7 +263,7 @@ def test_a_round_that_fails_leaves_only_the_text_in_the_draft_cache(monkeypatch)
     monkeypatch.setattr(shared, "forward_batch", failing)
     events = eng.step([seq])[seq]
     assert events[-1].finish_reason == "error" and "draft boom" in seq.error
-    assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+    assert_draft_holds_text(seq.proposer, seq.context, near_model("llama"))
     eng.close_sequence(seq)
 
 
@@ -290,7 +283,7 @@ def test_a_batch_of_tree_and_chain_sequences_gives_each_its_greedy_output(arch, 
         live = [seq for seq in seqs if seq.finish is None]
         eng.step(live)
         for seq in live:
-            assert_draft_holds_text(seq.proposer, seq.context, near(arch))
+            assert_draft_holds_text(seq.proposer, seq.context, near_model(arch))
     for seq, prompt in zip(seqs, PROMPTS):
         assert seq.finish == "length"
         assert seq.context[len(seq.prompt_ids):] == reference(arch, prompt)
@@ -316,7 +309,7 @@ def test_tree_sequences_in_a_batch_share_each_draft_forward(monkeypatch):
     assert len(calls) == 4  # the roots (and the chain's first token), then three depths
     assert calls[0] == [False, False, False] and all(call[:2] == [True, True] for call in calls[1:])
     for seq in seqs:
-        assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+        assert_draft_holds_text(seq.proposer, seq.context, near_model("llama"))
     for seq in seqs:
         eng.close_sequence(seq)
 
@@ -336,7 +329,7 @@ def test_a_failed_shared_tree_forward_ends_only_the_rounds_in_it_and_leaves_each
     events = eng.step(seqs)
     for seq in seqs:
         assert events[seq][-1].finish_reason == "error" and "draft boom" in seq.error
-        assert_draft_holds_text(seq.proposer, seq.context, near("llama"))
+        assert_draft_holds_text(seq.proposer, seq.context, near_model("llama"))
         eng.close_sequence(seq)
 
 

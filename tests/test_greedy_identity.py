@@ -23,14 +23,9 @@ def reference(arch):
     return transformers_greedy(model(arch, 0), tiny_tokenizer()(PROMPT)["input_ids"], NEW_TOKENS)
 
 
-@functools.lru_cache(maxsize=None)
-def near(arch):
-    return near_model(arch)
-
-
 def draft_model(arch, draft):
     """same: the target's twin (every guess kept); near: right often, not always (rounds cut short); unrelated."""
-    return {"same": lambda: model(arch, 0), "near": lambda: near(arch), "unrelated": lambda: model(arch, 1, 1),
+    return {"same": lambda: model(arch, 0), "near": lambda: near_model(arch), "unrelated": lambda: model(arch, 1, 1),
             None: lambda: None}[draft]()
 
 
@@ -51,8 +46,8 @@ CASES = [("none", None), ("draft", "same"), ("draft", "near"), ("draft", "unrela
 def test_greedy_output_is_the_targets_own(arch, method, draft, k):
     # Fixed k, so the counts below are known exactly for an exact-twin draft.
     eng = engine(arch, method, draft)
-    kept = []  # per round that drafted: (tokens kept, tokens offered)
-    eng.round_observer = lambda seq, offered, verdict, times: kept.append((verdict.num_accepted, len(offered)))
+    rounds = []  # per round that drafted: (tokens kept, tokens offered)
+    eng.round_observer = lambda seq, offered, verdict, times: rounds.append((verdict.num_accepted, len(offered)))
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=k, ignore_eos=True, adaptive=False)
     assert result.token_ids == reference(arch)
     assert result.finish_reason == "length"
@@ -64,7 +59,7 @@ def test_greedy_output_is_the_targets_own(arch, method, draft, k):
     if method == "draft" and draft == "unrelated":
         assert stats.acceptance_rate < 0.3
     if draft == "near":  # rounds that kept some of a draft and rejected the rest: the cache rewinds mid-draft
-        assert any(0 < n < offered for n, offered in kept) if k > 1 else 0 < stats.acceptance_rate < 1
+        assert any(0 < n < offered for n, offered in rounds) if k > 1 else 0 < stats.acceptance_rate < 1
     if method in ("lookup", "lookup-tree", "skip", "hybrid-skip"):  # they did speculate, and some of it was kept
         assert stats.accepted > 0
     if method == "none":

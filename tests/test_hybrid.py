@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import input_batch, tiny_model, tiny_tokenizer
+from conftest import input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import DraftwiseError, Engine
 from draftwise.config import GenerationConfig
 from draftwise.estimates import StepCosts, TreeSpread
@@ -43,9 +43,7 @@ def prompt_ids() -> list[int]:
 @functools.lru_cache(maxsize=None)
 def reference(arch):
     """The target's own greedy tokens, from transformers' generate: an independent implementation."""
-    out = model(arch, 0).generate(torch.tensor([prompt_ids()]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids()):].tolist()
+    return transformers_greedy(model(arch, 0), prompt_ids(), NEW_TOKENS)
 
 
 HYBRIDS = ["hybrid", "hybrid-tree"]  # hybrid-tree: lookup-tree and draft-tree rounds

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import cpu_kernels, input_batch, tiny_model, tiny_tokenizer
+from conftest import cpu_kernels, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
@@ -35,10 +35,7 @@ def target(arch="llama"):
 
 @functools.lru_cache(maxsize=None)
 def reference(arch, prompt, new_tokens):
-    ids = tiny_tokenizer()(prompt)["input_ids"]
-    out = target(arch).generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(target(arch), tiny_tokenizer()(prompt)["input_ids"], new_tokens)
 
 
 def engine(arch="llama", **options):

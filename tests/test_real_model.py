@@ -4,8 +4,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
+from conftest import transformers_greedy
 from draftwise import Engine
 from draftwise.backends.kernels import EXACT_KERNELS
 
@@ -36,9 +36,7 @@ def reference(prompt: str) -> list[int]:
     """transformers' own greedy generation on the same weights."""
     model, tokenizer = loaded()
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(model, tokenizer(text, add_special_tokens=False)["input_ids"], NEW_TOKENS)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["copying", "code"])

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer
+from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
 from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SamplingConfig
 from draftwise.sampling import logits_to_probs, make_generator
@@ -48,8 +48,7 @@ def prompt(name: str = "loop") -> list[int]:
     "tree" is the loop, its last 3 tokens again, one other token, and those 3 once more: they occurred twice
     before, followed by themselves and by the other token, so lookup-tree's first round offers both as siblings."""
     base = tiny_tokenizer()("The quick brown fox")["input_ids"]
-    out = target().generate(torch.tensor([base]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ids = out[0].tolist()
+    ids = base + transformers_greedy(target(), base, 30)
     return {"loop": ids, "mid-loop": ids[:-1], "start": base, "tree": ids + ids[-3:] + [base[0]] + ids[-3:]}[name]
 
 
