@@ -203,8 +203,8 @@ class Engine:
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
-                       acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop, prompt_ids[-TEXT_CONTEXT:]), stats=stats,
-                       generator=generator, context=list(prompt_ids), prefilled=reused)
+                       acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop, prompt_ids[-TEXT_CONTEXT:]),
+                       stats=stats, generator=generator, context=list(prompt_ids), prefilled=reused)
         if acceptance is not None:
             pooled = self._carried.get((method, cfg.sampling.greedy), {})
             _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
@@ -235,8 +235,8 @@ class Engine:
 
     # -- the proposal cache ------------------------------------------------------------------------------
     def enable_proposal_cache(self, max_tokens: int) -> ProposalCache:
-        """Let prompt lookup (methods lookup and lookup-tree, and every hybrid's lookup rounds) propose from the texts of earlier
-        sequences too, the last max_tokens tokens of them (see proposers/proposal_cache.py)."""
+        """Let prompt lookup (methods lookup and lookup-tree, and every hybrid's lookup rounds) propose from the texts
+        of earlier sequences too, the last max_tokens tokens of them (see proposers/proposal_cache.py)."""
         self.proposal_cache = ProposalCache(max_tokens)
         lookup = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's lookup
         if isinstance(lookup, PromptLookupProposer):

@@ -35,7 +35,9 @@ def test_probabilities_are_transformers_own(cfg):
 def test_top_p_keeps_the_token_that_crosses_the_mass_and_no_more():
     logits = torch.tensor([0.5, 0.3, 0.2]).log()  # probabilities 0.5, 0.3, 0.2
     # The first two hold 0.8: with top_p 0.75 the second crosses it and stays, the third goes.
-    assert logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75)).tolist() == pytest.approx([0.625, 0.375, 0])
+    kept = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75))
+    assert kept.tolist() == pytest.approx([0.625, 0.375, 0])
     assert logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=0.45)).tolist() == pytest.approx([1, 0, 0])
     # top-k first, then top-p over what is left (renormalized): 0.5 / 0.8 = 0.625 already holds 0.6.
-    assert logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=2, top_p=0.6)).tolist() == pytest.approx([1, 0, 0])
+    kept = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=2, top_p=0.6))
+    assert kept.tolist() == pytest.approx([1, 0, 0])

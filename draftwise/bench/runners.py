@@ -147,18 +147,19 @@ def _peer_record(method: str, new_tokens: int, marks: list[StepMark], target: li
     decode_s = new_tokens / timed_tokens * (last.at - first.at) if timed_tokens else None
     record = {
         "new_tokens": new_tokens, "decode_s": decode_s, "tokens_per_s": new_tokens / decode_s if decode_s else None,
-        "target_forwards": len(target), "verify_s": _at_later_rate(target, first.target_calls) if decode_s else None,
+        "target_forwards": len(target), "verify_s": _at_later_rate(target, first.target_calls),
         **dict.fromkeys(SPECULATION_FIELDS),
     }
     if method == "hf-assisted":
         # Each assistant call proposes one token, and each target pass keeps the accepted ones plus its own.
         record.update(proposed=len(draft), accepted=new_tokens - len(target), rounds=len(target),
-                      draft_s=_at_later_rate(draft, first.draft_calls) if decode_s else None)
+                      draft_s=_at_later_rate(draft, first.draft_calls))
     return record
 
 
 def _at_later_rate(calls: list[float], first_step_calls: int) -> float | None:
-    """The seconds of all the calls, at the mean of those after the first step's (None when there are none)."""
+    """The seconds of all the calls, at the mean of those after the first step's (None when there are none: the
+    first step was the last)."""
     later = calls[first_step_calls:]
     return sum(later) / len(later) * len(calls) if later else None
 
