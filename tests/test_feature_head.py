@@ -274,6 +274,28 @@ def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
     assert trained_rate > 0.3 > random_result.stats.acceptance_rate
 
 
+def test_the_heads_fuse_stays_on_the_models_own_values_where_int8_is_chosen_for_every_linear(heads, monkeypatch):
+    """The fuse reads the next token's embedding beside the target's far larger feature: int8-dynamic's one
+    activation scale per call would round the embedding away (loading.EXACT_INPUT_LAYERS). Every other linear may
+    take the kernel the timings choose, here int8-dynamic wherever a draft kernel may be."""
+    from draftwise.backends import kernels
+
+    real = kernels.plan_kernels
+
+    def int8_wherever_allowed(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
+        plan = real(model, allowed, widths, cache)
+        return replace(plan, choices=dict.fromkeys(plan.choices, "int8-dynamic")) if "int8-dynamic" in allowed else plan
+
+    monkeypatch.setattr(kernels, "plan_kernels", int8_wherever_allowed)
+    folder, _ = heads()
+    engine = head_engine("qwen2", folder)
+    head = engine.proposer.head
+    assert kernels.kernel_counts(torch.nn.Sequential(head.fuse)).keys() <= set(kernels.EXACT_KERNELS)
+    others = [name for name, module in head.named_children() if name != "fuse" and kernels._kernel_name(module)]
+    assert len(others) == 7 and all(kernels._kernel_name(getattr(head, name)) == "int8-dynamic" for name in others)
+    assert engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == reference("qwen2")
+
+
 def test_adaptive_trees_sized_by_cost_keep_the_output(heads):
     folder, _ = heads()
     result = head_engine("qwen2", folder).generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=6,
