@@ -290,7 +290,7 @@ def test_the_heads_fuse_stays_on_the_models_own_values_where_int8_is_chosen_for_
     folder, _ = heads()
     engine = head_engine("qwen2", folder)
     head = engine.proposer.head
-    assert kernels.kernel_counts(torch.nn.Sequential(head.fuse)).keys() <= set(kernels.EXACT_KERNELS)
+    assert kernels.kernel_counts(head.fuse).keys() <= set(kernels.EXACT_KERNELS)
     others = [name for name, module in head.named_children() if name != "fuse" and kernels._kernel_name(module)]
     assert len(others) == 7 and all(kernels._kernel_name(getattr(head, name)) == "int8-dynamic" for name in others)
     assert engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids == reference("qwen2")

@@ -1,5 +1,6 @@
 # Usage: python int8_by_layer.py (the default head under $DRAFTWISE_HOME/heads; its features must be collected)
-"""The head's held-back top-1 with its linears on each kernel family (int8 or the exact ones), layer and readout apart."""
+"""The head's held-back top-1 with one group of its linears (fuse, attention, MLP, readout, or all) on int8-dynamic and
+the rest on their own float weights (dense)."""
 import json
 from pathlib import Path
 import torch
@@ -9,7 +10,6 @@ from draftwise.head.model import load_head, readout_layer
 from draftwise.head.train import _Trainer, TrainConfig, _held_back
 from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
-from draftwise.backends.kernels import on_timed_kernels, EXACT_KERNELS, VALUE_CHANGING, kernel_counts
 folder = Path("/root/.cache/draftwise/heads/qwen2.5-coder-1.5b-instruct")
 m, tok, _ = load_models("qwen2.5-coder-1.5b-instruct", None, "auto", "cpu", progress=False)
 vocab = m.get_output_embeddings().weight.shape[0]
@@ -18,10 +18,8 @@ pieces += training_sequences(tok, 512, 60000)
 data = load_shards(collect(None, [p.ids for p in pieces], folder / "features", False))
 for s, p in zip(data, pieces): s["answer_start"] = p.answer_start
 val = [s for s, p in zip(data, pieces) if _held_back(p.source)]
-W = (1, 4)
-import draftwise.backends.kernels as K
-from draftwise.backends.kernels import with_kernels, plan_kernels, Int8DynamicLinear
-def fwd(self, x):
+from draftwise.backends.kernels import Int8DynamicLinear
+def fwd(self, x):  # quantized 4 rows a call, as the engine's head calls of 1 to 4 rows are (wide ones would run float)
     rows = x.reshape(-1, self.in_features)
     y = torch.cat([self._quantized(p) for p in rows.split(4)])
     return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -35,9 +33,7 @@ class CastRo(nn.Module):
     def __init__(self, r):
         super().__init__(); self.r = r
     def forward(self, x): return self.r(x.to(torch.bfloat16)).float()
-base_head, ids = load_head(folder, dtype=torch.bfloat16)
-plan = plan_kernels(base_head, K.DRAFT_KERNELS, W)
-print("plan", plan if not hasattr(plan, "kernels") else plan.kernels)
+_, ids = load_head(folder, dtype=torch.bfloat16)
 groups = {"none": [], "fuse": ["fuse"], "attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"], "readout": ["readout"], "all": ["fuse", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "readout"]}
 for gname, names in groups.items():
     head, _ = load_head(folder, dtype=torch.bfloat16)

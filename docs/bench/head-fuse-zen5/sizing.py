@@ -1,7 +1,7 @@
 # Usage: python sizing.py (after long_requests.py): the default head with its fuse on int8-dynamic and on the
 # model's own values, adaptive (k up to 4), 64 new tokens over long held-back requests 9 to 14; the tree sizing's
 # state after each engine's six requests.
-import json, statistics
+import json
 from pathlib import Path
 import draftwise.loading as loading
 from draftwise import Engine
