@@ -184,6 +184,36 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
     assert made == [3, 3]
 
 
+def test_the_trained_head_is_scored_again_as_the_engine_runs_it(heads):
+    # The tiny head's linears time fastest on dense: the engine's path computes what training's validation does,
+    # a position a call instead of a sequence, so its top-1 is training's but for rounding.
+    _, record = heads()
+    as_run, trained = record["val_as_run"], record["val_after"][-1]
+    assert as_run["tokens"] == trained["tokens"]  # the same positions scored
+    assert abs(as_run["top1"] - trained["top1"]) < 0.01
+
+
+@pytest.mark.parametrize("fuse_exact", [True, False])
+def test_a_kernel_that_costs_the_engines_head_accuracy_shows_in_its_training_run(tmp_path, monkeypatch, fuse_exact):
+    """Negative control for the as-run score: the fuse on int8-dynamic (as the engine ran it before 14163fa) loses
+    accuracy that training's validation, whose wide calls run the float weight, never sees; the run says so."""
+    from draftwise import loading
+
+    int8_wherever_allowed(monkeypatch)
+    if not fuse_exact:
+        monkeypatch.setattr(loading, "EXACT_INPUT_LAYERS", ())
+    lines = []
+    record = train_head(tiny_model("qwen2", 0), tiny_tokenizer(), tmp_path, TINY, progress=False,
+                        pieces=answers("qwen2"), log=lines.append)
+    as_run, trained = record["val_as_run"], record["val_after"][-1]["top1"]
+    assert as_run["kernels"] == ({"dense": 1, "int8-dynamic": 7} if fuse_exact else {"int8-dynamic": 8})
+    assert "validation as the engine runs the head" in lines[-1]
+    if fuse_exact:  # the other linears on int8 cost the tiny head nothing it can measure
+        assert abs(as_run["top1"] - trained) < 0.01 and "loses accuracy" not in lines[-1]
+    else:
+        assert as_run["top1"] < trained - 0.04 and "loses accuracy" in lines[-1]
+
+
 def test_validation_holds_back_whole_sources_and_scores_answers_only(heads):
     pieces = answers("qwen2")
     held = {p.source for p in pieces if _held_back(p.source)}
@@ -274,19 +304,27 @@ def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
     assert trained_rate > 0.3 > random_result.stats.acceptance_rate
 
 
+def int8_wherever_allowed(monkeypatch) -> None:
+    """Kernel plans that put every linear a draft kernel may run on int8-dynamic, whatever the timings say."""
+    from draftwise.backends import kernels
+
+    real = kernels.plan_kernels
+
+    def plan(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
+        chosen = real(model, allowed, widths, cache)
+        return replace(chosen, choices=dict.fromkeys(chosen.choices, "int8-dynamic")) if "int8-dynamic" in allowed \
+            else chosen
+
+    monkeypatch.setattr(kernels, "plan_kernels", plan)
+
+
 def test_the_heads_fuse_stays_on_the_models_own_values_where_int8_is_chosen_for_every_linear(heads, monkeypatch):
     """The fuse reads the next token's embedding beside the target's far larger feature: int8-dynamic's one
     activation scale per call would round the embedding away (loading.EXACT_INPUT_LAYERS). Every other linear may
     take the kernel the timings choose, here int8-dynamic wherever a draft kernel may be."""
     from draftwise.backends import kernels
 
-    real = kernels.plan_kernels
-
-    def int8_wherever_allowed(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
-        plan = real(model, allowed, widths, cache)
-        return replace(plan, choices=dict.fromkeys(plan.choices, "int8-dynamic")) if "int8-dynamic" in allowed else plan
-
-    monkeypatch.setattr(kernels, "plan_kernels", int8_wherever_allowed)
+    int8_wherever_allowed(monkeypatch)
     folder, _ = heads()
     engine = head_engine("qwen2", folder)
     head = engine.proposer.head

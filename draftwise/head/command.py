@@ -112,5 +112,6 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         after = record["val_after"][-1]
         print(out)
         log(f"trained on {record['train_tokens']} tokens in {record['train_s']:.0f} s (features: "
-            f"{record['collect_s']:.0f} s); validation top-1 {100 * after['top1']:.1f}%, top-3 {100 * after['top3']:.1f}%")
+            f"{record['collect_s']:.0f} s); validation top-1 {100 * after['top1']:.1f}%, top-3 {100 * after['top3']:.1f}%"
+            + (f"; as the engine runs it {100 * record['val_as_run']['top1']:.1f}%" if "val_as_run" in record else ""))
     return 0

@@ -227,6 +227,11 @@ def save_head(head: FeatureHead, ids: torch.Tensor, folder: Path) -> None:
     tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
     tensors["readout_ids"] = ids.cpu()
     write_whole(folder / WEIGHTS_FILE, lambda p: save_file(tensors, str(p)))
+    save_config(head, folder)
+
+
+def save_config(head: FeatureHead, folder: Path) -> None:
+    """head_config.json alone (the weights unchanged), written whole or not at all."""
     write_whole(folder / CONFIG_FILE, lambda p: p.write_text(json.dumps(asdict(head.config), indent=2)))
 
 

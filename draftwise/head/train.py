@@ -34,9 +34,10 @@ from tqdm import tqdm
 
 from draftwise.backends.kernels import on_timed_kernels
 from draftwise.head.answers import answer_prompts, requests_key, target_answers
+from draftwise.head.as_run import gap_line, top1_as_run
 from draftwise.head.corpus import Piece, training_sequences
 from draftwise.head.features import collect, load_shards
-from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_head
+from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_config, save_head
 from draftwise.files import write_whole
 from draftwise.hardware import native_bf16
 
@@ -174,6 +175,11 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     }
     head.config = replace(head_cfg, training=record)
     save_head(head, ids, out)
+    # Scored again through the engine's own path (as_run.py), from the head just saved, as --method head loads it.
+    record["val_as_run"] = top1_as_run(target_model, out, val, progress)
+    log(gap_line(record["val_as_run"], history[-1]["top1"]))
+    head.config = replace(head_cfg, training=record)
+    save_config(head, out)
     (out / "training.json").write_text(json.dumps(record, indent=2))
     return record
 
