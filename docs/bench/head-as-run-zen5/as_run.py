@@ -1,24 +1,15 @@
 # Usage: python as_run.py: the default head's held-back split scored as the engine runs it (draftwise/head/as_run.py),
 # with its fuse on the model's own values (the default since 14163fa) and on the kernel timed fastest (as before).
-import json
 import time
-from pathlib import Path
 import draftwise.loading as loading
+from default_split import HEAD as H, default_split
 from draftwise.head import train as T
 from draftwise.head.as_run import gap_line, top1_as_run
-from draftwise.head.corpus import Piece, training_sequences
-from draftwise.head.features import collect, load_shards
 from draftwise.head.model import load_head, readout_layer
 from draftwise.loading import load_models
-H = Path.home() / ".cache/draftwise/heads/qwen2.5-coder-1.5b-instruct"
 target, tok, _ = load_models("qwen2.5-coder-1.5b-instruct", None, "auto", "cpu", progress=False)
 cfg = T.TrainConfig()
-pieces = [Piece(**p) for p in json.loads((H / "answers.json").read_text())["pieces"]]
-pieces += training_sequences(tok, cfg.seq_len, cfg.max_tokens)
-data = load_shards(collect(None, [p.ids for p in pieces], H / "features", progress=False))  # every shard is there
-for sequence, piece in zip(data, pieces):
-    sequence["answer_start"] = piece.answer_start
-val = [s for s, p in zip(data, pieces) if T._held_back(p.source)]
+_, val = default_split(tok)
 # Training's validation on the same split (the installed packages give it now: the record's is of the day it trained).
 head, ids = load_head(H)
 vocab = target.get_output_embeddings().weight.shape[0]
