@@ -184,6 +184,20 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
     assert made == [3, 3]
 
 
+def int8_wherever_allowed(monkeypatch) -> None:
+    """Kernel plans that put every linear a draft kernel may run on int8-dynamic, whatever the timings say."""
+    from draftwise.backends import kernels
+
+    real = kernels.plan_kernels
+
+    def plan(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
+        chosen = real(model, allowed, widths, cache)
+        return replace(chosen, choices=dict.fromkeys(chosen.choices, "int8-dynamic")) if "int8-dynamic" in allowed \
+            else chosen
+
+    monkeypatch.setattr(kernels, "plan_kernels", plan)
+
+
 def test_the_trained_head_is_scored_again_as_the_engine_runs_it(heads):
     # The tiny head's linears time fastest on dense: the engine's path computes what training's validation does,
     # a position a call instead of a sequence, so its top-1 is training's but for rounding.
@@ -302,20 +316,6 @@ def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
                                                                      num_draft_tokens=4, ignore_eos=True, adaptive=False)
     assert random_result.token_ids == reference("qwen2")  # exact even when nothing is accepted
     assert trained_rate > 0.3 > random_result.stats.acceptance_rate
-
-
-def int8_wherever_allowed(monkeypatch) -> None:
-    """Kernel plans that put every linear a draft kernel may run on int8-dynamic, whatever the timings say."""
-    from draftwise.backends import kernels
-
-    real = kernels.plan_kernels
-
-    def plan(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
-        chosen = real(model, allowed, widths, cache)
-        return replace(chosen, choices=dict.fromkeys(chosen.choices, "int8-dynamic")) if "int8-dynamic" in allowed \
-            else chosen
-
-    monkeypatch.setattr(kernels, "plan_kernels", plan)
 
 
 def test_the_heads_fuse_stays_on_the_models_own_values_where_int8_is_chosen_for_every_linear(heads, monkeypatch):

@@ -178,8 +178,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     # Scored again through the engine's own path (as_run.py), from the head just saved, as --method head loads it.
     record["val_as_run"] = top1_as_run(target_model, out, val, progress)
     log(gap_line(record["val_as_run"], history[-1]["top1"]))
-    head.config = replace(head_cfg, training=record)
-    save_config(head, out)
+    save_config(head, out)  # (head.config.training is the record itself)
     (out / "training.json").write_text(json.dumps(record, indent=2))
     return record
 
