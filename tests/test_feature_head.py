@@ -184,6 +184,47 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
     assert made == [3, 3]
 
 
+def test_everyday_answers_are_added_after_the_package_answers_and_kept_apart(tmp_path, monkeypatch):
+    """--everyday N: the target answers N everyday requests too; each set is saved and reused on its own."""
+    from draftwise.head import everyday, train
+    from draftwise.head.corpus import Piece
+
+    made = []
+
+    def answer(model, tokenizer, requests, max_new_tokens, batch_size=8, progress=True):
+        made.append([source for source, _messages in requests])
+        return [Piece(source, [1, 2, 3], 1) for source, _messages in requests]
+
+    monkeypatch.setattr(train, "target_answers", answer)
+    monkeypatch.setattr(train, "answer_prompts", lambda count, seed: [(f"file {i}", []) for i in range(count)])
+    pieces = train.own_answers(None, None, TrainConfig(answers=2, everyday=3), tmp_path, progress=False)
+    assert [p.source.split("/")[0] for p in pieces] == ["file 0", "file 1", "everyday", "everyday", "everyday"]
+    assert train.own_answers(None, None, TrainConfig(answers=2, everyday=3), tmp_path, progress=False) == pieces
+    assert len(made) == 2  # both sets were reused
+    train.own_answers(None, None, TrainConfig(answers=2, everyday=4), tmp_path, progress=False)
+    assert [len(sources) for sources in made] == [2, 3, 4]  # only the changed set was answered again
+    monkeypatch.setattr(everyday, "TOPICS", everyday.TOPICS[:-1])  # other requests: not the saved answers
+    train.own_answers(None, None, TrainConfig(answers=2, everyday=4), tmp_path, progress=False)
+    assert [len(sources) for sources in made] == [2, 3, 4, 4]
+    assert train.own_answers(None, None, TrainConfig(answers=0, everyday=0), tmp_path, progress=False) == []
+
+
+def test_everyday_requests_are_seeded_named_by_topic_and_some_topics_are_held_back():
+    from draftwise.head import everyday
+    from draftwise.head.corpus import EXCLUDED_WORDS
+    from draftwise.head.train import _held_back
+
+    requests = everyday.everyday_prompts(200)
+    assert requests == everyday.everyday_prompts(200) != everyday.everyday_prompts(200, seed=1)
+    sources = {source for source, _messages in requests}
+    assert sources <= {f"everyday/{topic}" for topic in everyday.TOPICS} and len(sources) > 40
+    texts = [messages[0]["content"] for _source, messages in requests]
+    assert len(set(texts)) > 150 and not any("{" in text for text in texts)  # every field filled in
+    assert not any(word in text.lower() for text in texts for word in EXCLUDED_WORDS)
+    held = [topic for topic in everyday.TOPICS if _held_back(f"everyday/{topic}")]
+    assert 0 < len(held) < len(everyday.TOPICS) / 5  # validation sees everyday text; training keeps most topics
+
+
 def int8_wherever_allowed(monkeypatch) -> None:
     """Kernel plans that put every linear a draft kernel may run on int8-dynamic, whatever the timings say."""
     from draftwise.backends import kernels

@@ -60,6 +60,11 @@ def add_train_head(commands, formatter) -> None:
                    help="also train on the target's own greedy answers to N requests built from the corpus (explain, "
                         "summarize, translate ...): slower to make, closer to what the head drafts for (default: "
                         "%(default)s)")
+    p.add_argument("--everyday", type=int, default=DEFAULTS.everyday, metavar="N",
+                   help="also train on the target's own answers to N everyday requests (news and their summaries, "
+                        "translation into English, questions, advice, worked arithmetic, on a list of everyday "
+                        "topics): the package corpus is code and technical prose, and users ask for more "
+                        "(default: %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=DEFAULTS.answer_tokens, metavar="N",
                    help="the longest answer (default: %(default)s)")
     p.add_argument("--feature-layers", metavar="L,L", default="",
@@ -86,8 +91,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from draftwise.head.train import train_head
     from draftwise.loading import load_models
 
-    if args.answers < 0:
-        raise DraftwiseError(f"--answers must be >= 0, got {args.answers}")
+    for name in ("answers", "everyday"):
+        if getattr(args, name) < 0:
+            raise DraftwiseError(f"--{name} must be >= 0, got {getattr(args, name)}")
     for name in ("max_tokens", "seq_len", "epochs", "intermediate_size", "readout", "answer_tokens"):
         if getattr(args, name) < 1:
             raise DraftwiseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -98,6 +104,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     out = prepare_out(args.out or head_home(args.target), "the head")  # now, not after the target loads
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
+                      everyday=args.everyday,
                       answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers))
     progress = not args.quiet
     target_model, tokenizer, _ = load_models(args.target, None, args.dtype, args.device, progress=progress)

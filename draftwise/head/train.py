@@ -36,6 +36,7 @@ from draftwise.backends.kernels import on_timed_kernels
 from draftwise.head.answers import answer_prompts, requests_key, target_answers
 from draftwise.head.as_run import gap_line, top1_as_run
 from draftwise.head.corpus import Piece, training_sequences
+from draftwise.head.everyday import everyday_key, everyday_prompts
 from draftwise.head.features import collect, load_shards
 from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_config, save_head
 from draftwise.files import write_whole
@@ -61,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     answers: int = 256  # requests the target answers itself, added to the corpus (answers.py); 16 to a shard
+    everyday: int = 0  # everyday requests the target answers itself (everyday.py)
     answer_tokens: int = 256  # the longest answer
     feature_layers: tuple[int, ...] = ()  # decoder layers read beside the last hidden state (EAGLE-3's fusion)
 
@@ -159,6 +161,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     record = {
         "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
                   "of, the third-party package sources and docs installed beside draftwise (draftwise/head/)"
+                  + (f", and its answers to {cfg.everyday} everyday requests" if cfg.everyday else "")
                   if from_corpus else "given sequences",
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
@@ -206,17 +209,26 @@ def _claim(out: Path, fingerprint: dict) -> None:
 
 
 def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[Piece]:
-    """cfg.answers of the target's own answers (kept in out/answers.json: generating them is the slow part)."""
-    if not cfg.answers:
+    """The target's own answers: cfg.answers about the package corpus (answers.py), then cfg.everyday to everyday
+    requests (everyday.py). Each set is kept in out (answers.json, everyday.json): generating them is the slow part."""
+    about_packages = _kept_answers(out / "answers.json", {"answers": cfg.answers, "requests": requests_key()},
+                                   lambda: answer_prompts(cfg.answers, cfg.seed), target_model, tokenizer, cfg, progress)
+    everyday = _kept_answers(out / "everyday.json", {"everyday": cfg.everyday, "requests": everyday_key()},
+                             lambda: everyday_prompts(cfg.everyday, cfg.seed), target_model, tokenizer, cfg, progress)
+    return about_packages + everyday
+
+
+def _kept_answers(path: Path, key: dict, requests, target_model, tokenizer, cfg: TrainConfig,
+                  progress: bool) -> list[Piece]:
+    """The answers saved at path under this key, else the target's answers to requests() (saved there)."""
+    key = {**key, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed}
+    if not next(iter(key.values())):  # (the count comes first: none asked for)
         return []
-    path = out / "answers.json"
-    key = {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed, "requests": requests_key()}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key and "pieces" in saved:
             return [Piece(**piece) for piece in saved["pieces"]]
-    pieces = target_answers(target_model, tokenizer, answer_prompts(cfg.answers, cfg.seed), cfg.answer_tokens,
-                            progress=progress)
+    pieces = target_answers(target_model, tokenizer, requests(), cfg.answer_tokens, progress=progress)
     write_whole(path, lambda p: p.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]})))
     return pieces
 
