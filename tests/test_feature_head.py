@@ -174,7 +174,7 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
 
     monkeypatch.setattr(train, "target_answers", answer)
     monkeypatch.setattr(train, "answer_prompts", lambda count, seed: [(f"file {i}", []) for i in range(count)])
-    cfg = TrainConfig(answers=3)
+    cfg = TrainConfig(answers=3, everyday=0)
     first = train.own_answers(None, None, cfg, tmp_path, progress=False)
     assert train.own_answers(None, None, cfg, tmp_path, progress=False) == first and made == [3]
     from draftwise.head import answers as answer_kinds

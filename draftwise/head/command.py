@@ -30,9 +30,10 @@ def add_train_head(commands, formatter) -> None:
         description=(
             "Train an EAGLE-style head for --method head: one decoder layer that reads the target's own last\n"
             "hidden state and the next token, and predicts the next hidden state, read out by the target's output\n"
-            "layer. First the target runs over the training corpus (source and docs of the third-party\n"
-            "packages installed beside draftwise; never the benchmark prompts or the standard library) and its\n"
-            "features are kept under OUT/features; then the head trains, with a progress bar, a checkpoint\n"
+            "layer. First the target answers requests built from the training corpus (source and docs of the\n"
+            "third-party packages installed beside draftwise; never the benchmark prompts or the standard\n"
+            "library) and everyday requests, then it runs over its answers and the corpus, and its features are\n"
+            "kept under OUT/features; then the head trains, with a progress bar, a checkpoint\n"
             "every few steps (run the same command again to resume) and the top-1 and top-3 accuracy of a\n"
             "held-back twentieth of the sequences before and after each epoch."),
         epilog="--method head then finds the head in the default folder, or takes --head DIR.")
