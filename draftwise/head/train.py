@@ -213,24 +213,26 @@ def _claim(out: Path, fingerprint: dict) -> None:
 def own_answers(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool) -> list[Piece]:
     """The target's own answers: cfg.answers about the package corpus (answers.py), then cfg.everyday to everyday
     requests (everyday.py). Each set is kept in out (answers.json, everyday.json): generating them is the slow part."""
-    about_packages = _kept_answers(out / "answers.json", {"answers": cfg.answers, "requests": requests_key()},
-                                   lambda: answer_prompts(cfg.answers, cfg.seed), target_model, tokenizer, cfg, progress)
-    everyday = _kept_answers(out / "everyday.json", {"everyday": cfg.everyday, "requests": everyday_key()},
-                             lambda: everyday_prompts(cfg.everyday, cfg.seed), target_model, tokenizer, cfg, progress)
+    about_packages = _kept_answers(out / "answers.json", "answers", cfg.answers, requests_key(), answer_prompts,
+                                   target_model, tokenizer, cfg, progress)
+    everyday = _kept_answers(out / "everyday.json", "everyday", cfg.everyday, everyday_key(), everyday_prompts,
+                             target_model, tokenizer, cfg, progress)
     return about_packages + everyday
 
 
-def _kept_answers(path: Path, key: dict, requests, target_model, tokenizer, cfg: TrainConfig,
-                  progress: bool) -> list[Piece]:
-    """The answers saved at path under this key, else the target's answers to requests() (saved there)."""
-    key = {**key, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed}
-    if not next(iter(key.values())):  # (the count comes first: none asked for)
+def _kept_answers(path: Path, kind: str, count: int, requests_digest: str, make_requests, target_model, tokenizer,
+                  cfg: TrainConfig, progress: bool) -> list[Piece]:
+    """The answers saved at path for these requests, else the target's answers to make_requests(count, seed) (saved
+    there). kind names the count in the saved key ("answers": the key older runs saved)."""
+    if not count:
         return []
+    key = {kind: count, "requests": requests_digest, "answer_tokens": cfg.answer_tokens, "seed": cfg.seed}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("key") == key and "pieces" in saved:
             return [Piece(**piece) for piece in saved["pieces"]]
-    pieces = target_answers(target_model, tokenizer, requests(), cfg.answer_tokens, progress=progress)
+    pieces = target_answers(target_model, tokenizer, make_requests(count, cfg.seed), cfg.answer_tokens,
+                            progress=progress)
     write_whole(path, lambda p: p.write_text(json.dumps({"key": key, "pieces": [asdict(piece) for piece in pieces]})))
     return pieces
 

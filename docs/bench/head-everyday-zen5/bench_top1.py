@@ -3,7 +3,7 @@
 # well it learnt its own kind of text; this says how well that carries to what the bench asks.
 # Run from the repository: python docs/bench/head-everyday-zen5/bench_top1.py PER_CATEGORY MAX_TOKENS HEAD_DIR ...
 # (the answers and their features are kept in /tmp/diag, so later heads are scored on the same text)
-import sys, collections, time, json, os
+import sys, collections, time, os
 import torch
 from draftwise.loading import load_models
 from draftwise.backends.kernels import on_timed_kernels
