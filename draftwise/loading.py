@@ -60,12 +60,12 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
 def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
                 progress: bool = True):
     """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first."""
-    from draftwise.models import resolve  # the store pulls weights; only named models need it
+    from draftwise.models import check_resolves, resolve  # the store pulls weights; only named models need it
 
     check_device(device)  # an instant, before a pull or a load of minutes
     for name in (target, draft):  # a typo in either is refused before the other is pulled (minutes, a GB)
         if name is not None:
-            resolve(name, pull_missing=False)
+            check_resolves(name)
 
     target_source = resolve(target, progress=progress)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)

@@ -58,11 +58,33 @@ def test_the_smaller_context_of_the_pair_limits_the_prompt():
 
 
 def test_a_draft_path_that_does_not_exist_is_refused_before_the_target_is_pulled(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "empty-store"))  # as on a fresh machine: nothing pulled
     pulled = []
     monkeypatch.setattr("draftwise.models.store.pull", lambda name, **_: pulled.append(name))
     with pytest.raises(DraftwiseError, match=r"'\./typo\.gguf' is neither a known model nor a model on disk"):
         Engine.from_pretrained(target="qwen2.5-coder-1.5b-instruct", draft="./typo.gguf", progress=False)
     assert pulled == []  # the known target would have been pulled first (a GB, minutes)
+
+
+class Pulled(Exception):
+    pass
+
+
+def test_a_pair_of_known_names_not_yet_pulled_is_pulled(tmp_path, monkeypatch):
+    # `make demo` on a fresh machine: the pair's check must not take "not pulled" for a name that cannot resolve.
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "empty-store"))
+    pulled = []
+
+    def pull(name, **_):
+        pulled.append(name)
+        raise Pulled  # enough: the store was asked for it
+
+    monkeypatch.setattr("draftwise.models.store.pull", pull)
+    with pytest.raises(Pulled):
+        Engine.from_pretrained(target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
+                               progress=False)
+    assert pulled == ["qwen2.5-coder-1.5b-instruct"]
+    assert not (tmp_path / "empty-store").exists()  # the check itself touched nothing
 
 
 def test_a_damaged_weights_file_is_an_error_that_says_how_to_fetch_it_again(tmp_path):

