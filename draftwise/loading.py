@@ -181,6 +181,8 @@ def head_proposer(target_model, folder: str) -> HeadProposer:
     parameters = parameter_count(head)  # (a repacked linear keeps its weight as a buffer)
     exact = {name: on_timed_kernels(nn.Sequential(getattr(head, name)), EXACT_KERNELS, HEAD_WIDTHS)[0]
              for name in EXACT_INPUT_LAYERS if hasattr(head, name)}
+    for name in exact:  # out while the rest is timed and repacked: an int8 copy of them would only be thrown away
+        setattr(head, name, nn.Identity())
     head = on_timed_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS)
     for name, layer in exact.items():
         setattr(head, name, layer)

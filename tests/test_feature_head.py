@@ -269,6 +269,26 @@ def test_a_kernel_that_costs_the_engines_head_accuracy_shows_in_its_training_run
         assert as_run["top1"] < trained - 0.04 and "loses accuracy" in lines[-1]
 
 
+def test_the_fuse_is_never_planned_on_a_draft_kernel(heads, monkeypatch):
+    """The fuse runs on the target's exact kernels only: the draft kernels' plan never sees it, so no int8 copy of it
+    is timed or built only to be thrown away."""
+    from draftwise.backends import kernels
+    from draftwise.loading import head_proposer
+
+    real, draft_plans = kernels.plan_kernels, []
+
+    def plan(model, allowed=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
+        if "int8-dynamic" in allowed:
+            draft_plans.append({m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)})
+        return real(model, allowed, widths, cache)
+
+    monkeypatch.setattr(kernels, "plan_kernels", plan)
+    folder, _ = heads()
+    proposer = head_proposer(tiny_model("qwen2", 0), str(folder))
+    hidden = proposer.head.config.hidden_size
+    assert draft_plans and all(2 * hidden not in shapes for shapes in draft_plans)
+
+
 def test_validation_holds_back_whole_sources_and_scores_answers_only(heads):
     pieces = answers("qwen2")
     held = {p.source for p in pieces if _held_back(p.source)}
