@@ -148,7 +148,7 @@ def resolve(
 
     A known name wins over a same-named folder in the working directory.
     """
-    if isinstance(name_or_path, str) and name_or_path in registry:
+    if _is_known(name_or_path, registry):
         if pull_missing:
             return ModelSource(pull(name_or_path, progress=progress, registry=registry, steps=steps), None,
                                name_or_path)
@@ -160,8 +160,13 @@ def check_resolves(name_or_path: str | os.PathLike[str], *,
                    registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> None:
     """Refuse, in an instant, what resolve() could never load: a name that is neither known nor a model on disk. A
     known name passes whether pulled or not (resolve pulls it), so a pair is checked before either is pulled."""
-    if not (isinstance(name_or_path, str) and name_or_path in registry):
+    if not _is_known(name_or_path, registry):
         _resolve_local(name_or_path, registry)
+
+
+def _is_known(name_or_path: str | os.PathLike[str], registry: Mapping[str, ModelSpec]) -> bool:
+    """A known model's name (which wins over a same-named folder in the working directory)."""
+    return isinstance(name_or_path, str) and name_or_path in registry
 
 
 # ---- pulling, step by step ---------------------------------------------------------------------------
