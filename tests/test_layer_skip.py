@@ -85,7 +85,9 @@ def test_skipping_nothing_is_refused_unless_the_draft_runs_cheaper_copies():
 
 
 def test_the_engine_offers_skip_and_refuses_a_draft_it_has_no_model_for():
-    eng = engine()
+    # On plain copies: where a timing puts the draft's layers on int8, skipping none is a candidate and may win
+    # (it did once in a full run), and this test is about the offer, not about that choice.
+    eng = engine(draft_kernels=("dense",))
     assert eng.methods_available == ("none", "lookup", "lookup-tree", "skip", "hybrid-skip")
     assert eng.speed_paths["skip_layers"] and 0 not in eng.speed_paths["skip_layers"]
     with pytest.raises(DraftwiseError, match="'draft' is not available"):

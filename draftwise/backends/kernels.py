@@ -16,6 +16,11 @@ Kernels:
 - `split`: dense for a single row, oneDNN for more. On a Zen 3 EPYC in float32, oneDNN ran the MLP's down
   projection at half dense's time over 2 to 8 rows but 15% slower over one, so neither alone was right for
   both a plain step and a verification pass;
+- `padded`: oneDNN, a call of fewer than PAD_ROWS rows run as PAD_ROWS (zero rows below its own). oneDNN runs
+  fewer rows through paths of their own: on a Zen 4 EPYC (family 25, model 17) in bfloat16 the 1.5B's linears,
+  their weights streamed from memory as in a real pass, took 30% longer over one row than over four (a plain
+  step 125 ms, a 4-token pass 107 ms). Same values as onednn's four-row path, so a row's result no longer
+  depends on how many rows share its call below PAD_ROWS;
 - `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
   the target still verifies every token, so only acceptance can move;
 - `int8-dynamic`: int8 weights (one scale per output row) and int8 activations quantized on each call, in torch's
@@ -41,12 +46,13 @@ from draftwise.backends.attention import groups_queries, use_grouped_attention
 from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
 
-EXACT_KERNELS = ("dense", "onednn", "split")  # what the target may use: the model's own values
-DRAFT_KERNELS = ("dense", "onednn", "split", "int8", "int8-dynamic")
+EXACT_KERNELS = ("dense", "onednn", "split", "padded")  # what the target may use: the model's own values
+DRAFT_KERNELS = ("dense", "onednn", "split", "padded", "int8", "int8-dynamic")
 VALUE_CHANGING = ("int8", "int8-dynamic")  # draft-only: every other kernel computes the model's own values
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
 DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
 ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
+PAD_ROWS = 4  # the padded kernel's narrowest call (the Zen 4 above: 2 and 3 rows cost more than 4, as 1 did)
 DYNAMIC_MAX_ROWS = 8  # int8-dynamic's widest call: a draft step or a tree's depth, never a prefill
 MIN_GAIN = 0.05  # another kernel must beat dense by this much: timings jitter, and dense is the known path
 REPEATS = 7
@@ -65,8 +71,22 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()  # [tokens, in]
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [tokens, out]
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self._packed_rows(rows).reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [tokens, out]
+
+
+class PaddedLinear(OneDNNLinear):
+    """oneDNN's packed weight, a call of fewer than PAD_ROWS rows run as PAD_ROWS: where oneDNN's narrow paths
+    stream the weight more slowly than its wider one, a plain step pays a 4-row pass's time, not more."""
+
+    def _packed_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if len(rows) >= PAD_ROWS:
+            return super()._packed_rows(rows)
+        padded = rows.new_zeros(PAD_ROWS, self.in_features)  # [PAD_ROWS, in]: the call's rows, then zeros
+        padded[: len(rows)] = rows
+        return super()._packed_rows(padded)[: len(rows)]  # [tokens, out]
 
 
 class SplitLinear(OneDNNLinear):
@@ -146,8 +166,8 @@ def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
     return weight.abs().amax(dim=1).clamp(min=1e-12) / 127
 
 
-_BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "int8": Int8Linear,
-             "int8-dynamic": Int8DynamicLinear}
+_BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "padded": PaddedLinear,
+             "int8": Int8Linear, "int8-dynamic": Int8DynamicLinear}
 # The same table read backwards: what kernel a module of the loaded model runs.
 _KERNEL_NAMES = {nn.Linear: "dense", **{built: name for name, built in _BUILDERS.items() if isinstance(built, type)}}
 
