@@ -18,9 +18,9 @@ Kernels:
   both a plain step and a verification pass;
 - `padded`: oneDNN, a call of fewer than PAD_ROWS rows run as PAD_ROWS (zero rows below its own). oneDNN runs
   fewer rows through paths of their own: on a Zen 4 EPYC (family 25, model 17) in bfloat16 the 1.5B's linears,
-  their weights streamed from memory as in a real pass, took 30% longer over one row than over four (a plain
-  step 125 ms, a 4-token pass 107 ms). Same values as onednn's four-row path, so a row's result no longer
-  depends on how many rows share its call below PAD_ROWS;
+  their weights streamed from memory as in a real pass, took 29% longer over one row than over four (profiled),
+  and padded, a plain step of the whole model went from 129 to 108 ms (docs/bench/padded-zen4). Same values as
+  onednn's four-row path, so a row's result no longer depends on how many rows share its call below PAD_ROWS;
 - `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
   the target still verifies every token, so only acceptance can move;
 - `int8-dynamic`: int8 weights (one scale per output row) and int8 activations quantized on each call, in torch's
