@@ -189,7 +189,8 @@ def test_the_padded_kernel_runs_fewer_rows_than_pad_rows_as_that_many(monkeypatc
     padded, onednn = PaddedLinear(linear), OneDNNLinear(linear)
     calls = []
     packed_rows = OneDNNLinear._packed_rows
-    monkeypatch.setattr(OneDNNLinear, "_packed_rows", lambda self, rows: calls.append(len(rows)) or packed_rows(self, rows))
+    counted = lambda self, rows: calls.append(len(rows)) or packed_rows(self, rows)  # noqa: E731
+    monkeypatch.setattr(OneDNNLinear, "_packed_rows", counted)
     x = torch.randn(PAD_ROWS + 2, 1536)  # [6, in]
     with torch.inference_mode():
         full = onednn(x[:PAD_ROWS])  # [PAD_ROWS, out]: the 4-row call every narrower one now runs as

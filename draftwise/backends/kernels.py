@@ -82,10 +82,10 @@ class PaddedLinear(OneDNNLinear):
     stream the weight more slowly than its wider one, a plain step pays a 4-row pass's time, not more."""
 
     def _packed_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if len(rows) >= PAD_ROWS:
+        missing = PAD_ROWS - len(rows)
+        if missing <= 0:
             return super()._packed_rows(rows)
-        padded = rows.new_zeros(PAD_ROWS, self.in_features)  # [PAD_ROWS, in]: the call's rows, then zeros
-        padded[: len(rows)] = rows
+        padded = F.pad(rows, (0, 0, 0, missing))  # [PAD_ROWS, in]: the call's rows, then zeros
         return super()._packed_rows(padded)[: len(rows)]  # [tokens, out]
 
 
