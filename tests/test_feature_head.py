@@ -18,6 +18,7 @@ from draftwise.estimates import StepCosts
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.head.answers import target_answers
+from draftwise.head.as_run import GAP_WARNING
 from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
 from draftwise.head.train import (CHECKPOINT_FILE, TrainConfig, _held_back, attention_window_of, frequent_tokens,
                                   readout_cover, train_head)
@@ -112,6 +113,52 @@ def test_a_fused_head_reads_a_lower_layer_too_learns_and_keeps_the_targets_outpu
     with pytest.raises(ValueError, match="decoder layers are 0 to 1"):
         train_head(tiny_model("qwen2", 0), tiny_tokenizer(), tmp_path / "bad", replace(TINY, feature_layers=(2,)),
                    progress=False, pieces=answers("qwen2"), log=lambda _: None)
+
+
+def test_a_head_without_the_current_token_as_trained_before_it_learns_and_keeps_the_targets_output(heads, tmp_path):
+    out = tmp_path / "plain"
+    record = train_head(tiny_model("qwen2", 0), tiny_tokenizer(), out, replace(TINY, reads_current=False),
+                        progress=False, pieces=answers("qwen2"), log=lambda _: None)
+    assert record["val_after"][-1]["top1"] > 0.3
+    config = json.loads((out / CONFIG_FILE).read_text())
+    del config["reads_current"]  # as a head saved before the field
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    head, _ = load_head(out)
+    assert not head.config.reads_current and head.fuse.in_features == 2 * head.config.hidden_size
+    assert load_head(heads()[0])[0].fuse.in_features == 3 * head.config.hidden_size  # the default reads it
+    for method in ("head", "hybrid-head"):
+        result = head_engine("qwen2", out, method).generate(prompt_ids(), max_new_tokens=NEW_TOKENS,
+                                                           num_draft_tokens=4, ignore_eos=True, adaptive=False)
+        assert result.token_ids == reference("qwen2") and result.stats.accepted > 0
+
+
+def test_each_tree_node_reads_its_parents_token_as_its_current_one(heads, monkeypatch):
+    out, _ = heads()
+    engine = head_engine("qwen2", out)
+    head = engine.proposer.head
+    forward, calls = head.forward, []
+
+    def spy(features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
+        calls.append((mask is None, int(positions[0]), embeddings[0].clone(), current[0].clone()))
+        return forward(features, embeddings, positions, past=past, mask=mask, return_kv=return_kv, current=current)
+
+    monkeypatch.setattr(head, "forward", spy)
+    result = engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
+                             adaptive=False)
+    assert result.token_ids == reference("qwen2")
+    last_token_at = {}  # text position of a round's last token -> its embedding
+    depth1 = deeper = 0
+    for (catch_up, position, embeddings, current), before in zip(calls, [None, *calls]):
+        if catch_up:  # positions t = position...: x_t, then x_{t+1}, one row apart
+            assert torch.equal(current[1:], embeddings[:-1])
+            last_token_at[position + len(embeddings)] = embeddings[-1]
+        elif position in last_token_at:  # depth 1's nodes read the text's last token's predicted feature
+            assert all(torch.equal(row, last_token_at[position]) for row in current)
+            depth1 += 1
+        else:  # deeper: each node's parent was expanded by the forward before
+            assert all(any(torch.equal(row, parent) for parent in before[2]) for row in current)
+            deeper += 1
+    assert depth1 > 0 and deeper > 0
 
 
 def test_the_readout_takes_the_targets_frequent_tokens_first_then_the_lowest_ids():
@@ -263,8 +310,8 @@ def test_a_kernel_that_costs_the_engines_head_accuracy_shows_in_its_training_run
     as_run, trained = record["val_as_run"], record["val_after"][-1]["top1"]
     assert as_run["kernels"] == ({"dense": 1, "int8-dynamic": 7} if fuse_exact else {"int8-dynamic": 8})
     assert "validation as the engine runs the head" in lines[-1]
-    if fuse_exact:  # the other linears on int8 cost the tiny head nothing it can measure
-        assert abs(as_run["top1"] - trained) < 0.01 and "loses accuracy" not in lines[-1]
+    if fuse_exact:  # the other linears on int8 move the tiny head's score by a point at most, either way
+        assert abs(as_run["top1"] - trained) < GAP_WARNING and "loses accuracy" not in lines[-1]
     else:
         assert as_run["top1"] < trained - 0.04 and "loses accuracy" in lines[-1]
 
@@ -345,9 +392,9 @@ def test_a_head_attends_no_further_back_than_its_window_and_keeps_the_output(hea
     seen = []
     real_forward = FeatureHead.forward
 
-    def forward(self, features, embeddings, positions, past=None, mask=None, return_kv=False):
+    def forward(self, features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
         seen.append((mask is None, 0 if past is None else past[0].shape[2], len(positions)))  # catch-up?, keys, new
-        return real_forward(self, features, embeddings, positions, past, mask, return_kv)
+        return real_forward(self, features, embeddings, positions, past, mask, return_kv, current)
 
     monkeypatch.setattr(FeatureHead, "forward", forward)
     result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
@@ -647,6 +694,19 @@ def test_train_head_refuses_an_unusable_out_or_lr_before_loading(tmp_path, capsy
     out = [] if "--out" in args else ["--out", str(tmp_path / "head")]
     assert cli.main(["train-head", "--target", "tiny", *out, *args, "-q"]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, reads_current", [([], TrainConfig().reads_current), (["--read-current"], True),
+                                                     (["--no-read-current"], False)])
+def test_train_head_passes_read_current_on(tmp_path, monkeypatch, options, reads_current):
+    from draftwise import cli
+
+    given = []
+    monkeypatch.setattr("draftwise.loading.load_models", lambda *a, **k: (None, None, None))
+    monkeypatch.setattr("draftwise.head.train.train_head", lambda _m, _t, _out, cfg, **k: given.append(cfg) or
+                        {"val_after": [{"top1": 0.5, "top3": 0.6}], "train_tokens": 1, "train_s": 1, "collect_s": 1})
+    assert cli.main(["train-head", "--target", "tiny", "--out", str(tmp_path / "head"), *options, "-q"]) == 0
+    assert given[0].reads_current is reads_current
 
 
 def test_the_corpus_keeps_no_benchmark_no_standard_library_copy_and_each_text_once(tmp_path):

@@ -71,6 +71,9 @@ def add_train_head(commands, formatter) -> None:
     p.add_argument("--feature-layers", metavar="L,L", default="",
                    help="decoder layers (0: the first) whose outputs the head also reads, fused with the last hidden "
                         "state as EAGLE-3 does, e.g. 2,14 (default: none, the last hidden state alone)")
+    p.add_argument("--read-current", action=argparse.BooleanOptionalAction, default=DEFAULTS.reads_current,
+                   help="give each head input the embedding of the token its feature was computed at, beside the "
+                        "next one's, so that its attention can copy from earlier text (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the training record as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_head)
@@ -106,7 +109,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
                       everyday=args.everyday,
-                      answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers))
+                      answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers),
+                      reads_current=args.read_current)
     progress = not args.quiet
     target_model, tokenizer, _ = load_models(args.target, None, args.dtype, args.device, progress=progress)
     log = (lambda line: print(line, file=sys.stderr, flush=True))

@@ -67,6 +67,9 @@ class TrainConfig:
     everyday: int = 256
     answer_tokens: int = 256  # the longest answer
     feature_layers: tuple[int, ...] = ()  # decoder layers read beside the last hidden state (EAGLE-3's fusion)
+    # Each input also carries x_t's embedding (model.FeatureHead): on the Zen 4 bench, 1.11x the same run without it
+    # as `head` (docs/bench/head-current-zen4).
+    reads_current: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     readout = readout_layer(target_model, ids).float()
     embed = target_model.get_input_embeddings()
     head_cfg = HeadConfig.for_target(target_model.config, len(ids), cfg.intermediate_size, target_name,
-                                     cfg.feature_layers)
+                                     cfg.feature_layers, cfg.reads_current)
     head = FeatureHead(head_cfg).to(embed.weight.device)
     trainer = _Trainer(head, readout, embed, ids, vocab, cfg, total_steps=cfg.epochs * len(train), data_key=data_key)
     resumed = step = trainer.resume(out / CHECKPOINT_FILE)
@@ -286,7 +289,8 @@ class _Trainer:
         if not path.is_file():
             return 0
         state = torch.load(path, weights_only=True, map_location="cpu")  # load_state_dict moves it to the head
-        saved = {"feature_layers": (), **state["config"]}  # (a checkpoint from before the field: a plain head's)
+        # (a checkpoint from before a field: a plain head's)
+        saved = {"feature_layers": (), "reads_current": False, **state["config"]}
         if saved != asdict(self.cfg) or state.get("data") != self.data_key:
             return 0  # another run's checkpoint: start over rather than mix two settings or two corpora
         self.head.load_state_dict(state["head"])
@@ -352,12 +356,14 @@ class _Trainer:
             inputs = noisy.view(len(inputs), -1)
         positions = torch.arange(length - 1, device=self.device)
         # Depth 1: true features at every position.
-        predicted1, past = self.head(inputs[None], embeddings[1:][None], positions, return_kv=True)  # [1, L-1, H]
+        predicted1, past = self.head(inputs[None], embeddings[1:][None], positions, return_kv=True,
+                                     current=embeddings[:-1][None])  # [1, L-1, H]
         # Depth 2: position t + 1 reads the head's own f_{t+1}, and sees the true inputs at positions <= t.
         n = length - 2
         mask = torch.cat([torch.ones(n, length - 1, dtype=torch.bool, device=self.device).tril(),
                           torch.eye(n, dtype=torch.bool, device=self.device)], 1)
-        predicted2 = self.head(predicted1[:, :-1], embeddings[2:][None], positions[1:], past=past, mask=mask)
+        predicted2 = self.head(predicted1[:, :-1], embeddings[2:][None], positions[1:], past=past, mask=mask,
+                               current=embeddings[1:-1][None])
         losses, logits = [], []
         for predicted, target_p, target_f in ((predicted1[0], wanted, features[1:]),
                                               (predicted2[0], wanted[1:], features[2:])):

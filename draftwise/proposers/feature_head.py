@@ -52,6 +52,7 @@ class HeadProposer:
         self._features: torch.Tensor | None = None  # [n, H] true features from position _features_at on
         self._features_at = 0
         self._root_feature: torch.Tensor | None = None  # [H] the head's f-hat at the text's last position
+        self._last_token = 0  # the text's last token, where _root_feature was predicted
         self._root_logits: torch.Tensor | None = None  # [R] its readout: what follows the text
 
     # -- the sequence --------------------------------------------------------------------------------------
@@ -113,14 +114,17 @@ class HeadProposer:
             self.cache.trim(0)
         device = self.head.input_norm.weight.device
         features = self._features[start - self._features_at : last - self._features_at]  # [n, H]
-        ids = torch.tensor(context[start + 1 : last + 1], device=device)  # [n]: x_{t+1}
+        ids = torch.tensor(context[start : last + 1], device=device)  # [n + 1]: x_t, then x_{t+1} at the last
+        embedded = self.embed(ids)[None]  # [1, n + 1, H]
         predicted, (keys, values) = self.head(features[None].to(device, self.head.input_norm.weight.dtype),
-                                              self.embed(ids)[None], torch.arange(start, last, device=device),
-                                              past=self.cache.view(self.window), return_kv=True)
+                                              embedded[:, 1:], torch.arange(start, last, device=device),
+                                              past=self.cache.view(self.window), return_kv=True,
+                                              current=embedded[:, :-1])
         root_logits = self.readout(predicted[0, -1:])[0].float()  # [R]: what follows x_last
         self.cache.append(keys, values)  # state changes only once everything it depends on has been computed
         self._fed = last
         self._root_feature, self._root_logits = predicted[0, -1], root_logits  # f-hat at position last, its readout
+        self._last_token = context[last]  # the token f-hat was predicted at: depth 1's current token
         self._features = self._features[last - self._features_at :]  # keep only what is not fed yet
         self._features_at = last
         return True
@@ -169,10 +173,13 @@ class HeadProposer:
             mask[row, fed:shown] = torch.tensor([n in ancestors for n in speculative], dtype=torch.bool)
             mask[row, shown + row] = True
         ids = torch.tensor([tree.tokens[n] for n in nodes], device=device)  # [N]
+        # Each node's current token: its parent's, whose predicted feature it reads (the text's last, at depth 1).
+        parent_ids = torch.tensor([tree.tokens[tree.parents[n]] if tree.parents[n] >= 0 else self._last_token
+                                   for n in nodes], device=device)  # [N]
         inputs = torch.stack(parent_features)[None]  # [1, N, H]
         positions = torch.full((len(nodes),), position - 1, device=device)  # [N]
         out, (keys, values) = self.head(inputs, self.embed(ids)[None], positions, past=past, mask=mask.to(device),
-                                        return_kv=True)
+                                        return_kv=True, current=self.embed(parent_ids)[None])
         self.cache.append(keys, values)
         return out[0]  # [N, H]
 
