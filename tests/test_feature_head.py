@@ -132,33 +132,74 @@ def test_a_head_without_the_current_token_as_trained_before_it_learns_and_keeps_
         assert result.token_ids == reference("qwen2") and result.stats.accepted > 0
 
 
-def test_each_tree_node_reads_its_parents_token_as_its_current_one(heads, monkeypatch):
+def test_each_input_reads_its_own_token_and_each_tree_node_its_parents(heads, monkeypatch):
     out, _ = heads()
     engine = head_engine("qwen2", out)
-    head = engine.proposer.head
-    forward, calls = head.forward, []
+    proposer = engine.proposer
+    head, embed = proposer.head, proposer.embed
+    propose, expand, forward, events = proposer.propose, proposer._expand, head.forward, []
 
-    def spy(features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
-        calls.append((mask is None, int(positions[0]), embeddings[0].clone(), current[0].clone()))
+    def spy_propose(context, k, stop_confidence=0.0):
+        events.append(("text", list(context)))
+        return propose(context, k, stop_confidence)
+
+    def spy_expand(nodes, tree, parent_features, speculative, position):
+        events.append(("parents", [tree.tokens[tree.parents[n]] if tree.parents[n] >= 0 else None for n in nodes]))
+        return expand(nodes, tree, parent_features, speculative, position)
+
+    def spy_forward(features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
+        events.append(("forward", positions.tolist(), embeddings[0].clone(), current[0].clone()))
         return forward(features, embeddings, positions, past=past, mask=mask, return_kv=return_kv, current=current)
 
-    monkeypatch.setattr(head, "forward", spy)
+    monkeypatch.setattr(proposer, "propose", spy_propose)
+    monkeypatch.setattr(proposer, "_expand", spy_expand)
+    monkeypatch.setattr(head, "forward", spy_forward)
     result = engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
                              adaptive=False)
     assert result.token_ids == reference("qwen2")
-    last_token_at = {}  # text position of a round's last token -> its embedding
-    depth1 = deeper = 0
-    for (catch_up, position, embeddings, current), before in zip(calls, [None, *calls]):
-        if catch_up:  # positions t = position...: x_t, then x_{t+1}, one row apart
-            assert torch.equal(current[1:], embeddings[:-1])
-            last_token_at[position + len(embeddings)] = embeddings[-1]
-        elif position in last_token_at:  # depth 1's nodes read the text's last token's predicted feature
-            assert all(torch.equal(row, last_token_at[position]) for row in current)
-            depth1 += 1
-        else:  # deeper: each node's parent was expanded by the forward before
-            assert all(any(torch.equal(row, parent) for parent in before[2]) for row in current)
-            deeper += 1
-    assert depth1 > 0 and deeper > 0
+    embedded = lambda ids: embed(torch.tensor(ids))  # [n, H]
+    text, parents, seen = [], None, {"catch-up": 0, "depth 1": 0, "deeper": 0}
+    for event in events:
+        if event[0] == "text":
+            text = event[1]
+        elif event[0] == "parents":
+            parents = event[1]
+        elif parents is None:  # the catch-up: position t reads x_t, beside x_{t+1}
+            _, positions, embeddings, current = event
+            assert torch.equal(current, embedded([text[t] for t in positions]))
+            assert torch.equal(embeddings, embedded([text[t + 1] for t in positions]))
+            seen["catch-up"] += 1
+        else:  # a tree's depth: each node reads its parent's token, the text's last below depth 1's nodes
+            assert torch.equal(event[3], embedded([text[-1] if token is None else token for token in parents]))
+            seen["depth 1" if None in parents else "deeper"] += 1
+            parents = None
+    assert min(seen.values()) > 0, seen
+
+
+def test_training_hands_each_depth_its_own_current_token(heads, monkeypatch):
+    from draftwise.head.model import readout_layer
+    from draftwise.head.train import _Trainer
+
+    head, ids = load_head(heads()[0])
+    model = tiny_model("qwen2", 0)
+    embed = model.get_input_embeddings()
+    trainer = _Trainer(head.requires_grad_(True), readout_layer(model, ids).float(), embed, ids,
+                       model.config.vocab_size, TINY, total_steps=1)
+    forward, calls = head.forward, []
+
+    def spy(features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
+        calls.append((positions.tolist(), embeddings[0], current[0]))
+        return forward(features, embeddings, positions, past=past, mask=mask, return_kv=return_kv, current=current)
+
+    monkeypatch.setattr(head, "forward", spy)
+    tokens = torch.tensor([5, 9, 14, 3, 27, 8])
+    trainer._losses({"ids": tokens, "features": torch.randn(6, head.config.hidden_size)}, noise=0.0)
+    embedded = lambda at: embed(tokens[at]).float()  # [n, H]
+    (depth1, next1, current1), (depth2, next2, current2) = calls
+    assert depth1 == [0, 1, 2, 3, 4] and depth2 == [1, 2, 3, 4]  # depth 2 reads position t + 1's predicted feature
+    for positions, following, current in ((depth1, next1, current1), (depth2, next2, current2)):
+        assert torch.equal(current, embedded(positions))  # at both depths, position p reads x_p beside x_{p+1}
+        assert torch.equal(following, embedded([p + 1 for p in positions]))
 
 
 def test_the_readout_takes_the_targets_frequent_tokens_first_then_the_lowest_ids():

@@ -154,6 +154,9 @@ class FeatureHead(nn.Module):
         if features.shape[-1] != self.config.hidden_size:  # true features of several layers
             parts = features.split(self.config.hidden_size, dim=-1)
             features = self.reduce(torch.cat([norm(part) for norm, part in zip(self.layer_norms, parts)], dim=-1))
+        if self.config.reads_current and current is None:
+            raise ValueError("this head reads the current token (config.reads_current): give current, the "
+                             "embedding of x_t at each position")
         fused = [embeddings, features, current] if self.config.reads_current else [embeddings, features]
         x = self.fuse(torch.cat(fused, dim=-1))  # [B, N, H]
         attended, kv = self._attend(self.input_norm(x), positions, past, mask)

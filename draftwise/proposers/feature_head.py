@@ -5,9 +5,10 @@ percent of the target, and every forward expands a whole depth of the tree at on
 
 Features: the engine hands over the target's last hidden state at every text position the target has read
 (add_features: from prefill chunks, and after each round from the verification pass, the kept path's rows).
-The head's cache holds its inputs (f_t, x_{t+1}) for positions whose true feature it has seen; a round feeds
-the positions new since the last, then grows the tree on top with its own predicted features, and trims those
-speculative entries away at the end (settle), so the cache never holds anything but the verified text.
+The head's cache holds its inputs (f_t, x_{t+1}, and x_t for a head that reads it) for positions whose true
+feature it has seen; a round feeds the positions new since the last, then grows the tree on top with its own
+predicted features, and trims those speculative entries away at the end (settle), so the cache never holds
+anything but the verified text.
 
 The tree: depth 1 is the `branch` likeliest tokens after the text; each further depth expands the `width`
 likeliest nodes of the one before (likeliness: the product of the head's probabilities along the path, which
@@ -60,6 +61,7 @@ class HeadProposer:
         self.cache.trim(0)
         self._fed, self._features, self._features_at = 0, None, 0
         self._root_feature = self._root_logits = None
+        self._last_token = 0
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         """The target's features [n, H] at text positions start, start + 1, ... (what it read there)."""
@@ -103,7 +105,7 @@ class HeadProposer:
         return as_draft(tree.tokens, tree.parents, self.sizing.choose(tree, k, 1 + expanded))[0]
 
     def _catch_up(self, context: list[int], last: int) -> bool:
-        """Feed the inputs (f_t, x_{t+1}) of every position t < last not yet fed; False without f_{last - 1}."""
+        """Feed the inputs (f_t, x_{t+1}, x_t) of every position t < last not yet fed; False without f_{last - 1}."""
         if self._features is None or self._features_at + len(self._features) < last:
             return False
         window_start = last - self.window if self.window else 0

@@ -27,8 +27,10 @@ Int8DynamicLinear.forward = fwd
 class Cast(nn.Module):
     def __init__(self, h):
         super().__init__(); self.h, self.config = h, h.config
-    def forward(self, f, e, pos, past=None, mask=None, return_kv=False):
-        return self.h(f.to(torch.bfloat16), e.to(torch.bfloat16), pos, past=past, mask=mask, return_kv=return_kv)
+    def forward(self, f, e, pos, past=None, mask=None, return_kv=False, current=None):
+        current = None if current is None else current.to(torch.bfloat16)
+        return self.h(f.to(torch.bfloat16), e.to(torch.bfloat16), pos, past=past, mask=mask, return_kv=return_kv,
+                      current=current)
 class CastRo(nn.Module):
     def __init__(self, r):
         super().__init__(); self.r = r
