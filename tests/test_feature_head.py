@@ -143,9 +143,9 @@ def test_each_input_reads_its_own_token_and_each_tree_node_its_parents(heads, mo
         events.append(("text", list(context)))
         return propose(context, k, stop_confidence)
 
-    def spy_expand(nodes, tree, parent_features, speculative, position):
+    def spy_expand(nodes, tree, *rest):
         events.append(("parents", [tree.tokens[tree.parents[n]] if tree.parents[n] >= 0 else None for n in nodes]))
-        return expand(nodes, tree, parent_features, speculative, position)
+        return expand(nodes, tree, *rest)
 
     def spy_forward(features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
         events.append(("forward", positions.tolist(), embeddings[0].clone(), current[0].clone()))
@@ -633,8 +633,8 @@ def test_the_head_grows_a_depth_only_while_a_forward_can_pay(heads, monkeypatch,
     eng = head_engine("qwen2", folder)
     grown, real_grow = [], eng.proposer._grow
 
-    def grow(last, depth):
-        tree, expanded = real_grow(last, depth)
+    def grow(last, last_token, depth):
+        tree, expanded = real_grow(last, last_token, depth)
         grown.append((depth, expanded))
         return tree, expanded
 

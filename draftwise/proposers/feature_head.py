@@ -53,7 +53,6 @@ class HeadProposer:
         self._features: torch.Tensor | None = None  # [n, H] true features from position _features_at on
         self._features_at = 0
         self._root_feature: torch.Tensor | None = None  # [H] the head's f-hat at the text's last position
-        self._last_token = 0  # the text's last token, where _root_feature was predicted
         self._root_logits: torch.Tensor | None = None  # [R] its readout: what follows the text
 
     # -- the sequence --------------------------------------------------------------------------------------
@@ -61,7 +60,6 @@ class HeadProposer:
         self.cache.trim(0)
         self._fed, self._features, self._features_at = 0, None, 0
         self._root_feature = self._root_logits = None
-        self._last_token = 0
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         """The target's features [n, H] at text positions start, start + 1, ... (what it read there)."""
@@ -96,7 +94,7 @@ class HeadProposer:
         started = time.perf_counter()  # the tree's forwards only: catch-up grows with the rounds sat out
         kept = len(self.cache)
         try:
-            tree, expanded = self._grow(last, depth=k)
+            tree, expanded = self._grow(last, context[last], depth=k)
         finally:
             self.cache.trim(kept)  # the speculative entries go; only verified text stays cached
         if expanded:
@@ -126,14 +124,14 @@ class HeadProposer:
         self.cache.append(keys, values)  # state changes only once everything it depends on has been computed
         self._fed = last
         self._root_feature, self._root_logits = predicted[0, -1], root_logits  # f-hat at position last, its readout
-        self._last_token = context[last]  # the token f-hat was predicted at: depth 1's current token
         self._features = self._features[last - self._features_at :]  # keep only what is not fed yet
         self._features_at = last
         return True
 
-    def _grow(self, last: int, depth: int) -> tuple[GrownTree, int]:
+    def _grow(self, last: int, last_token: int, depth: int) -> tuple[GrownTree, int]:
         """Grow up to `depth` levels (tree_growth.grow), one head forward per depth past the first, while one more
-        can pay, over the nodes that do (TreeSizing.to_expand). Returns the tree and the forwards it ran."""
+        can pay, over the nodes that do (TreeSizing.to_expand). Returns the tree and the forwards it ran.
+        last_token: the text's last token, at whose position the root's feature was predicted."""
         predicted: dict[int, torch.Tensor] = {}  # an expanded node's predicted feature [H]: its children's input
         speculative: list[int] = []  # the node of each speculative cache entry, in cache order
         level = [0]  # the depth of the nodes expanded: grow expands one depth per call
@@ -141,8 +139,12 @@ class HeadProposer:
         def expand(tree: GrownTree, nodes: list[int]):
             started = time.perf_counter()
             level[0] += 1
-            parent_features = [predicted.get(tree.parents[n], self._root_feature) for n in nodes]
-            outputs = self._expand(nodes, tree, parent_features, speculative, last + level[0])
+            parents = [tree.parents[n] for n in nodes]
+            # Each node reads its parent's predicted feature and, as the token that feature was predicted at, its
+            # parent's token (the root's: the text's last feature and token).
+            parent_features = [predicted.get(p, self._root_feature) for p in parents]
+            parent_tokens = [tree.tokens[p] if p >= 0 else last_token for p in parents]
+            outputs = self._expand(nodes, tree, parent_features, parent_tokens, speculative, last + level[0])
             speculative.extend(nodes)
             predicted.update(zip(nodes, outputs))
             candidates = self._candidates(self.readout(outputs))  # [len(nodes), BRANCH] each
@@ -159,9 +161,10 @@ class HeadProposer:
         return top.values.cpu(), self.readout_ids[top.indices.cpu()]
 
     def _expand(self, nodes: list[int], tree: GrownTree, parent_features: list[torch.Tensor],
-                speculative: list[int], position: int) -> torch.Tensor:
+                parent_tokens: list[int], speculative: list[int], position: int) -> torch.Tensor:
         """One head forward over `nodes` (all at one depth, text position `position`): each reads its parent's
-        predicted feature and its own token, and sees the verified cache and its own ancestors' entries.
+        predicted feature and token (read only by a head that reads the current token) and its own token, and sees
+        the verified cache and its own ancestors' entries.
         Returns their predicted features [N, H]."""
         device = self.head.input_norm.weight.device
         # The verified text's entries within the window, then this round's speculative ones.
@@ -174,14 +177,12 @@ class HeadProposer:
             ancestors = _ancestors(node, tree.parents)
             mask[row, fed:shown] = torch.tensor([n in ancestors for n in speculative], dtype=torch.bool)
             mask[row, shown + row] = True
-        ids = torch.tensor([tree.tokens[n] for n in nodes], device=device)  # [N]
-        # Each node's current token: its parent's, whose predicted feature it reads (the text's last, at depth 1).
-        parent_ids = torch.tensor([tree.tokens[tree.parents[n]] if tree.parents[n] >= 0 else self._last_token
-                                   for n in nodes], device=device)  # [N]
+        ids = torch.tensor([tree.tokens[n] for n in nodes] + parent_tokens, device=device)  # [2N]: own, then parents'
+        embedded = self.embed(ids)[None]  # [1, 2N, H]
         inputs = torch.stack(parent_features)[None]  # [1, N, H]
         positions = torch.full((len(nodes),), position - 1, device=device)  # [N]
-        out, (keys, values) = self.head(inputs, self.embed(ids)[None], positions, past=past, mask=mask.to(device),
-                                        return_kv=True, current=self.embed(parent_ids)[None])
+        out, (keys, values) = self.head(inputs, embedded[:, : len(nodes)], positions, past=past, mask=mask.to(device),
+                                        return_kv=True, current=embedded[:, len(nodes) :])
         self.cache.append(keys, values)
         return out[0]  # [N, H]
 

@@ -22,7 +22,7 @@ for si, s in enumerate(seqs):
         if last > first: p.add_features(last - 1, feats[last - 1: last])
         if not p._catch_up(ids[: last + 1], last): continue
         n0 = len(p.cache)
-        tree, _ = p._grow(last, depth=DEPTH)
+        tree, _ = p._grow(last, ids[last], depth=DEPTH)
         p.cache.trim(n0)
         order = sorted(range(len(tree.scores)), key=lambda n: (-tree.scores[n], n))
         truth = wanted[last:]
