@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, decode_together, tiny_model, tiny_tokenizer, transformers_greedy
+from conftest import CORPUS, cpu_kernels, decode_together, tiny_model, tiny_tokenizer, transformers_greedy
 
 from draftwise import Engine
 from draftwise.adaptive import DraftLengthPolicy
@@ -26,6 +26,11 @@ from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
 from draftwise.types import Draft
+
+# Imported before any test here patches kernels.plan_kernels: loading imports compact, which binds plan_kernels by
+# name, so a first import under such a patch would keep it for every later test in the process (a GPU run's workers
+# built compact drafts on int8 after the int8 tests below had imported it).
+from draftwise import loading  # noqa: F401, E402
 
 # A request like the training ones (the head learns the target's features inside its answers), not one of them.
 PROMPT = [{"role": "user", "content": "def quicksort(arr):\n    if len(arr) <= 1:"}]
@@ -157,7 +162,7 @@ def test_each_input_reads_its_own_token_and_each_tree_node_its_parents(heads, mo
     result = engine.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
                              adaptive=False)
     assert result.token_ids == reference("qwen2")
-    embedded = lambda ids: embed(torch.tensor(ids))  # [n, H]
+    embedded = lambda ids: embed(torch.tensor(ids, device=embed.weight.device))  # [n, H]
     text, parents, seen = [], None, {"catch-up": 0, "depth 1": 0, "deeper": 0}
     for event in events:
         if event[0] == "text":
@@ -180,8 +185,8 @@ def test_training_hands_each_depth_its_own_current_token(heads, monkeypatch):
     from draftwise.head.model import readout_layer
     from draftwise.head.train import _Trainer
 
-    head, ids = load_head(heads()[0])
     model = tiny_model("qwen2", 0)
+    head, ids = load_head(heads()[0], device=model.device)
     embed = model.get_input_embeddings()
     trainer = _Trainer(head.requires_grad_(True), readout_layer(model, ids).float(), embed, ids,
                        model.config.vocab_size, TINY, total_steps=1)
@@ -192,8 +197,9 @@ def test_training_hands_each_depth_its_own_current_token(heads, monkeypatch):
         return forward(features, embeddings, positions, past=past, mask=mask, return_kv=return_kv, current=current)
 
     monkeypatch.setattr(head, "forward", spy)
-    tokens = torch.tensor([5, 9, 14, 3, 27, 8])
-    trainer._losses({"ids": tokens, "features": torch.randn(6, head.config.hidden_size)}, noise=0.0)
+    tokens = torch.tensor([5, 9, 14, 3, 27, 8], device=model.device)
+    features = torch.randn(6, head.config.hidden_size, device=model.device)
+    trainer._losses({"ids": tokens, "features": features}, noise=0.0)
     embedded = lambda at: embed(tokens[at]).float()  # [n, H]
     (depth1, next1, current1), (depth2, next2, current2) = calls
     assert depth1 == [0, 1, 2, 3, 4] and depth2 == [1, 2, 3, 4]  # depth 2 reads position t + 1's predicted feature
@@ -336,6 +342,7 @@ def test_the_trained_head_is_scored_again_as_the_engine_runs_it(heads):
     assert abs(as_run["top1"] - trained["top1"]) < 0.01
 
 
+@cpu_kernels
 @pytest.mark.parametrize("fuse_exact", [True, False])
 def test_a_kernel_that_costs_the_engines_head_accuracy_shows_in_its_training_run(tmp_path, monkeypatch, fuse_exact):
     """Negative control for the as-run score: the fuse on int8-dynamic (as the engine ran it before 14163fa) loses
@@ -467,6 +474,7 @@ def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
     assert trained_rate > 0.3 > random_result.stats.acceptance_rate
 
 
+@cpu_kernels
 def test_the_heads_fuse_stays_on_the_models_own_values_where_int8_is_chosen_for_every_linear(heads, monkeypatch):
     """The fuse reads the next token's embedding beside the target's far larger feature: int8-dynamic's one
     activation scale per call would round the embedding away (loading.EXACT_INPUT_LAYERS). Every other linear may
