@@ -30,7 +30,7 @@ from draftwise.types import Draft
 # Imported before any test here patches kernels.plan_kernels: loading imports compact, which binds plan_kernels by
 # name, so a first import under such a patch would keep it for every later test in the process (a GPU run's workers
 # built compact drafts on int8 after the int8 tests below had imported it).
-from draftwise import loading  # noqa: F401, E402
+from draftwise import loading  # noqa: F401
 
 # A request like the training ones (the head learns the target's features inside its answers), not one of them.
 PROMPT = [{"role": "user", "content": "def quicksort(arr):\n    if len(arr) <= 1:"}]

@@ -10,6 +10,7 @@ saying 42.8%. Scored here, such a gap shows in the run that trains the head.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,18 +33,26 @@ def top1_as_run(target_model, folder: Path, sequences: list[dict], progress: boo
     with tqdm(total=sum(len(s["ids"]) - _first_scored(s) for s in sequences), desc="validation as run", unit="tok",
               disable=not progress, dynamic_ncols=True) as bar:
         for sequence in sequences:
-            ids, features, wanted = sequence["ids"].tolist(), sequence["features"], sequence["next"].tolist()
-            first = _first_scored(sequence)
-            proposer.begin(ids[: first + 1], SamplingConfig(), torch.Generator())
-            proposer.add_features(0, features[:first])  # [first, F]: f_0 .. f_{first - 1}
-            for last in range(first, len(ids)):  # the head reads f_{last - 1} and x_last, and guesses next[last]
-                if last > first:
-                    proposer.add_features(last - 1, features[last - 1 : last])
-                guess = proposer.propose(ids[: last + 1], 1).token_ids
+            wanted = sequence["next"].tolist()
+            for last, guess in first_guesses(proposer, sequence):
                 hits += bool(guess) and guess[0] == wanted[last]
                 scored += 1
                 bar.update(1)
     return {"top1": hits / max(1, scored), "tokens": scored, "kernels": proposer.speed_paths["kernels"]}
+
+
+def first_guesses(proposer, sequence: dict) -> Iterator[tuple[int, list[int]]]:
+    """(last, the head's first draft token, or [] for none) at every scored position of sequence: the head reads
+    f_{last - 1} and x_last and guesses the target's token after x_last (sequence["next"][last]), fed the target's
+    true features a position at a time, as a round that kept one token feeds them."""
+    ids, features = sequence["ids"].tolist(), sequence["features"]
+    first = _first_scored(sequence)
+    proposer.begin(ids[: first + 1], SamplingConfig(), torch.Generator())
+    proposer.add_features(0, features[:first])  # [first, F]: f_0 .. f_{first - 1}
+    for last in range(first, len(ids)):
+        if last > first:
+            proposer.add_features(last - 1, features[last - 1 : last])
+        yield last, proposer.propose(ids[: last + 1], 1).token_ids
 
 
 def _first_scored(sequence: dict) -> int:

@@ -11,8 +11,7 @@ import sys
 
 import torch
 
-from draftwise.config import SamplingConfig
-from draftwise.head.as_run import _first_scored
+from draftwise.head.as_run import first_guesses
 from draftwise.loading import head_proposer, load_models
 
 answers = torch.load(os.environ.get("ANSWERS", "/tmp/diag/bench_answers_8_96.pt"))
@@ -33,14 +32,8 @@ for folder in sys.argv[1:]:
     # category -> [copy-right positions, head right there, other positions, head right there]
     stats = collections.defaultdict(lambda: [0, 0, 0, 0])
     for answer in answers:
-        ids, features, wanted = answer["ids"].tolist(), answer["features"], answer["next"].tolist()
-        first = _first_scored(answer)
-        proposer.begin(ids[: first + 1], SamplingConfig(), torch.Generator())
-        proposer.add_features(0, features[:first])
-        for last in range(first, len(ids)):
-            if last > first:
-                proposer.add_features(last - 1, features[last - 1 : last])
-            guess = proposer.propose(ids[: last + 1], 1).token_ids
+        ids, wanted = answer["ids"].tolist(), answer["next"].tolist()
+        for last, guess in first_guesses(proposer, answer):
             hit = bool(guess) and guess[0] == wanted[last]
             copy_right = copy_guess(ids, last, window) == wanted[last]
             for category in (answer["category"], "all"):
