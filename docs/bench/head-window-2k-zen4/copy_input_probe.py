@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from draftwise.head.features import load_shards
 from draftwise.head.model import load_head, readout_layer
 from draftwise.head.train import TrainConfig, _Trainer
 from draftwise.loading import load_models
+
+# (copy_candidates and CopyInput now live beside the from-scratch run that followed this probe)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "head-copy-input-zen4"))
+from copy_input_scratch import CopyInput  # noqa: E402
 
 MIX = Path(sys.argv[1]).expanduser()
 LR = 2e-4
@@ -31,45 +34,9 @@ own = load_shards(sorted((MIX / "features").glob("*.safetensors")))
 random.Random(2).shuffle(own)
 bench = torch.load("/tmp/diag/bench_answers_8_96.pt")
 
-
-def copy_candidates(tokens: list[int]) -> torch.Tensor:
-    """[L - 1] ids: at position t, the token after the most recent earlier copy of tokens[t + 1], or -1."""
-    last_seen, out = {}, []
-    for t in range(len(tokens) - 1):
-        last_seen[tokens[t]] = t  # a copy at j <= t has its follower tokens[j + 1] inside the text given
-        j = last_seen.get(tokens[t + 1])
-        out.append(tokens[j + 1] if j is not None else -1)
-    return torch.tensor(out)
-
-
-class CopyInput:
-    """Wraps a head's forward so that `current` carries the copy candidate's embedding beside x_t's."""
-
-    def __init__(self, head: nn.Module, use: bool):
-        self.head, self.use, self.table = head, use, None
-        h = head.config.hidden_size
-        wide = nn.Linear(4 * h, h, bias=False)
-        with torch.no_grad():
-            wide.weight.copy_(torch.cat([head.fuse.weight, torch.zeros(h, h)], dim=1))
-        head.fuse = wide
-        self.forward = head.forward
-        head.forward = self.wrapped
-
-    def set_sequence(self, sequence: dict) -> None:
-        candidates = copy_candidates(sequence["ids"].tolist())  # [L - 1]
-        with torch.no_grad():
-            table = embed(candidates.clamp(min=0)).float() * (candidates >= 0)[:, None]  # [L - 1, H]
-        self.table = table if self.use else torch.zeros_like(table)
-
-    def wrapped(self, features, embeddings, positions, past=None, mask=None, return_kv=False, current=None):
-        extra = self.table[positions][None].to(current.dtype)  # [1, N, H]
-        return self.forward(features, embeddings, positions, past=past, mask=mask, return_kv=return_kv,
-                            current=torch.cat([current, extra], dim=-1))
-
-
 for name, use in (("copy", True), ("control", False)):
     tuned = copy.deepcopy(head).requires_grad_(True)
-    wrapper = CopyInput(tuned, use)
+    wrapper = CopyInput(tuned, embed, use)
     trainer = _Trainer(tuned, readout, embed, ids, vocab, TrainConfig(lr=LR, warmup_steps=10), total_steps=len(own))
     started, losses = time.time(), []
     for sequence in own:
