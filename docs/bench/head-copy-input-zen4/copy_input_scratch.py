@@ -32,7 +32,7 @@ class CopyInput:
     x_t's: the wrapped forward reads the candidates of the sequence last given to set_sequence, by position."""
 
     def __init__(self, head: nn.Module, embed: nn.Module, use: bool = True):
-        self.head, self.embed, self.use, self.table = head, embed, use, None
+        self.embed, self.use, self.table = embed, use, None
         h = head.config.hidden_size
         wide = nn.Linear(head.fuse.in_features + h, h, bias=False)
         with torch.no_grad():

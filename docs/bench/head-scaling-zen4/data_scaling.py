@@ -63,6 +63,11 @@ def new_trainer(target, tokenizer, cfg: TrainConfig, subset: list[dict], total_s
     head = FeatureHead(HeadConfig.for_target(target.config, len(ids), cfg.intermediate_size, "",
                                              cfg.feature_layers, cfg.reads_current))
     widen(head)
+    return trainer_for(target, head, ids, cfg, total_steps)
+
+
+def trainer_for(target, head: FeatureHead, ids: torch.Tensor, cfg: TrainConfig, total_steps: int) -> _Trainer:
+    """head's trainer, reading out ids through the target's own output layer."""
     return _Trainer(head, readout_layer(target, ids).float(), target.get_input_embeddings(), ids,
                     target.get_output_embeddings().weight.shape[0], cfg, total_steps=total_steps)
 
@@ -100,8 +105,7 @@ def main(mix: Path, bench_cache: Path, fractions: list[float]) -> None:
           f"{len(bench)} bench answers", flush=True)
     print(f"draft model on the bench answers: {draft_top1(bench)}", flush=True)
     head, ids = load_head(mix)
-    whole = _Trainer(head, readout_layer(target, ids).float(), target.get_input_embeddings(), ids,
-                     target.get_output_embeddings().weight.shape[0], cfg, total_steps=1)
+    whole = trainer_for(target, head, ids, cfg, total_steps=1)
     print(f"fraction 1 (the mix-rc head as trained, {record['train_tokens']} tokens): {scores(whole, bench, val)}",
           flush=True)
     for fraction in fractions:
