@@ -22,8 +22,9 @@ from draftwise.estimates import DRAFT_ESTIMATE, Acceptance
 from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
-from draftwise.config import DRAFT_METHODS, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, SKIP_METHODS, GenerationConfig
+from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.methods import Parts, available_methods, new_proposer
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.batch import propose_many
@@ -101,8 +102,7 @@ class Engine:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, the head's with a head, skip and hybrid-skip on an engine built for either (the skip draft's plan is
         calibrated at load)."""
-        own = next((group for group in (DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS) if self.method in group), ())
-        return ("none", "lookup", "lookup-tree", *own)
+        return available_methods(self.method)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -300,24 +300,15 @@ class Engine:
                 proposer.release()
 
     def _new_proposer(self, method: str):
-        from draftwise.proposers import DraftModelProposer
-        from draftwise.proposers.draft_tree import DraftTreeProposer
-        from draftwise.proposers.hybrid import hybrid_of
-
-        if method == "none":
-            return None
-        if method == self.method:
+        """A fresh proposer of method for a sequence of its own (methods.py makes it from this engine's parts)."""
+        if self.proposer is not None and method == self.method:
             return self.proposer.fork()
-        if method in LOOKUP_BRANCHES:
-            return PromptLookupProposer(corpus=self.proposal_cache, branches=LOOKUP_BRANCHES[method])
-        if method == "draft":
-            return self._on_draft_model(DraftModelProposer)
-        if method == "draft-tree":
-            return self._on_draft_model(DraftTreeProposer)
-        if method in ("head", "skip"):  # (a hybrid-head engine's head, a hybrid-skip engine's skip draft)
-            return getattr(self.proposer, "draft", self.proposer).fork()
-        draft_method, lookup_method = HYBRID_PARTS[method]
-        return hybrid_of(self._new_proposer(draft_method), lookup_method, corpus=self.proposal_cache)
+        parts = Parts(on_draft_model=self._on_draft_model, drafter=self._fork_drafter, corpus=self.proposal_cache)
+        return new_proposer(method, parts)
+
+    def _fork_drafter(self):
+        """The engine's head or skip draft, forked (a hybrid-head engine's head, a hybrid-skip engine's skip draft)."""
+        return getattr(self.proposer, "draft", self.proposer).fork()
 
     def _on_draft_model(self, proposer_cls):
         """A proposer of another draft method on a new slot of the engine's draft model (a draft engine's methods

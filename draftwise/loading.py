@@ -1,21 +1,19 @@
 """Assemble an Engine: resolve names, load models, check the pair, pick the proposer."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
-from draftwise.config import (DRAFT_METHODS as NEEDS_DRAFT, HEAD_METHODS, HYBRID_PARTS, LOOKUP_BRANCHES, METHODS,
-                              SKIP_METHODS)
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
-from draftwise.proposers import DraftModelProposer, PromptLookupProposer
+from draftwise.methods import DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD, Parts, choose_method, new_proposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
-from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer, attention_window
-from draftwise.proposers.hybrid import hybrid_of
 from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.tokenizers import check_draft_reads_every_token, check_same_tokenizer, eos_ids
@@ -30,16 +28,6 @@ HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
 EXACT_INPUT_LAYERS = ("fuse", "reduce")
 
 
-def choose_method(method: str | None, has_draft: bool) -> str:
-    """method defaults to "draft" when a draft is given, else "lookup"; "none" runs the target alone."""
-    method = method or ("draft" if has_draft else "lookup")
-    if method not in METHODS:
-        raise DraftwiseError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    if method in NEEDS_DRAFT and not has_draft:
-        raise DraftwiseError(f"method {method!r} needs a draft model (--draft NAME, folder or .gguf path)")
-    return method
-
-
 def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
                  dtype: str = "auto", device: str = "cpu", progress: bool = True, head: str | None = None, **lookup):
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed).
@@ -47,12 +35,13 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     head: the trained head's folder for the methods head and hybrid-head (default: where `draftwise train-head` puts
     the target's)."""
     method = choose_method(method, draft is not None)
-    if method in HEAD_METHODS:
+    need = METHODS[method].needs
+    if need == TRAINED_HEAD:
         from draftwise.head.command import head_home
 
         head = head or str(head_home(target))
         require_head(head)  # an instant, before the target loads for minutes
-    target_model, tokenizer, draft_model = load_models(target, draft if method in NEEDS_DRAFT else None, dtype, device,
+    target_model, tokenizer, draft_model = load_models(target, draft if need == DRAFT_MODEL else None, dtype, device,
                                                        progress)
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
 
@@ -87,6 +76,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
+    What the method needs (methods.py) is set up once here: the compact draft model, the trained head or the
+    calibrated layer skip; the method's table entry then makes the proposer from it.
+
     lookup_min_ngram: the shortest match prompt lookup uses; None means 1 for "lookup" and, for the hybrids,
     proposers/hybrid.py's MIN_NGRAM (at most lookup_max_ngram), the match that beats the draft model by rule
     (until the hybrid's pick is measured, and always for a fixed k).
@@ -105,62 +97,68 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     such copy among its engines): the head reads out through its output layer's plain weight, and skip's int8
     copies are made from its plain linears."""
     method = choose_method(method, draft_model is not None)
+    need = METHODS[method].needs
     check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
     check_kernels("draft", draft_kernels, DRAFT_KERNELS)
-    if method in NEEDS_DRAFT:  # before the kernels are timed or a head is read
+    if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
         check_draft_reads_every_token(tokenizer, target_model, draft_model)  # also with no draft tokenizer
-    if method in HEAD_METHODS and head is None:
+    if need == TRAINED_HEAD and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
-    proposer = head_proposer(loaded_model or target_model, head) if method in HEAD_METHODS else None
-    if method == "hybrid-head":
-        proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
     loaded = loaded_model or target_model  # plain linears, for the head's readout and skip's copies
+    drafter = head_proposer(loaded, head) if need == TRAINED_HEAD else None
     target_model = on_timed_kernels(target_model, target_kernels)
     target = HFBackend(target_model)
-    if method in HEAD_METHODS:  # a fused head reads some decoder layers' outputs too
-        target.feature_layers = getattr(proposer, "draft", proposer).head.config.feature_layers
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
-    max_context = target.max_context
-    if method in NEEDS_DRAFT:
-        token_ids = None
-        if compact_draft:
-            draft_model, token_ids, *_ = compact(draft_model, [*tokenizer.all_special_ids, *eos], draft_vocab,
-                                                 draft_kernels)
-        draft = HFBackend(draft_model)
-        max_context = min(max_context, draft.max_context)
-        draft_method, lookup_method = HYBRID_PARTS.get(method, (method, None))
-        proposer_cls = DraftTreeProposer if draft_method == "draft-tree" else DraftModelProposer
-        proposer = proposer_cls(draft, target_vocab_size=target.vocab_size, token_ids=token_ids)
-        if lookup_method is not None:
-            proposer = hybrid_of(proposer, lookup_method, lookup_max_ngram, lookup_min_ngram)
-    elif method in SKIP_METHODS:
-        stack = DraftStack()
-        if compact_draft:  # the layers it runs on int8 copies where faster here, and a compact output layer
-            stack = cheaper_stack(loaded, target_model, [*tokenizer.all_special_ids, *eos], draft_kernels,
-                                  draft_vocab)
-        plan = plan_skip(target, calibration_ids(tokenizer), stack=stack)
-        skipping = SkippingBackend(target, stack.skipping(plan.skip))
-        proposer = LayerSkipProposer(skipping, target_vocab_size=target.vocab_size)
-        if method == "hybrid-skip":
-            proposer = hybrid_of(proposer, HYBRID_PARTS[method][1], lookup_max_ngram, lookup_min_ngram)
-    elif method in LOOKUP_BRANCHES:
-        min_ngram = 1 if lookup_min_ngram is None else lookup_min_ngram
-        proposer = PromptLookupProposer(max_ngram=lookup_max_ngram, min_ngram=min_ngram,
-                                        branches=LOOKUP_BRANCHES[method])
+    keep = [*tokenizer.all_special_ids, *eos]  # the tokens a compact output layer must keep
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model)}
-    if method in SKIP_METHODS:
-        paths["skip_layers"] = list(plan.skip)
-        paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
-        paths["skip_kernels"], paths["skip_vocab"] = skipping.stack.layer_kernels(), skipping.vocab_size
-    if method in HEAD_METHODS:
-        paths["head"] = getattr(proposer, "draft", proposer).speed_paths  # (a hybrid's head)
-    if method in NEEDS_DRAFT:
-        paths["draft_kernels"] = kernel_counts(draft_model)
-        paths["draft_vocab"] = draft.vocab_size
+    parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
+    max_context = target.max_context
+    if need == OWN_LAYERS:
+        drafter = skip_drafter(target, tokenizer, loaded, target_model, keep, compact_draft, draft_kernels, draft_vocab,
+                               paths)
+    if need == TRAINED_HEAD:
+        target.feature_layers = drafter.head.config.feature_layers  # a fused head reads some decoder layers too
+        paths["head"] = drafter.speed_paths
+    if drafter is not None:
+        parts = replace(parts, drafter=lambda: drafter)
+    if need == DRAFT_MODEL:
+        draft, token_ids = draft_backend(draft_model, keep, compact_draft, draft_kernels, draft_vocab, paths)
+        max_context = min(max_context, draft.max_context)
+        parts = replace(parts, on_draft_model=lambda cls: cls(draft, target_vocab_size=target.vocab_size,
+                                                              token_ids=token_ids))
+    proposer = new_proposer(method, parts)
     return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
+
+
+def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kernels: tuple[str, ...],
+                  draft_vocab: int, paths: dict):
+    """(the draft model's backend, the target id of each of its logits or None): compact unless told not to.
+    Its speed paths go into paths."""
+    token_ids = None
+    if compact_draft:
+        draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
+    draft = HFBackend(draft_model)
+    paths["draft_kernels"] = kernel_counts(draft_model)
+    paths["draft_vocab"] = draft.vocab_size
+    return draft, token_ids
+
+
+def skip_drafter(target: HFBackend, tokenizer, loaded, target_model, keep: list[int], compact_draft: bool,
+                 draft_kernels: tuple[str, ...], draft_vocab: int, paths: dict) -> LayerSkipProposer:
+    """The target drafting for itself with the layers a short calibration says pay skipped (on int8 copies where
+    faster here, unless compact_draft is False). Its plan goes into paths."""
+    stack = DraftStack()
+    if compact_draft:  # the layers it runs on int8 copies where faster here, and a compact output layer
+        stack = cheaper_stack(loaded, target_model, keep, draft_kernels, draft_vocab)
+    plan = plan_skip(target, calibration_ids(tokenizer), stack=stack)
+    skipping = SkippingBackend(target, stack.skipping(plan.skip))
+    paths["skip_layers"] = list(plan.skip)
+    paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
+    paths["skip_kernels"], paths["skip_vocab"] = skipping.stack.layer_kernels(), skipping.vocab_size
+    return LayerSkipProposer(skipping, target_vocab_size=target.vocab_size)
 
 
 def check_kernels(model: str, kernels: tuple[str, ...], allowed: tuple[str, ...], why: str = "") -> None:

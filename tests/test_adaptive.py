@@ -19,6 +19,7 @@ from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.compact import compact_draft
+from draftwise.methods import LOOKUP_TREE
 from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of
 from draftwise.proposers.prompt_lookup import SHORT_MATCH_PRIOR, lookup_estimate
 from draftwise.proposers.tree_growth import TreeSizing
@@ -257,7 +258,7 @@ def test_a_draft_forward_timed_in_a_slow_spell_is_not_trusted_once_stale():
     sizing.costs = costs
     costs.observe(1, 2, 0.6, 0.8)  # a slow spell: a draft forward of 0.3 s, a pass of 0.8 s
     sizing.time_forwards(0.6, 2), sizing.time_expansion(1, 0.3), sizing.time_expansion(4, 0.4)
-    hybrid = hybrid_of(FakeTreeDraft(sizing), "lookup-tree")
+    hybrid = hybrid_of(FakeTreeDraft(sizing), LOOKUP_TREE)
     assert sizing.forward_s == pytest.approx(0.3) and hybrid._measured() is not None
     for _ in range(STALE_STEPS - 1):  # plain steps (lookup's rounds), no draft forward
         costs.observe(1, 0, 0.0, 0.2)

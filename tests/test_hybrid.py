@@ -21,6 +21,7 @@ from draftwise.estimates import StepCosts, TreeSpread
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
 from draftwise.proposers import HybridProposer, PromptLookupProposer
+from draftwise.methods import LOOKUP_CHAIN, LOOKUP_TREE
 from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of
 from draftwise.proposers.tree_growth import TreeSizing
 from draftwise.types import Draft
@@ -291,7 +292,7 @@ class FakeTreeDraft(FakeDraft):
 
 def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_known():
     draft = FakeTreeDraft()
-    hybrid = hybrid_of(draft, "lookup-tree")
+    hybrid = hybrid_of(draft, LOOKUP_TREE)
     assert hybrid.lookup.sizing is draft.sizing and hybrid.min_ngram == MIN_NGRAM
     text = [1, 2, 5, 6, 1, 2]  # the tail (1, 2) occurred before, followed by (5, 6)
     hybrid.begin(text, None, None)
@@ -320,7 +321,7 @@ def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_know
 
 def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
     draft = FakeTreeDraft()
-    hybrid = hybrid_of(draft, "lookup-tree")
+    hybrid = hybrid_of(draft, LOOKUP_TREE)
     text = [1, 2, 5, 6, 1, 2]
     hybrid.begin(text, None, None)
     assert hybrid.lookup.acceptance_after(2).rate == 0.0  # short matches start pessimistic
@@ -334,7 +335,7 @@ def test_the_tree_hybrid_learns_how_lookup_would_have_done_in_every_round():
 
 def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_sits_out():
     draft = FakeTreeDraft()
-    hybrid = hybrid_of(draft, "lookup-tree")
+    hybrid = hybrid_of(draft, LOOKUP_TREE)
     text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
     hybrid.begin(text, None, None)
     assert hybrid.free_round(text, 2) == 0  # nothing measured: the engine's policy drafts the full k then
@@ -357,7 +358,7 @@ def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_si
     # A guess after a 2-token match (pessimistic prior: one token in a pass) does not beat a plain step.
     text += [7, 7, 8, 4, 1, 2]
     assert hybrid.free_round(text, 2) == 0 and hybrid.propose(text, 2).token_ids == (7, 7)
-    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule, and prices its free rounds by the engine's costs
+    chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)  # picks by rule, and prices its free rounds by the engine's costs
     text = [1, 2, 3, 5, 6, 1, 2, 3]
     chain.begin(text, None, None)
     assert chain.free_round(text, 2) == 0  # nothing measured
@@ -373,8 +374,8 @@ def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_dr
     for width in (1, 2, 5):
         costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
 
-    def guess(method, draft, depth, by_cost=True):
-        hybrid = hybrid_of(draft, method)
+    def guess(branches, draft, depth, by_cost=True):
+        hybrid = hybrid_of(draft, branches)
         hybrid.begin(text, None, None)
         hybrid.costs = costs
         if hybrid.sizing is not None:
@@ -383,16 +384,16 @@ def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_dr
         return hybrid.propose(text, 1).token_ids  # the draft model's k is 1
 
     # Lookup's guess prices its own width (flat here) and costs no forward: it goes as deep as a free round.
-    assert guess("lookup-tree", FakeTreeDraft(), 4) == (5, 6, 8, 9)
-    assert guess("lookup-tree", FakeTreeDraft(), 0) == (5,)  # (nothing set: the draft model's k)
-    assert guess("lookup-tree", FakeTreeDraft(), 4, by_cost=False) == (5,)  # a fixed k keeps it
-    assert guess("lookup", FakeDraft(), 4) == (5,)  # no draft forward timed: the chain picks by rule, its guess k deep
+    assert guess(LOOKUP_TREE, FakeTreeDraft(), 4) == (5, 6, 8, 9)
+    assert guess(LOOKUP_TREE, FakeTreeDraft(), 0) == (5,)  # (nothing set: the draft model's k)
+    assert guess(LOOKUP_TREE, FakeTreeDraft(), 4, by_cost=False) == (5,)  # a fixed k keeps it
+    assert guess(LOOKUP_CHAIN, FakeDraft(), 4) == (5,)  # no draft forward timed: the chain picks by rule, its guess k deep
     costs.observe(1, 1, 0.05, 0.2)  # a draft forward timed: the chain's pick is measured, and its guess priced too
-    assert guess("lookup", FakeDraft(), 4) == (5, 6, 8, 9)
+    assert guess(LOOKUP_CHAIN, FakeDraft(), 4) == (5, 6, 8, 9)
 
 
 def test_the_chain_hybrid_picks_by_measured_tokens_per_second_once_a_draft_forward_is_timed():
-    chain = hybrid_of(FakeDraft(), "lookup")
+    chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)
     text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
     chain.begin(text, None, None)
     costs = StepCosts()
@@ -441,7 +442,7 @@ def test_the_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch, m
 
 def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
     draft = FakeTreeDraft()
-    hybrid = hybrid_of(draft, "lookup-tree")
+    hybrid = hybrid_of(draft, LOOKUP_TREE)
     text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before: lookup wins by rule
     hybrid.begin(text, None, None)
     assert hybrid.propose(text, 2).token_ids == (5, 6) and hybrid.drafted_free
@@ -451,7 +452,7 @@ def test_the_tree_hybrids_draft_length_follows_the_draft_models_rounds_alone():
     assert hybrid.propose(text, 2).token_ids == (7, 7) and not hybrid.drafted_free
     hybrid.observe(2)
     assert hybrid.drafting_acceptance.rate == pytest.approx((0.9 + 2) / (1.8 + 2))
-    chain = hybrid_of(FakeDraft(), "lookup")  # picks by rule; its k follows its draft-model rounds too
+    chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)  # picks by rule; its k follows its draft-model rounds too
     chain.begin(text[:8], None, None)
     assert chain.propose(text[:8], 2).token_ids == (5, 6) and chain.drafted_free  # no draft forward
     chain.observe(0)
@@ -529,7 +530,7 @@ def test_a_new_sequence_inherits_no_round_the_last_one_left_unfinished():
     costs = StepCosts()
     for width in (1, 3):
         costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: lookup's guess after a 3-token match beats a plain step
-    chain = hybrid_of(FakeDraft(), "lookup")
+    chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)
     text = [1, 2, 3, 5, 6, 1, 2, 3]
     chain.begin(text, None, None)
     chain.costs = costs

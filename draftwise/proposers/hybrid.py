@@ -44,7 +44,7 @@ import torch
 
 from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts
 from draftwise.metrics import expected_tokens
-from draftwise.config import LOOKUP_BRANCHES, SamplingConfig
+from draftwise.config import SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
@@ -312,13 +312,12 @@ class HybridProposer:
         self.draft.release()
 
 
-def hybrid_of(draft, lookup_method: str, max_ngram: int = 3, min_ngram: int | None = None,
+def hybrid_of(draft, branches: int, max_ngram: int = 3, min_ngram: int | None = None,
               corpus: ProposalCache | None = None) -> HybridProposer:
     """The hybrid of a draft-model proposer and prompt lookup's method (config.LOOKUP_BRANCHES). min_ngram: the
     shortest match that wins a round by rule (default MIN_NGRAM, at most max_ngram). The tree hybrid's lookup
     offers every match (its rounds are picked by measurement once there is one); the chain hybrid's only matches
     of min_ngram tokens or more, by rule or measured."""
     min_ngram = min(MIN_NGRAM, max_ngram) if min_ngram is None else min_ngram
-    branches = LOOKUP_BRANCHES[lookup_method]
     lookup = PromptLookupProposer(max_ngram, 1 if branches > 1 else min_ngram, corpus, branches)
     return HybridProposer(draft, lookup, min_ngram)

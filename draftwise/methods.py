@@ -1,0 +1,157 @@
+"""The speculation methods, each declared once: its name, what it needs beside the target, one line of help, and
+how its proposer is made.
+
+The CLI's --method choices, bench's methods, the server's validation and Engine.methods_available all read
+METHODS. A new method is one entry here plus its proposer module.
+
+What a method needs decides what an engine loads once (loading.assemble) and which methods one engine can serve
+to a sequence that asks: those that need nothing, and those that need what the engine's own method needs (the
+same draft model, trained head or calibrated layers).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftwise.errors import DraftwiseError
+from draftwise.proposers.base import Proposer
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.draft_tree import DraftTreeProposer
+from draftwise.proposers.hybrid import hybrid_of
+from draftwise.proposers.prompt_lookup import PromptLookupProposer
+from draftwise.proposers.proposal_cache import ProposalCache
+
+# What a method needs beside the target (None: nothing, it runs on the target and the text alone).
+DRAFT_MODEL = "a draft model"  # a second, smaller model with the target's tokenizer (--draft)
+TRAINED_HEAD = "a trained head"  # a feature head trained for this target (draftwise train-head)
+OWN_LAYERS = "the target's own layers"  # some of the target's layers, picked by a calibration at load
+NEEDS = (DRAFT_MODEL, TRAINED_HEAD, OWN_LAYERS)
+
+BASELINE = "none"  # the target alone: what every method's speed is compared with, and first in every list
+# Prompt lookup's branches: the continuations of how many earlier matches one guess merges (more than one: a tree).
+LOOKUP_CHAIN, LOOKUP_TREE = 1, 3
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a method's proposer is made from on one engine.
+
+    on_draft_model(cls): a proposer of class cls on (a slot of) the engine's draft model; None without one.
+    drafter(): the engine's trained-head or layer-skipping drafter, a fresh one; None without one.
+    The lookup fields configure prompt lookup, alone or in a hybrid (corpus: earlier requests' texts)."""
+
+    on_draft_model: Callable[[type], Proposer] | None = None
+    drafter: Callable[[], Proposer] | None = None
+    lookup_max_ngram: int = 3
+    lookup_min_ngram: int | None = None  # None: 1 for lookup alone, the hybrid's own rule in a hybrid
+    corpus: ProposalCache | None = None
+
+    def lookup(self, branches: int) -> PromptLookupProposer:
+        min_ngram = 1 if self.lookup_min_ngram is None else self.lookup_min_ngram
+        return PromptLookupProposer(self.lookup_max_ngram, min_ngram, self.corpus, branches)
+
+    def hybrid(self, drafter: Proposer, branches: int):
+        return hybrid_of(drafter, branches, self.lookup_max_ngram, self.lookup_min_ngram, self.corpus)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    needs: str | None  # one of NEEDS, or None
+    help: str  # one line, for --help and the docs
+    make: Callable[[Parts], Proposer | None]  # None: no proposer, the target alone
+
+
+def _on_draft_model(cls) -> Callable[[Parts], Proposer]:
+    return lambda parts: parts.on_draft_model(cls)
+
+
+def _drafter(parts: Parts) -> Proposer:
+    return parts.drafter()
+
+
+def _lookup(branches: int) -> Callable[[Parts], Proposer]:
+    return lambda parts: parts.lookup(branches)
+
+
+def _hybrid(drafter: Callable[[Parts], Proposer], branches: int) -> Callable[[Parts], Proposer]:
+    """Prompt lookup where the text's tail matches earlier text, the drafter elsewhere, picked round by round."""
+    return lambda parts: parts.hybrid(drafter(parts), branches)
+
+
+# In the order errors list them; bench reports BASELINE first, then the rest in this order.
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("draft", DRAFT_MODEL, "the --draft model", _on_draft_model(DraftModelProposer)),
+    Method("draft-tree", DRAFT_MODEL, "the --draft model's likeliest continuations as a token tree",
+           _on_draft_model(DraftTreeProposer)),
+    Method("lookup", None, "n-grams of the prompt and text so far", _lookup(LOOKUP_CHAIN)),
+    Method("lookup-tree", None, f"lookup's last {LOOKUP_TREE} matches as a token tree", _lookup(LOOKUP_TREE)),
+    Method(BASELINE, None, "the target alone: the baseline", lambda parts: None),
+    Method("hybrid", DRAFT_MODEL, "lookup where the text's tail matches earlier text, the --draft model elsewhere",
+           _hybrid(_on_draft_model(DraftModelProposer), LOOKUP_CHAIN)),
+    Method("hybrid-tree", DRAFT_MODEL, "the same with lookup-tree and draft-tree",
+           _hybrid(_on_draft_model(DraftTreeProposer), LOOKUP_TREE)),
+    Method("skip", OWN_LAYERS, "the target itself on int8 copies of its layers where faster here, with some layers "
+           "skipped where a short calibration at load says it pays; no second model", _drafter),
+    Method("hybrid-skip", OWN_LAYERS, "skip, and lookup where the text's tail matches earlier text; no second model",
+           _hybrid(_drafter, LOOKUP_CHAIN)),
+    Method("head", TRAINED_HEAD, "a trained feature head, see train-head, drafting token trees", _drafter),
+    Method("hybrid-head", TRAINED_HEAD, "the head, and lookup-tree where the text's tail matches earlier text; no "
+           "second model", _hybrid(_drafter, LOOKUP_TREE)),
+)}
+
+
+def register(method: Method) -> None:
+    """Add a method to the table (a plug-in's, or a test's); its name must be new."""
+    if method.name in METHODS:
+        raise DraftwiseError(f"method {method.name!r} is already in the table")
+    if method.needs is not None and method.needs not in NEEDS:
+        raise DraftwiseError(f"method {method.name!r}: needs must be None or one of {', '.join(NEEDS)}")
+    if not method.help.strip():
+        raise DraftwiseError(f"method {method.name!r} has no help line")
+    METHODS[method.name] = method
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def methods_needing(need: str | None) -> tuple[str, ...]:
+    return tuple(name for name, method in METHODS.items() if method.needs == need)
+
+
+def needs(method: str | None, need: str) -> bool:
+    """Whether method (None: not chosen yet) is one that needs `need`."""
+    return method in METHODS and METHODS[method].needs == need
+
+
+def check_method(method: str) -> Method:
+    if method not in METHODS:
+        raise DraftwiseError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    return METHODS[method]
+
+
+def choose_method(method: str | None, has_draft: bool) -> str:
+    """method defaults to "draft" when a draft is given, else "lookup"; "none" runs the target alone."""
+    method = method or ("draft" if has_draft else "lookup")
+    if check_method(method).needs == DRAFT_MODEL and not has_draft:
+        raise DraftwiseError(f"method {method!r} needs a draft model (--draft NAME, folder or .gguf path)")
+    return method
+
+
+def available_methods(own: str) -> tuple[str, ...]:
+    """The methods a sequence may ask for on an engine built for method `own`: the target alone and those that
+    need nothing, then those that need what own needs (its draft model, head or calibrated layers)."""
+    need = METHODS[own].needs
+    free = [name for name in methods_needing(None) if name != BASELINE]
+    return (BASELINE, *free, *(methods_needing(need) if need is not None else ()))
+
+
+def new_proposer(method: str, parts: Parts) -> Proposer | None:
+    """A fresh proposer for method from an engine's parts; None for the target alone."""
+    return check_method(method).make(parts)
+
+
+def methods_help() -> str:
+    """Each method's line, for --method's help."""
+    return ", ".join(f"'{name}' ({method.help})" for name, method in METHODS.items())
