@@ -4,12 +4,11 @@ Speculation pays only when the tokens a round is expected to emit outweigh what 
 sides move with the text, the step's shape, the dtype, the machine and the load; estimates.py measures them
 (Acceptance per sequence, StepCosts per engine, TreeSpread per sequence).
 
-A row drafting k tokens is expected to emit (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al.); a step of
-`rows` sequences that all draft k costs k * draft(rows) + verify(rows, k + 1) seconds; k = 0 is a plain step. A
-tree k deep is verified over all its nodes, so its pass is priced verify(rows, k + 1 + its measured side nodes)
-(TreeSpread).
+Each candidate k is priced by the round planner (planner.py): the adaptive rows as chains of k at their own
+rates (a tree k deep with its measured side nodes beside the path, TreeSpread), beside the rows that draft their
+own k or offer a free guess; k = 0 is a plain step.
 The target pass pads every row to the widest, so the batch shares one k (DraftLengthPolicy.choose): the one
-whose summed expected tokens per second is highest. That turns speculation off when a full batch makes wide
+whose expected tokens per second is highest. That turns speculation off when a full batch makes wide
 passes dear, and back on as load falls. A plain step, which nothing narrower bounds, is timed once at each
 batch size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain
 step times the width's price over a plain step at the nearest batch size that measured it (without one, what
@@ -30,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftwise import planner
 from draftwise.estimates import StepCosts
-from draftwise.metrics import expected_tokens
 
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
@@ -90,14 +89,16 @@ class DraftLengthPolicy:
              free: list[int] = ()) -> float:
         """Expected tokens per second of a step in which the adaptive sequences draft k positions (a tree: k deep,
         with its spread's nodes beside the path)."""
-        tokens = sum(expected_tokens(a, k) for a in rates) + rows - len(rates)
-        deepest = max([k, *fixed])  # draft forwards run in lockstep, one per position (a tree: per depth)
-        widest = max([k + spread for spread in spreads if k] + [deepest, *free])  # the pass pads to the widest row
-        return tokens / (self.costs.draft(rows) * deepest + self.costs.verify(rows, widest + 1))
+        spreads = list(spreads) + [0.0] * (len(rates) - len(spreads))  # (none given: chains)
+        offers = [planner.Offer.of_chain(a, k, spread) for a, spread in zip(rates, spreads)]
+        # The others' tokens do not move with k (one each, as a plain row's); their width and forwards do count.
+        offers += [planner.Offer(width=own, forwards=own) for own in fixed]
+        offers += [planner.Offer(width=nodes) for nodes in free]
+        return planner.rate(self.costs, rows, offers)
 
     def stop_confidence(self, rows: int) -> float:
         """Below this draft confidence a draft token is not worth its step: its chance of being kept (which the
         draft's own probability approximates) is smaller than what it costs, as a share of a verification pass."""
         if not self.costs.measured or not self.costs.draft(rows):
             return 0.0
-        return min(MAX_STOP_CONFIDENCE, self.costs.draft(rows) / self.costs.verify(rows, 2))
+        return min(MAX_STOP_CONFIDENCE, planner.break_even_chance(self.costs, rows))

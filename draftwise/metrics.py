@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftwise import planner
+
 
 @dataclass
 class Stats:
@@ -103,25 +105,25 @@ class Stats:
         }
 
 
-def expected_tokens(a: float, k: float) -> float:
-    """Tokens a round of k draft tokens emits on average, each kept with chance a, the target's own included."""
-    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
 def leviathan_speedup(a: float | None, k: float | None, c: float | None) -> float | None:
     """Leviathan et al.: a round that offers k tokens, each kept with chance a, yields 1 + a + ... + a^k tokens for
-    the time of 1 + k c target steps: (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1."""
+    the time of 1 + k c target steps: (1 - a^(k+1)) / ((1 - a)(k c + 1)); (k + 1) / (k c + 1) when a == 1. The
+    round planner's rate in target steps (planner.leviathan_speedup)."""
     if a is None or k is None or c is None:
         return None
-    return expected_tokens(a, k) / (k * c + 1)
+    return planner.leviathan_speedup(a, k, c)
 
 
 def leviathan_over_rounds(a: float | None, c: float | None, rounds: int, offered_at: list[int]) -> float | None:
     """The same prediction summed over rounds that offered different k (adaptive k; a plain step where lookup found
-    no match or drafting did not pay): offered_at[i] rounds offered an (i+1)-th token, and each such offer adds
-    a^(i+1) expected tokens and c steps. Equal to leviathan_speedup when every round offers k; the mean k put into
-    that formula instead would credit the plain steps with part of the drafted rounds' gain (it is concave in k)."""
+    no match or drafting did not pay): offered_at[i] rounds offered an (i+1)-th token, so offered_at[k-1] -
+    offered_at[k] offered exactly k; their expected tokens over their steps, each round priced by the planner in
+    target steps. Equal to leviathan_speedup when every round offers k; the mean k put into that formula instead
+    would credit the plain steps with part of the drafted rounds' gain (it is concave in k)."""
     if a is None or c is None or not rounds:
         return None
-    tokens = rounds + sum(n * a ** (i + 1) for i, n in enumerate(offered_at))
-    return tokens / (rounds + c * sum(offered_at))
+    offering = [more - fewer for more, fewer in zip([rounds, *offered_at], [*offered_at, 0])]  # [k]: rounds of k
+    steps = planner.FlatPrices(draft_s=c)
+    tokens = sum(n * planner.chain_tokens(a, k) for k, n in enumerate(offering))
+    seconds = sum(n * planner.round_seconds(steps, 1, k, k) for k, n in enumerate(offering))
+    return tokens / seconds

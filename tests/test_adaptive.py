@@ -14,7 +14,7 @@ from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, DraftLengthPolicy
 from draftwise.estimates import PRIOR_ACCEPTED, PRIOR_TRIALS, STALE_STEPS, Acceptance, StepCosts, TreeSpread
-from draftwise.metrics import expected_tokens
+from draftwise.planner import chain_tokens
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
@@ -33,8 +33,8 @@ def _feed(policy, acceptance, rounds, k, accepted, draft_s, verify_s, rows=1):
 
 
 def test_expected_tokens_is_leviathans():
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_tokens(1.0, 4) == 5
+    assert chain_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert chain_tokens(1.0, 4) == 5
 
 
 def test_tries_the_full_width_before_anything_is_measured():

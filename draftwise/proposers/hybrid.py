@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from draftwise import planner
 from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts
-from draftwise.metrics import expected_tokens
 from draftwise.config import SamplingConfig
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
@@ -206,8 +206,8 @@ class HybridProposer:
         guess = self.lookup.propose(context, k)  # (judged next round, offered or not)
         if guess.depth == 0:
             return 0
-        tokens = self.lookup.last_expected + rows - 1
-        if tokens / costs.verify(rows, len(guess) + 1) <= rows / costs.verify(rows, 1):
+        free = planner.Offer(self.lookup.last_expected, len(guess))  # no draft forward
+        if planner.rate(costs, rows, [free]) <= planner.rate(costs, rows):  # against a plain step
             return 0
         self._armed = guess  # the engine proposes with this k next: _pick hands it over without a second search
         return k
@@ -233,9 +233,9 @@ class HybridProposer:
             # By rule (depth: a tree of siblings still guesses one token).
             return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
         forward_s, costs = measured
-        lookup_rate = self.lookup.last_expected / costs.verify(1, len(guess) + 1)
-        draft_s = forward_s * k + costs.verify(1, k + 1)
-        return lookup_rate >= expected_tokens(self._draft_acceptance.rate, k) / draft_s
+        free = planner.Offer(self.lookup.last_expected, len(guess))  # no draft forward
+        drafted = planner.Offer.of_chain(self._draft_acceptance.rate, k)
+        return planner.rate(costs, 1, [free]) >= planner.rate(costs, 1, [drafted], forward_s)
 
     def keep_path(self, path: list[int]) -> None:
         """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""

@@ -12,7 +12,7 @@
 3. The cost of a draft token (a one-token forward as the draft) and of verifying k + 1 tokens, each against
    a one-token full forward, are timed here.
 
-The count with the most expected tokens per unit of time, (1 - a^(k+1)) / (1 - a) / (k c + v), wins. The
+The count whose chains of k the round planner (planner.py) prices highest, at those timed costs, wins. The
 text is draftwise's own engine.py (prose and code; nothing a benchmark measures). A named model's plan is
 kept under $DRAFTWISE_HOME/calibration (the file the kernel timings use), so the second load pays nothing.
 """
@@ -25,7 +25,7 @@ from importlib.resources import files
 
 import torch
 
-from draftwise.metrics import expected_tokens
+from draftwise import planner
 from draftwise.backends.hf import HFBackend
 from draftwise.proposers.compact import target_ids
 from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting
@@ -90,7 +90,7 @@ def measure_skip(target: HFBackend, ids: list[int], k: int = 4, stack: DraftStac
     for draft, agreement in zip(drafts, agreements):
         with drafting(model, draft):
             cost = _timed(model, input_ids[:, :1]) / one_token
-        rate = expected_tokens(agreement, k) / (k * cost + verify)
+        rate = planner.rate(planner.FlatPrices(draft_s=cost, pass_s=verify), 1, [planner.Offer.of_chain(agreement, k)])
         candidates.append({"skip": list(draft.skip), "agreement": round(agreement, 4), "cost": round(cost, 4),
                            "rate": round(rate, 4)})
     best = max(candidates, key=lambda c: c["rate"])
