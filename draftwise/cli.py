@@ -22,9 +22,11 @@ from draftwise.head.command import add_train_head
 from draftwise.serve.command import add_serve
 from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
-from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, HEAD_METHODS, METHODS, GenerationConfig
+from draftwise import options
+from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
+from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs
 
 PROG = "draftwise"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -92,33 +94,13 @@ def _add_generate(commands) -> None:
         ),
     )
     models = p.add_argument_group("models")
-    models.add_argument("--target", required=True, metavar="MODEL",
-                        help="the model whose output you get: NAME, Hugging Face folder or .gguf path (required)")
-    models.add_argument("--draft", metavar="MODEL",
-                        help="a small model sharing the target's tokenizer, for --method draft")
-    models.add_argument("--method", choices=METHODS,
-                        help="who proposes tokens: 'draft' (the --draft model), 'lookup' (n-grams of the "
-                             "prompt and text so far), 'lookup-tree' (lookup's last 3 matches as a token tree), "
-                             "'hybrid' (lookup where the text's tail matches earlier "
-                             "text, the --draft model elsewhere), 'hybrid-tree' (the same with lookup-tree and draft-tree), 'draft-tree' (the --draft model's likeliest "
-                             "continuations as a token tree), 'skip' (the target itself on int8 copies of its layers where "
-                             "faster here, with some layers skipped where a short calibration at load says it pays; "
-                             "no second model), 'hybrid-skip' (skip, and lookup where the text's tail matches "
-                             "earlier text; no second model), 'head' (a trained feature "
-                             "head, see train-head, drafting token trees), 'hybrid-head' (the head, and lookup-tree where "
-                             "the text's tail matches earlier text; no second model) or 'none' (the target "
-                             "alone: the baseline) (default: draft when --draft is given, else lookup)")
-    models.add_argument("--head", metavar="DIR",
-                        help="the trained head for --method head or hybrid-head (default: where 'draftwise train-head' puts the "
-                             "target's, $DRAFTWISE_HOME/heads/<target name>)")
-    models.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="weights dtype at load time: 'auto' is bfloat16 where the hardware computes it "
-                             "(AVX-512 BF16, AMX, CUDA) and float32 elsewhere; float32 gives token-for-token "
-                             "identity with the target alone, bfloat16 may differ at rounding near-ties "
-                             "(default: %(default)s)")
-    models.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
-    models.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
-                        help="longest n-gram that --method lookup matches (default: %(default)s)")
+    options.add_target(models, required=True)
+    options.add_draft(models)
+    options.add_method(models)
+    options.add_head(models)
+    options.add_dtype(models)
+    options.add_device(models)
+    options.add_lookup_ngram(models)
 
     prompt = p.add_argument_group("prompt (give exactly one)")
     source = prompt.add_mutually_exclusive_group(required=True)
@@ -128,22 +110,9 @@ def _add_generate(commands) -> None:
                         help="wrap the prompt as one user turn in the model's chat template")
 
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                     help="most tokens to generate (default: %(default)s)")
-    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4, metavar="K",
-                     help="most tokens proposed per round (default: %(default)s)")
-    gen.add_argument("--fixed-k", action="store_true",
-                     help="draft exactly K tokens every round (default: up to K, as many as the measured "
-                          "acceptance and costs say pay, none when speculation does not pay)")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature; 0 is greedy (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, metavar="N",
-                     help="sample among the N most likely tokens; 0 keeps all (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                     help="sample among the most likely tokens whose probability sums to P, "
-                          "0 < P <= 1 (default: %(default)s)")
-    gen.add_argument("--seed", type=int, metavar="N",
-                     help="seed for sampling, to make a run repeatable (default: random)")
+    options.add_max_new_tokens(gen)
+    options.add_draft_length(gen)
+    options.add_sampling(gen)
     gen.add_argument("--stop", action="append", metavar="STR",
                      help="end the text before this string; repeat for several (default: none)")
     gen.add_argument("--ignore-eos", action="store_true",
@@ -201,16 +170,8 @@ def _load_engine(args: argparse.Namespace):
     from draftwise.engine import Engine
 
     progress = not (args.quiet or args.json)
-    return Engine.from_pretrained(
-        target=args.target,
-        draft=args.draft,
-        method=args.method,
-        dtype=args.dtype,
-        device=args.device,
-        progress=progress,
-        lookup_max_ngram=args.lookup_ngram,
-        **({"head": args.head} if args.head else {}),
-    )
+    return Engine.from_pretrained(target=args.target, draft=args.draft, method=args.method, progress=progress,
+                                  **options.engine_options(args))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -237,16 +198,16 @@ def _generation_options(args: argparse.Namespace) -> dict:
     )
 
 
-def _check_early(options: dict) -> None:
+def _check_early(generation: dict) -> None:
     """Run the engine's own settings check before a model loads, so a typo fails in milliseconds, not minutes.
 
     Not a second set of rules: the same GenerationConfig.check() that Engine.stream() runs again.
     """
-    GenerationConfig.from_options(**{name: value for name, value in options.items() if name != "chat"})
+    GenerationConfig.from_options(**{name: value for name, value in generation.items() if name != "chat"})
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:
-    return args.draft is not None and args.method in (None, *DRAFT_METHODS)
+    return args.draft is not None and (args.method is None or needs(args.method, DRAFT_MODEL))
 
 
 def _dtype_label(name: str, device: str) -> str:
@@ -286,15 +247,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     if not prompt and not args.chat:  # (a chat template wraps even an empty turn in tokens)
         raise DraftwiseError("the prompt is empty: give at least one token of text")
-    if args.lookup_ngram < 1:
-        raise DraftwiseError(f"--lookup-ngram must be >= 1, got {args.lookup_ngram}")
-    options = _generation_options(args)
-    _check_early(options)
+    options.check_lookup_ngram(args)
+    generation = _generation_options(args)
+    _check_early(generation)
     chatty = not (args.quiet or args.json)
     if args.draft is not None and not _uses_draft(args) and chatty:
         _err(f"note: --draft is ignored with --method {args.method}")
-    if args.head and args.method not in HEAD_METHODS and chatty:
-        _err(f"note: --head is ignored with --method {args.method or 'the default'} (it serves head, hybrid-head)")
+    if args.head and not needs(args.method, TRAINED_HEAD) and chatty:
+        _err(f"note: --head is ignored with --method {args.method or 'the default'} (it serves "
+             f"{', '.join(methods_needing(TRAINED_HEAD))})")
 
     if chatty:
         draft = f", draft {args.draft}" if _uses_draft(args) else ""
@@ -305,9 +266,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _err(f"loaded in {time.perf_counter() - started:.1f} s")
 
     if args.json:
-        result = engine.generate(prompt, **options)
+        result = engine.generate(prompt, **generation)
     else:
-        result = stream_to_terminal(engine, prompt, color=_use_color(args, sys.stdout), **options)
+        result = stream_to_terminal(engine, prompt, color=_use_color(args, sys.stdout), **generation)
     if args.json:
         payload = {
             "text": result.text,

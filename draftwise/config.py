@@ -5,23 +5,15 @@ from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
 
-METHODS = ("draft", "draft-tree", "lookup", "lookup-tree", "none", "hybrid", "hybrid-tree", "skip", "hybrid-skip",
-           "head", "hybrid-head")
-# Prompt lookup's methods: how many earlier occurrences' continuations a guess merges (more than one: a token tree).
-LOOKUP_BRANCHES = {"lookup": 1, "lookup-tree": 3}
-# The hybrids: (the drafting method, prompt lookup's method) that they pick between, round by round.
-HYBRID_PARTS = {"hybrid": ("draft", "lookup"), "hybrid-tree": ("draft-tree", "lookup-tree"),
-                "hybrid-skip": ("skip", "lookup"), "hybrid-head": ("head", "lookup-tree")}
-HEAD_METHODS = ("head", "hybrid-head")  # the methods that need a trained head (and no draft model)
-SKIP_METHODS = ("skip", "hybrid-skip")  # the target drafting for itself: no draft model, no head
-DRAFT_METHODS = ("draft", "draft-tree", *(m for m in HYBRID_PARTS if m not in (*HEAD_METHODS, *SKIP_METHODS)))
+# The defaults every surface shares (the CLI's commands, the server, Engine.stream, the bench): each is set here only.
+DEFAULT_DRAFT_TOKENS = 4  # k: the most draft tokens a round proposes
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_LOOKUP_NGRAM = 3  # the longest n-gram prompt lookup matches
 MAX_DRAFT_TOKENS = 64
 # The default pair of the commands that load models themselves (bench, serve): one tokenizer, pulled on first use.
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 where the hardware computes it, else float32
-DEVICE_HELP = ("where the models run: cpu, or cuda (cuda:N) on a machine with an NVIDIA GPU and a CUDA build of "
-               "torch (default: %(default)s)")
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -53,19 +45,20 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 128
-    num_draft_tokens: int = 4  # k: draft tokens proposed per round
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # k: draft tokens proposed per round
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks emit a fixed number of tokens
     adaptive: bool = True  # num_draft_tokens is the most per round; the engine picks k from measured cost and acceptance
-    method: str | None = None  # how this sequence speculates; None: the engine's own method, "none": not at all
+    # How this sequence speculates (methods.py; the engine checks the name); None: the engine's own, "none": not at all
+    method: str | None = None
 
     @classmethod
     def from_options(
-        cls, *, max_new_tokens: int = 128, num_draft_tokens: int = 4, temperature: float = 0.0, top_k: int = 0,
-        top_p: float = 1.0, seed: int | None = None, stop=(), ignore_eos: bool = False, adaptive: bool = True,
-        method: str | None = None,
+        cls, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=(),
+        ignore_eos: bool = False, adaptive: bool = True, method: str | None = None,
     ) -> "GenerationConfig":
         """The one request config: the keyword options of Engine.stream, the CLI and the server, checked."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -83,7 +76,5 @@ class GenerationConfig:
             raise DraftwiseError(
                 f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
-        if self.method is not None and self.method not in METHODS:
-            raise DraftwiseError(f"unknown method {self.method!r}; choose one of: {', '.join(METHODS)}")
         if any(not s for s in self.stop):
             raise DraftwiseError("stop strings must be non-empty")

@@ -24,7 +24,7 @@ from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
-from draftwise.methods import Parts, available_methods, new_proposer
+from draftwise.methods import Parts, available_methods, check_method, new_proposer
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.batch import propose_many
@@ -213,6 +213,7 @@ class Engine:
     def check_open(self, prompt_ids: list[int], cfg: GenerationConfig) -> str:
         """The method a sequence of these options would run, once its method and limits are checked."""
         method = cfg.method or self.method
+        check_method(method)
         if method not in self.methods_available:
             raise DraftwiseError(f"method {method!r} is not available here; choose one of: "
                                  f"{', '.join(self.methods_available)}")

@@ -7,6 +7,7 @@ from torch import nn
 
 from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
+from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
 from draftwise.methods import DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD, Parts, choose_method, new_proposer
@@ -69,8 +70,8 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
-             draft_tokenizer=None, lookup_max_ngram: int = 3, lookup_min_ngram: int | None = None,
-             compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
+             draft_tokenizer=None, lookup_max_ngram: int = DEFAULT_LOOKUP_NGRAM,
+             lookup_min_ngram: int | None = None, compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
              target_kernels: tuple[str, ...] = EXACT_KERNELS, draft_kernels: tuple[str, ...] = DRAFT_KERNELS,
              head: str | None = None, loaded_model=None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.draft_model import DraftModelProposer
@@ -42,7 +43,7 @@ class Parts:
 
     on_draft_model: Callable[[type], Proposer] | None = None
     drafter: Callable[[], Proposer] | None = None
-    lookup_max_ngram: int = 3
+    lookup_max_ngram: int = DEFAULT_LOOKUP_NGRAM
     lookup_min_ngram: int | None = None  # None: 1 for lookup alone, the hybrid's own rule in a hybrid
     corpus: ProposalCache | None = None
 

@@ -17,7 +17,7 @@ from conftest import tiny_model, tiny_tokenizer
 
 import draftwise
 from draftwise import cli
-from draftwise.config import DRAFT_METHODS
+from draftwise.methods import DRAFT_MODEL, methods_needing
 from draftwise.engine import Engine
 from draftwise.metrics import Stats
 from draftwise.errors import DraftwiseError
@@ -35,7 +35,7 @@ def _model(which: str):
 
 
 def _engine(draft: str | None = None, method: str | None = None, lookup_max_ngram: int = 3) -> Engine:
-    draft_model = _model(draft) if draft is not None and method in (None, *DRAFT_METHODS) else None
+    draft_model = _model(draft) if draft is not None and method in (None, *methods_needing(DRAFT_MODEL)) else None
     return Engine.from_models(_model("target"), tiny_tokenizer(), draft_model=draft_model, method=method,
                               lookup_max_ngram=lookup_max_ngram)
 

@@ -14,7 +14,8 @@ import torch
 
 from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
-from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SamplingConfig
+from draftwise.config import SamplingConfig
+from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, methods_needing
 from draftwise.sampling import logits_to_probs, make_generator
 from stats_helpers import fit_pvalue
 
@@ -106,7 +107,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
 def engine(method):
     # A draft that is the target at another temperature: it agrees often but not always, so rounds
     # take every path (accept, reject and recover, bonus).
-    draft = sharpened(1.5) if method.removesuffix("-free") in DRAFT_METHODS else None
+    draft = sharpened(1.5) if method.removesuffix("-free") in methods_needing(DRAFT_MODEL) else None
     if method.endswith("-free"):  # draft forwards never pay: every round is lookup's free one, or none
         eng = Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method.removesuffix("-free"))
         eng.draft_policy.choose = lambda *args: 0
@@ -118,7 +119,7 @@ def engine(method):
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
         eng.enable_proposal_cache(1 << 20).add(prompt("loop"))
         return eng
-    if method in HEAD_METHODS:
+    if method in methods_needing(TRAINED_HEAD):
         return Engine.from_models(target(), tiny_tokenizer(), method=method, head=str(trained_head()))
     if method == "skip-int8":  # skip's draft on int8 copies of the layers and an output layer over 200 of 300 ids
         return Engine.from_models(target(), tiny_tokenizer(), method="skip", draft_kernels=("int8",), draft_vocab=200)

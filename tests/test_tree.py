@@ -180,15 +180,15 @@ def _costs(per_extra_token: float) -> StepCosts:
 def test_a_tree_is_as_wide_as_pays_by_the_measured_costs():
     sizing = TreeSizing(max_nodes=24)
     probs = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01]  # the chance each node is kept, in offer order
-    assert sizing.how_many(probs, k=3, draft_s=0.0) == 3  # nothing measured: k nodes
+    assert sizing.how_many(probs, k=3, forwards=0) == 3  # nothing measured: k nodes
     sizing.costs = _costs(0.0)  # a flat pass (bfloat16 on AVX-512 BF16): every node pays
-    assert sizing.how_many(probs, k=3, draft_s=0.0) == len(probs)
+    assert sizing.how_many(probs, k=3, forwards=0) == len(probs)
     sizing.costs = _costs(0.2)  # each token of width costs a plain step: only a likely node pays for its width
-    assert sizing.how_many(probs, k=3, draft_s=0.0) == 1  # 1.9 tokens for 0.4 s; a second: 2.7 for 0.6 s
+    assert sizing.how_many(probs, k=3, forwards=0) == 1  # 1.9 tokens for 0.4 s; a second: 2.7 for 0.6 s
     sizing.costs = _costs(0.02)
-    assert 1 < sizing.how_many(probs, k=3, draft_s=0.0) < len(probs)
+    assert 1 < sizing.how_many(probs, k=3, forwards=0) < len(probs)
     sizing.sized_by_cost = False  # a seeded sampled sequence: exactly k, whatever the costs
-    assert sizing.how_many(probs, k=3, draft_s=0.0) == 3
+    assert sizing.how_many(probs, k=3, forwards=0) == 3
 
 
 def _tree(*probs: float) -> tuple[GrownTree, list[int]]:

@@ -6,11 +6,12 @@ import json
 import shlex
 import sys
 
-from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DEVICE_HELP, DTYPES
+from draftwise import options
+from draftwise.config import DEFAULT_DRAFT
 
 
 def add_bench(commands, formatter) -> None:
-    from draftwise.bench.run import DEFAULT_METHODS
+    from draftwise.bench.run import DEFAULT_METHODS, HEAD_METHODS
     from draftwise.bench.runners import METHODS
 
     p = commands.add_parser(
@@ -40,19 +41,16 @@ def add_bench(commands, formatter) -> None:
         ),
     )
     models = p.add_argument_group("models")
-    models.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
-                        help="NAME, Hugging Face folder or .gguf path (default: %(default)s)")
-    models.add_argument("--draft", default=DEFAULT_DRAFT, metavar="MODEL",
-                        help="draft for 'draft' and 'hf-assisted' (default: %(default)s)")
-    models.add_argument("--dtype", default="auto", metavar="D,D,...",
-                        help=f"comma-separated, from: {', '.join(DTYPES)}; the whole bench runs once per dtype; "
-                             "auto: bfloat16 where the hardware computes it natively, else float32 "
-                             "(default: %(default)s)")
-    models.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
+    options.add_target(models, role="the model benchmarked")
+    options.add_draft(models, default=DEFAULT_DRAFT, also=" and for hf-assisted")
+    options.add_head(models)
+    options.add_dtype(models, several=True)
+    options.add_device(models)
+    options.add_lookup_ngram(models)
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
-                      help=f"comma-separated, from: {', '.join(METHODS)}; 'head' and 'hybrid-head' need a trained head (see "
-                           "draftwise train-head) (default: %(default)s)")
+                      help=f"comma-separated, from: {', '.join(METHODS)}; {' and '.join(map(repr, HEAD_METHODS))} "
+                           "need a trained head (see draftwise train-head) (default: %(default)s)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
                       help="comma-separated categories, or 'all' (default: %(default)s)")
     work.add_argument("--per-category", type=int, default=3, metavar="N",
@@ -60,16 +58,10 @@ def add_bench(commands, formatter) -> None:
     work.add_argument("--limit", type=int, metavar="N", help="at most N prompts in all, spread over categories")
     work.add_argument("--prompts", metavar="FILE",
                       help="a JSONL file of {question_id, category, turns} instead of the built-in set")
-    work.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                      help="tokens every method generates per prompt (default: %(default)s)")
+    options.add_max_new_tokens(work, role="tokens every method generates per prompt")
     work.add_argument("--repeats", type=int, default=3, metavar="N",
                       help="timed runs per prompt and method; the median counts (default: %(default)s)")
-    work.add_argument("-k", "--num-draft-tokens", type=int, default=4, metavar="K",
-                      help="draft length for draft, lookup and hf-lookup; hf-assisted keeps transformers' own "
-                           "(default: %(default)s)")
-    models.add_argument("--head", metavar="DIR",
-                        help="the trained head for the methods 'head' and 'hybrid-head' (default: where 'draftwise train-head' puts the "
-                             "target's, $DRAFTWISE_HOME/heads/<target name>)")
+    options.add_draft_length(work, also="; hf-lookup's too, hf-assisted keeps transformers' own")
     work.add_argument("--no-roofline", action="store_true", help="skip the forward-time-per-size measurement")
     out = p.add_argument_group("output")
     # Short enough that "(default: bench-results)" is never wrapped at its hyphen in 80 columns.
@@ -95,6 +87,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         target=args.target, draft=args.draft, methods=split_list(args.methods),
         categories=args.categories, per_category=args.per_category, limit=args.limit, prompts_file=args.prompts,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
+        lookup_ngram=args.lookup_ngram, fixed_k=args.fixed_k,
         out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
         resume=args.resume, device=args.device,
     )

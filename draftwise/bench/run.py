@@ -27,12 +27,14 @@ from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts,
 from draftwise.bench.report import write_report
 from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods, measure_roofline
 from draftwise.bench.summary import summarize
-from draftwise.config import DTYPES, HEAD_METHODS, MAX_DRAFT_TOKENS
+from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DTYPES, MAX_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
+from draftwise.methods import TRAINED_HEAD, methods_needing
 from draftwise.files import prepare_out
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
+HEAD_METHODS = methods_needing(TRAINED_HEAD)
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS)  # every method but those needing a trained head
 WARMUP_TOKENS = 8
 
@@ -46,9 +48,11 @@ class BenchConfig:
     per_category: int | None = 3
     limit: int | None = None
     prompts_file: str | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     repeats: int = 3
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    lookup_ngram: int = DEFAULT_LOOKUP_NGRAM  # prompt lookup's longest n-gram, ours
+    fixed_k: bool = False  # ours draft exactly num_draft_tokens every round
     dtype: str = "float32"  # one dtype per config: a bench over several is one config each (per_dtype)
     device: str = "cpu"
     out: str = "bench-results"
@@ -69,7 +73,7 @@ class BenchConfig:
             from draftwise.head.model import require_head
 
             require_head(self.head_folder)
-        for name in ("max_new_tokens", "repeats", "num_draft_tokens"):
+        for name in ("max_new_tokens", "repeats", "num_draft_tokens", "lookup_ngram"):
             if getattr(self, name) < 1:
                 raise DraftwiseError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.num_draft_tokens > MAX_DRAFT_TOKENS:
@@ -138,7 +142,8 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model = models
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
-                      head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None)
+                      head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
+                      lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     _warm_up(runners, cfg.methods, encoded[0])

@@ -19,15 +19,15 @@ from transformers import GenerationConfig
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from draftwise.backends.kernels import on_timed_kernels
-from draftwise.config import DRAFT_METHODS, HEAD_METHODS, SKIP_METHODS
+from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
+from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
 
-OURS = ("none", "draft", "draft-tree", "lookup", "lookup-tree", "hybrid", "hybrid-tree", "skip", "hybrid-skip", "head",
-        "hybrid-head")  # config.METHODS, in report order
+OURS = (BASELINE, *(name for name in TABLE if name != BASELINE))  # the table's, the baseline first (report order)
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
 METHODS = OURS + PEERS
-NEEDS_DRAFT = (*DRAFT_METHODS, "hf-assisted")
+NEEDS_DRAFT = (*methods_needing(DRAFT_MODEL), "hf-assisted")
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
 SPECULATION_FIELDS = ("proposed", "accepted", "nodes", "rounds", "proposed_at", "accepted_at", "draft_s")
 
@@ -46,11 +46,14 @@ def check_methods(methods: list[str], has_draft: bool) -> None:
 class Runners:
     """The loaded models, shared by every method so that all of them run on the very same weights."""
 
-    def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = 4, head: str | None = None):
-        """head: the trained head's folder, for the methods head and hybrid-head."""
+    def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True):
+        """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
+        n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
+        self.lookup_ngram, self.adaptive = lookup_ngram, adaptive
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
         self.fast_target = on_timed_kernels(target_model)
         self.tokenizer = tokenizer
@@ -64,16 +67,18 @@ class Runners:
         return self.engine("draft").proposer.backend.model if self.draft_model is not None else None
 
     def engine(self, method: str) -> Engine:
-        """The engine that runs method. skip and hybrid-skip share one: each would hold its own int8 copies of the
-        target's layers (1.5 GiB for the 1.5B), and a skip engine serves both (Engine.methods_available)."""
-        method = "skip" if method in SKIP_METHODS else method
+        """The engine that runs method. The methods that run on the target's own layers (skip, hybrid-skip) share
+        one: each would hold its own int8 copies of them (1.5 GiB for the 1.5B), and one such engine serves them all
+        (Engine.methods_available)."""
+        method = methods_needing(OWN_LAYERS)[0] if needs(method, OWN_LAYERS) else method
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
             # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
             # copy has repacked.
-            head = {"head": self.head} if method in HEAD_METHODS else {}
+            head = {"head": self.head} if needs(method, TRAINED_HEAD) else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
-                                                       loaded_model=self.target_model, **head)
+                                                       loaded_model=self.target_model,
+                                                       lookup_max_ngram=self.lookup_ngram, **head)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
@@ -84,7 +89,7 @@ class Runners:
     def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         result = self.engine(method).generate(
             prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True,
-            method=method,
+            method=method, adaptive=self.adaptive,
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
         record = {name: getattr(result.stats, name) for name in fields}

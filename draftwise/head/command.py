@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from draftwise.config import DEFAULT_TARGET, DEVICE_HELP, DTYPES
+from draftwise import options
 from draftwise.errors import DraftwiseError
 from draftwise.files import prepare_out
 from draftwise.head.train import TrainConfig
@@ -37,15 +37,12 @@ def add_train_head(commands, formatter) -> None:
             "every few steps (run the same command again to resume) and the top-1 and top-3 accuracy of a\n"
             "held-back twentieth of the sequences before and after each epoch."),
         epilog="--method head then finds the head in the default folder, or takes --head DIR.")
-    p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODEL",
-                   help="the model the head drafts for: NAME, Hugging Face folder or .gguf path (default: %(default)s)")
+    options.add_target(p, role="the model the head drafts for")
     p.add_argument("--out", metavar="DIR",
                    help="where to write the head (default: $DRAFTWISE_HOME/heads/<target name>)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="the dtype the target runs in while its features are collected; use the one you will "
-                        "generate with (default: %(default)s)")
-    p.add_argument("--device", default="cpu", metavar="DEV",
-                   help=DEVICE_HELP.replace("the models run", "the target runs and the head trains"))
+    options.add_dtype(p, role="the dtype the target runs in while its features are collected; use the one you will "
+                              "generate with")
+    options.add_device(p, what="the target runs and the head trains")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, metavar="N",
                    help="corpus size in target tokens (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len, metavar="N",

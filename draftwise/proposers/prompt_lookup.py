@@ -14,8 +14,9 @@ then the shallower, then the more recent). Otherwise, once the engine has timed 
 chain (the most recent occurrence's continuation, what lookup alone would guess) has its node at depth d kept
 with chance a^d, a being lookup's per-token acceptance after a match of this length; a node of the other
 continuations (a tree's side branches) has its share of the continuations times a^d, times how far such side
-nodes have been borne out in this sequence. The nodes are offered likeliest first, as many as give the round the
-most expected tokens per second by the engine's measured pass costs, and none where a plain step gives more.
+nodes have been borne out in this sequence. The nodes are offered likeliest first, as many as the round planner
+(planner.py) prices highest by the engine's measured pass costs (a free guess: no draft forward), and none where a
+plain step prices higher.
 So a tree is the chain plus side nodes that pay for their width, and a chain stops at the depth that pays.
 
 Lookup learns in hindsight, for free: each guess (its chain, and its side branches' first nodes), offered or
@@ -36,11 +37,12 @@ from __future__ import annotations
 
 import torch
 
+from draftwise import planner
 from draftwise.estimates import DECAY, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.proposal_cache import ProposalCache
-from draftwise.proposers.tree_growth import TreeSizing, best_offer, followed_costs
+from draftwise.proposers.tree_growth import MAX_NODES, TreeSizing, followed_costs
 from draftwise.types import Draft, common_prefix
 from draftwise.verify.tree import chain_parents
 
@@ -155,8 +157,9 @@ class PromptLookupProposer:
         chances = [_chance(path, share, a, chain, shares) * (1.0 if _on(path, chain) else min(1.0, trust))
                    for path, share in ranked]
         order = sorted(range(len(ranked)), key=lambda i: (-chances[i], len(ranked[i][0]), i))
-        offered, _ = best_offer([chances[i] for i in order], costs, rows=rows, plain_step=True)
-        self.last_expected = 1.0 + sum(chances[i] for i in order[:offered])
+        offered, _ = planner.best_prefix(costs, [chances[i] for i in order], rows=rows, max_nodes=MAX_NODES,
+                                         plain_step=True)
+        self.last_expected = planner.expected_tokens(chances[i] for i in order[:offered])
         # Where a side branch leaves the chain: its chance there, given the chain reached its parent.
         claims = tuple((path, share / shares * a) for path, share in ranked
                        if not _on(path, chain) and _on(path[:-1], chain) and a > 0)
@@ -244,7 +247,7 @@ def _chance(path: tuple[int, ...], share: int, a: float, chain: tuple[int, ...],
 
 
 def _expected(a: float, chosen, chain: tuple[int, ...], shares: int) -> float:
-    return 1.0 + sum(_chance(path, share, a, chain, shares) for path, share in chosen)
+    return planner.expected_tokens(_chance(path, share, a, chain, shares) for path, share in chosen)
 
 
 def rank_nodes(continuations: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], int]]:

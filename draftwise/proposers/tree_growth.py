@@ -9,10 +9,10 @@ grown, the likeliest n are offered: a parent is at least as likely as its child 
 form a tree.
 
 n: exactly k for a sequence that drafts a fixed k (a seeded sampled request's random draws follow the round
-shapes, which timings must not move); otherwise the n that maximizes the round's expected tokens per second,
-(1 + the summed path probabilities of the n nodes) / (k draft forwards + a target pass of width n + 1), the pass
-priced by what the engine measured on this machine (StepCosts): the tree widens while a wider pass pays for
-itself and backs off where it stops paying (a CPU that emulates bfloat16 pays for every token of width).
+shapes, which timings must not move); otherwise the n that the round planner (planner.py) prices highest, each
+node kept with its path probability, after the forwards the tree took, by what the engine measured on this machine
+(StepCosts): the tree widens while a wider pass pays for itself and backs off where it stops paying (a CPU that
+emulates bfloat16 pays for every token of width).
 
 Depth and width: a forward expands only the nodes that pay for their rows of it (TreeSizing.to_expand), and
 growth stops before a forward none of whose nodes would: the nodes it would expand can add at most their own path
@@ -31,6 +31,7 @@ from itertools import accumulate
 
 import torch
 
+from draftwise import planner
 from draftwise.estimates import StepCosts, Timings, interpolate
 from draftwise.types import Draft
 from draftwise.verify.tree import chain_parents
@@ -139,7 +140,7 @@ class TreeSizing:
         if self.forward_s is None:
             chosen = order[:k]
         else:
-            chosen = order[: self.how_many([self.chance(tree, n) for n in order], k, self.forward_s * (forwards or k))]
+            chosen = order[: self.how_many([self.chance(tree, n) for n in order], k, forwards or k)]
         self._claimed = {}
         for node in chosen:
             depth = tree.depths[node]
@@ -157,35 +158,24 @@ class TreeSizing:
         if not self.by_cost or self.forward_s is None:
             return nodes  # a fixed k (its tree has k nodes, whatever the costs), or nothing measured: grow to k
         probs = sorted((self.chance(tree, node) for node in range(len(tree.scores))), reverse=True)
-        _, rate = self._best(probs, self.forward_s * forwards)
+        _, rate = self._best(probs, forwards)
         gains = accumulate(math.exp(tree.scores[n]) * self.trust(tree.depths[n] + 1) for n in nodes)  # first w's
-        surplus = [gain - rate * self.expansion_cost(w) for w, gain in enumerate(gains, 1)]
+        surplus = [planner.surplus(gain, self.expansion_cost(w), rate) for w, gain in enumerate(gains, 1)]
         best = max(range(len(surplus)), key=surplus.__getitem__, default=-1)
         return nodes[: best + 1] if best >= 0 and surplus[best] > 0 else []
 
-    def how_many(self, probs: list[float], k: int, draft_s: float) -> int:
+    def how_many(self, probs: list[float], k: int, forwards: int) -> int:
         """How many nodes to offer: probs are the chances each node is kept, in the order they would be offered
-        (a parent before its child); draft_s is what drafting them cost, in seconds."""
+        (a parent before its child), after `forwards` proposer forwards."""
         if not self.by_cost or not probs:
             return min(k, len(probs))
-        return self._best(probs, draft_s)[0]
+        return self._best(probs, forwards)[0]
 
-    def _best(self, probs: list[float], draft_s: float) -> tuple[int, float]:
+    def _best(self, probs: list[float], forwards: int) -> tuple[int, float]:
         """(n, the round's expected tokens per second) for the n of the first nodes (at most max_nodes) whose offer
-        gives the most."""
-        return best_offer(probs, self.costs, draft_s, max_nodes=self.max_nodes)
-
-
-def best_offer(probs: list[float], costs: StepCosts, draft_s: float = 0.0, rows: int = 1, max_nodes: int = MAX_NODES,
-               plain_step: bool = False) -> tuple[int, float]:
-    """(n, the round's expected tokens per second) for the n whose offer of the first n nodes (probs: their chances
-    of being kept, a parent before its child) gives the most, at most max_nodes, in a pass of `rows` rows whose
-    others emit a token each; draft_s is what drafting cost. With plain_step, n may be 0: no draft, a plain step."""
-    first = 0 if plain_step else 1
-    expected = list(accumulate(probs[: max_nodes], initial=float(rows)))  # tokens per round, offering the first n
-    rates = [expected[n] / (draft_s + costs.verify(rows, n + 1)) for n in range(first, len(expected))]
-    best = max(range(len(rates)), key=rates.__getitem__)
-    return first + best, rates[best]
+        the planner prices highest, after `forwards` of this proposer's forwards."""
+        return planner.best_prefix(self.costs, probs, forwards=forwards, forward_s=self.forward_s,
+                                   max_nodes=self.max_nodes)
 
 
 def followed_costs(sizing: TreeSizing | None, costs: StepCosts | None) -> StepCosts | None:

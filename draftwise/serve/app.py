@@ -31,9 +31,10 @@ MAX_BODY_BYTES = 32 * 2**20  # a request body; a context of 32,768 tokens is wel
 
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
-               default_draft_tokens: int = 4, drain_timeout: float = 30.0, experiment=None) -> FastAPI:
+               speculation: dict | None = None, drain_timeout: float = 30.0, experiment=None) -> FastAPI:
     """The ASGI app. On uvicorn's shutdown (lifespan) it drains the scheduler, so an embedded server that stops
     lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py).
+    speculation: the GenerationConfig options (num_draft_tokens, adaptive) of requests that do not set them.
     experiment: A/B arms (experiment.Experiment) that pick the speculation of requests that leave it out."""
 
     @contextlib.asynccontextmanager
@@ -86,7 +87,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             except (ValueError, RecursionError) as err:  # (a bad encoding, an integer of 5,000 digits, deep nests)
                 raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
                                    reason="invalid_json") from err
-            parsed = parse(body, scheduler.engine, model_id, chat, default_draft_tokens, experiment)
+            parsed = parse(body, scheduler.engine, model_id, chat, speculation, experiment)
             relay = _Relay(asyncio.get_running_loop())
             reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics, parsed.arm)
             ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body,
@@ -101,7 +102,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
         except ShuttingDown as err:
             metrics.reject("shutting_down")
             return _error(RequestError(str(err), status=503, kind="server_error", code="shutting_down"))
-        except DraftwiseError as err:  # the scheduler's own checks (limits, methods): the request's fault
+        except DraftwiseError as err:  # (parse ran the engine's checks; the scheduler runs them again for its callers)
             metrics.reject("invalid_parameter")
             return _error(RequestError(str(err)))
         if parsed.stream:

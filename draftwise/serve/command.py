@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import uvicorn
 
-from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET, DEVICE_HELP, DTYPES, MAX_DRAFT_TOKENS, METHODS
+from draftwise import options
+from draftwise.config import DEFAULT_DRAFT, GenerationConfig
 from draftwise.errors import DraftwiseError
 
 
@@ -47,26 +48,21 @@ def add_serve(commands, formatter) -> None:
         ),
     )
     m = p.add_argument_group("models")
-    m.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"model name, Hugging Face folder or .gguf path (default: {DEFAULT_TARGET})")
-    m.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help=f"draft model with the target's tokenizer, or 'none' (default: {DEFAULT_DRAFT})")
-    m.add_argument("--method", choices=METHODS, help="default speculation method (default: draft with a draft "
-                                                     "model, lookup without)")
-    m.add_argument("--head", metavar="DIR",
-                   help="the trained head for --method head or hybrid-head (default: $DRAFTWISE_HOME/heads/<target name>)")
-    m.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
-                   help=f"most draft tokens per round unless a request says otherwise, 1-{MAX_DRAFT_TOKENS} "
-                        "(default: 4)")
-    m.add_argument("--experiment", metavar="ARMS.toml",
+    options.add_target(m, role="the model served")
+    options.add_draft(m, default=DEFAULT_DRAFT, also="; 'none' for no draft model")
+    options.add_method(m, role="default speculation method: the one loaded, which the requests that do not choose one run")
+    options.add_head(m)
+    options.add_dtype(m)
+    options.add_device(m)
+    options.add_lookup_ngram(m)
+    m.add_argument("--model-id", help="the model name clients send (default: --target)")
+    r = p.add_argument_group("speculation (of the requests that do not say, in \"speculation\")")
+    options.add_draft_length(r)
+    r.add_argument("--experiment", metavar="ARMS.toml",
                    help="A/B arms: split the requests that leave out \"speculation\" between speculation settings "
                         "by weight ([[arm]] tables of name, weight, speculation; `by = \"user\"` gives each value "
                         "of that request field one arm for good). Metrics, the proposal log and each response's "
                         "\"draftwise\" field carry the arm; `draftwise log stats` compares them")
-    m.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="auto: bfloat16 where the CPU computes it natively, else float32")
-    m.add_argument("--device", default="cpu", metavar="DEV", help=DEVICE_HELP)
-    m.add_argument("--model-id", help="the model name clients send (default: --target)")
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the server to "
@@ -115,6 +111,14 @@ def add_serve(commands, formatter) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def request_defaults(args: argparse.Namespace) -> dict:
+    """The speculation options of the requests that leave them out (-k, --fixed-k), checked as a request's are."""
+    options.check_lookup_ngram(args)
+    defaults = dict(num_draft_tokens=args.num_draft_tokens, adaptive=not args.fixed_k)
+    GenerationConfig.from_options(**defaults)
+    return defaults
+
+
 def _check_limits(args: argparse.Namespace) -> None:
     """The numeric options, checked before the models load for minutes, each error naming its flag."""
     least = {"--max-batch": (args.max_batch, 1, ""), "--prefill-chunk": (args.prefill_chunk, 1, ""),
@@ -142,16 +146,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from draftwise.serve.proposal_log import ProposalLog
     from draftwise.serve.scheduler import Scheduler
 
-    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise DraftwiseError(f"--num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}")
+    speculation = request_defaults(args)  # (checked here, before anything else is opened or loaded)
     _check_limits(args)  # (before the guard, arms and log files are opened or made)
     draft = None if args.draft in (None, "none") else args.draft
     # A bad guard, arms file or log path fails here, before the models load.
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
     experiment = Experiment.load(args.experiment) if args.experiment else None
     log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
-    engine = Engine.from_pretrained(args.target, draft, args.method, dtype=args.dtype, device=args.device,
-                                    **({"head": args.head} if args.head else {}))
+    engine = Engine.from_pretrained(args.target, draft, args.method, **options.engine_options(args))
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
     if args.proposal_cache_tokens:
@@ -164,8 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
                           guard=guard)
     model_id = args.model_id or args.target
-    app = create_app(scheduler, model_id, metrics, args.api_key, args.num_draft_tokens, args.drain_timeout,
-                     experiment)
+    app = create_app(scheduler, model_id, metrics, args.api_key, speculation, args.drain_timeout, experiment)
     print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     if experiment is not None:
         print(f"draftwise: experiment {args.experiment}: {experiment.describe()}", file=sys.stderr)

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.config import METHODS
+from draftwise.methods import method_names
 from draftwise.errors import DraftwiseError
 from draftwise.serve.protocol import RequestError, speculation_options
 
@@ -77,7 +77,7 @@ class Experiment:
             raise DraftwiseError(f"{source}: the arms' weights add up past a float's range; give smaller weights "
                                  "(only their ratios count)")
         experiment = cls(parsed, by, rng, source)
-        experiment.check(METHODS)
+        experiment.check(method_names())
         return experiment
 
     def check(self, methods_available) -> None:

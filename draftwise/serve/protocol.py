@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from draftwise.config import MAX_DRAFT_TOKENS, SEED_RANGE, GenerationConfig
+from draftwise.config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SEED_RANGE, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.tokenizers import encode_prompt
 
@@ -48,8 +48,9 @@ class Parsed:
     arm: str = ""  # the A/B arm that chose its speculation ("" without an experiment)
 
 
-def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4, experiment=None) -> Parsed:
+def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = None, experiment=None) -> Parsed:
     """Check an OpenAI completions (chat=False) or chat completions body against what this server can do.
+    speculation: the GenerationConfig options (num_draft_tokens, adaptive) of a request that does not set them.
     With an experiment (experiment.py), a request that leaves out `speculation` gets its arm's."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -75,11 +76,11 @@ def parse(body, engine, model_id: str, chat: bool, default_draft_tokens: int = 4
         raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus {limit} ({max_tokens}) exceeds the "
                            f"context of {engine.max_context} tokens; at most {room} fit", limit,
                            code="context_length_exceeded", reason="context_length")
-    arm, speculation = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
-    spec = speculation_options(speculation, engine.methods_available)
+    arm, asked = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
+    spec = speculation_options(asked, engine.methods_available)
     options = dict(
+        **(speculation or {}),
         max_new_tokens=max_tokens,
-        num_draft_tokens=default_draft_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
         top_k=max(0, _number(body, "top_k", 0, -1, None, integer=True)),  # -1 (vLLM's "off") is 0 here
@@ -192,8 +193,8 @@ def speculation_options(value, methods_available) -> dict:
                                f"one of: {', '.join(methods_available)}", "speculation.method")
         out["method"] = value["method"]
     if "num_draft_tokens" in value:
-        out["num_draft_tokens"] = _number(value, "num_draft_tokens", 4, 1, MAX_DRAFT_TOKENS, integer=True,
-                                          param="speculation.num_draft_tokens")
+        out["num_draft_tokens"] = _number(value, "num_draft_tokens", DEFAULT_DRAFT_TOKENS, 1, MAX_DRAFT_TOKENS,
+                                          integer=True, param="speculation.num_draft_tokens")
     if "adaptive" in value:
         out["adaptive"] = _flag(value, "adaptive", param="speculation.adaptive")
     return out
