@@ -65,17 +65,12 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
     prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context) if chat
                   else _prompt_ids(body, engine.tokenizer, engine.max_context, engine.readable_ids))
     room = engine.max_context - len(prompt_ids)
-    if room < 1:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {engine.max_context}",
-                           "messages" if chat else "prompt", code="context_length_exceeded", reason="context_length")
-    default_max = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+    # OpenAI's defaults: the rest of the context for chat (none left: one token, which the context check refuses),
+    # 16 for completions.
+    default_max = max(room, 1) if chat else 16
     # The newer name wins where it is given; a null one leaves the older name in force.
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, limit, default_max, 1, None, integer=True)
-    if max_tokens > room:
-        raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus {limit} ({max_tokens}) exceeds the "
-                           f"context of {engine.max_context} tokens; at most {room} fit", limit,
-                           code="context_length_exceeded", reason="context_length")
     arm, asked = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
     spec = speculation_options(asked, engine.methods_available)
     options = dict(
@@ -101,6 +96,11 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
         cfg = GenerationConfig.from_options(**options)
     except DraftwiseError as err:
         raise RequestError(str(err)) from err
+    try:  # the engine's own context check, the one the scheduler and the engine run again
+        engine.check_limits(len(prompt_ids), cfg)
+    except DraftwiseError as err:  # the prompt alone, or the prompt with the tokens asked for
+        param = ("messages" if chat else "prompt") if room < 1 else limit
+        raise RequestError(str(err), param, code="context_length_exceeded", reason="context_length") from err
     return Parsed(prompt_ids, cfg, stream, include_usage, arm)
 
 

@@ -124,11 +124,7 @@ class Scheduler:
                request_id: str | None = None, request: dict | None = None, arm: str = "") -> Ticket:
         """Queue a request; never blocks. arm: the A/B arm it is served by, for its metrics and log rows.
         Raises DraftwiseError for a request that cannot run, QueueFull, or ShuttingDown."""
-        method = cfg.method or self.engine.method
-        if method not in self.engine.methods_available:
-            raise DraftwiseError(f"method {method!r} is not available on this server; choose one of: "
-                                 f"{', '.join(self.engine.methods_available)}")
-        self.engine.check_limits(len(prompt_ids), cfg)
+        self.engine.check_open(prompt_ids, cfg)  # (the engine's own checks, now rather than on the model's thread)
         ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}",
                         arm=arm)
         if self.guard is not None:
