@@ -28,7 +28,6 @@ from draftwise.methods import Parts, available_methods, check_method, new_propos
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.batch import propose_many
-from draftwise.proposers.prompt_lookup import PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
@@ -181,9 +180,8 @@ class Engine:
                 proposer = self._new_proposer(method)
             generator = make_generator(cfg.sampling.seed)
             target.trim(0)
-            if hasattr(proposer, "bind"):  # a proposer that drafts in the sequence's own target slot (or a hybrid)
-                proposer.bind(target)
             if proposer is not None:
+                proposer.bind(target)  # (a proposer that drafts in the sequence's own target slot)
                 proposer.begin(prompt_ids, cfg.sampling, generator)
             reused = self._restore_prompt(target, proposer, prompt_ids)
         except BaseException:  # nothing allocated here may outlive a sequence that never opened
@@ -195,11 +193,8 @@ class Engine:
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
         if acceptance is not None:
             self.draft_policy.sequence_joined()
-        if getattr(proposer, "sizing", None) is not None:  # a tree proposer: a fixed k means a fixed tree size too
-            proposer.sizing.sized_by_cost = acceptance is not None
-            proposer.sizing.costs = self.draft_policy.costs  # its width by what passes cost here
-        if hasattr(proposer, "free_round"):  # lookup prices its rounds by them, a hybrid its picks and free rounds too
-            proposer.costs = self.draft_policy.costs if acceptance is not None else None  # (not a fixed k)
+        if proposer is not None:  # a tree's width, lookup's depth, a hybrid's pick: by what steps cost here
+            proposer.price_with(self.draft_policy.costs, follow=acceptance is not None)  # (not for a fixed k)
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
@@ -228,10 +223,10 @@ class Engine:
         """Reuse the keys and values of earlier texts for prompts that start the same way, in the target and in
         the draft model (one byte budget for both; see backends/prefix_cache.py)."""
         self.prompt_cache = PrefixCache(max_bytes)
-        draft = getattr(getattr(self.proposer, "draft", self.proposer), "backend", None)  # a hybrid's draft model
-        for name, backend in (("target", self.target), ("draft", draft)):
-            if isinstance(backend, HFBackend):
-                backend.prefix_cache, backend.prefix_name = self.prompt_cache, name
+        if isinstance(self.target, HFBackend):
+            self.target.prefix_cache, self.target.prefix_name = self.prompt_cache, "target"
+        if self.proposer is not None:  # (a draft model's cache, a hybrid's too)
+            self.proposer.attach_prompt_cache(self.prompt_cache)
         return self.prompt_cache
 
     # -- the proposal cache ------------------------------------------------------------------------------
@@ -239,9 +234,8 @@ class Engine:
         """Let prompt lookup (methods lookup and lookup-tree, and every hybrid's lookup rounds) propose from the texts
         of earlier sequences too, the last max_tokens tokens of them (see proposers/proposal_cache.py)."""
         self.proposal_cache = ProposalCache(max_tokens)
-        lookup = getattr(self.proposer, "lookup", self.proposer)  # a hybrid's lookup
-        if isinstance(lookup, PromptLookupProposer):
-            lookup.corpus = self.proposal_cache
+        if self.proposer is not None:  # (lookup's, a hybrid's lookup's; the sequences' own get it as they open)
+            self.proposer.attach_corpus(self.proposal_cache)
         return self.proposal_cache
 
     def _restore_prompt(self, target, proposer, prompt_ids: list[int]) -> int:
@@ -250,7 +244,7 @@ class Engine:
         if self.prompt_cache is None:
             return 0
         reused = target.restore(prompt_ids[:-1])
-        if reused and hasattr(proposer, "restore"):
+        if reused and _keeps_cache(proposer):
             proposer.restore(prompt_ids[:reused])
         return reused
 
@@ -259,7 +253,7 @@ class Engine:
         if self.prompt_cache is None or seq.finish == "error":
             return
         seq.target.remember(seq.context[:-1])
-        if hasattr(seq.proposer, "remember"):
+        if _keeps_cache(seq.proposer):
             seq.proposer.remember()
 
     def close_sequence(self, seq: Sequence) -> None:
@@ -300,23 +294,16 @@ class Engine:
             if proposer is not None:
                 proposer.release()
 
-    def _new_proposer(self, method: str):
-        """A fresh proposer of method for a sequence of its own (methods.py makes it from this engine's parts)."""
-        if self.proposer is not None and method == self.method:
-            return self.proposer.fork()
-        parts = Parts(on_draft_model=self._on_draft_model, drafter=self._fork_drafter, corpus=self.proposal_cache)
+    def _new_proposer(self, method: str) -> Proposer | None:
+        """A proposer for a sequence that does not get the engine's own: a fork of it, or one of another method
+        that the engine's models serve (methods_available), made by the method's entry in methods.py from parts
+        the engine's proposer forks: a new slot of its draft model, or its head or skip draft (a hybrid's too)."""
+        own = self.proposer
+        if own is not None and method == self.method:
+            return own.fork()
+        parts = Parts(on_draft_model=None if own is None else own.fork_on_draft_model,
+                      drafter=None if own is None else own.fork_drafter, corpus=self.proposal_cache)
         return new_proposer(method, parts)
-
-    def _fork_drafter(self):
-        """The engine's head or skip draft, forked (a hybrid-head engine's head, a hybrid-skip engine's skip draft)."""
-        return getattr(self.proposer, "draft", self.proposer).fork()
-
-    def _on_draft_model(self, proposer_cls):
-        """A proposer of another draft method on a new slot of the engine's draft model (a draft engine's methods
-        share the one model: draft, draft-tree and the hybrids)."""
-        base = getattr(self.proposer, "draft", self.proposer)  # a hybrid's draft-model proposer
-        shared = getattr(base.backend, "backend", base.backend)  # a slot view's model, or the model itself
-        return proposer_cls(shared.open_slot(), base.target_vocab_size, base.token_ids)
 
     def check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
         """Raise DraftwiseError when the request cannot fit the context (before anything is allocated)."""
@@ -340,7 +327,7 @@ class Engine:
         done = seq.prefilled
         end = len(seq.prompt_ids) - 1 if max_tokens is None else min(len(seq.prompt_ids) - 1, done + max_tokens)
         if end > done:
-            features = seq.target.append(seq.prompt_ids[done:end], hidden=_wants_features(seq.proposer))
+            features = seq.target.append(seq.prompt_ids[done:end], hidden=_reads_features(seq.proposer))
             if features is not None:
                 seq.proposer.add_features(done, features)
             seq.prefilled = end
@@ -427,7 +414,7 @@ class Engine:
         times = StepTimes(proposed - started, verified - proposed)
         # The pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps.
         if verdicts and timed:
-            steps = max((ks[i] for i in live if not getattr(seqs[i].proposer, "drafted_free", False)), default=0)
+            steps = max((ks[i] for i in live if not _drafted_free(seqs[i].proposer)), default=0)
             self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
                                             times.verify_s, draft_steps=steps)
         for i, err in failed.items():  # (after the costs: the pass itself ran for them)
@@ -480,8 +467,8 @@ class Engine:
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
-            if hasattr(seq.proposer, "lookup_depth"):
-                seq.proposer.lookup_depth = depth
+            if seq.proposer is not None:
+                seq.proposer.allow_free_depth(depth)
         return [judged[seq] if seq in judged else k or _free_round(seq, depth, len(seqs))
                 for seq, k, depth in zip(seqs, ks, depths)]
 
@@ -493,7 +480,7 @@ class Engine:
             return {}, {}
         rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
         trees = [drafts[i].layout for i in live]
-        hidden = any(_wants_features(seqs[i].proposer) for i in live)
+        hidden = any(_reads_features(seqs[i].proposer) for i in live)
         out = self.target.forward_batch(rows, trees=trees, hidden=hidden)
         per_row, features = out if hidden else (out, [])
         batch = DraftBatch.of([drafts[i] for i in live])
@@ -534,10 +521,10 @@ class Engine:
         if path != list(range(kept)):
             seq.target.keep(base + 1, [base + 1 + node for node in path])  # a tree's path, into place
         seq.target.trim(base + 1 + kept if verdict else base)
-        if verdict is not None and features is not None and _wants_features(seq.proposer):
+        if verdict is not None and features is not None and _reads_features(seq.proposer):
             seq.proposer.add_features(base, features[[0, *(1 + node for node in path)]])  # [kept + 1, H]
         if k > 0:
-            if verdict is not None and hasattr(seq.proposer, "keep_path"):  # a tree drafted in the proposer's cache
+            if verdict is not None:  # (a tree drafted in the proposer's own cache keeps its path there)
                 seq.proposer.keep_path(path)
             seq.proposer.observe(kept)
 
@@ -562,7 +549,7 @@ class Engine:
                 pass
         if seq.acceptance:
             seq.acceptance.observe(draft.depth, verdict.num_accepted)
-            if not getattr(seq.proposer, "lookup_round", False):  # a hybrid's lookup tree is not what its k prices
+            if not seq.proposer.drafted_free:  # a lookup guess is not what the shared k prices
                 seq.spread.observe(len(draft), draft.depth)
         events = []
         for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
@@ -591,24 +578,35 @@ class Engine:
         return None
 
 
-def _wants_features(proposer) -> bool:
+def _reads_features(proposer: Proposer | None) -> bool:
     """Whether a proposer drafts from the target's hidden states (the feature head), handed over by the engine."""
-    return getattr(proposer, "wants_features", False)
+    return proposer is not None and proposer.capabilities.reads_target_features
+
+
+def _keeps_cache(proposer: Proposer | None) -> bool:
+    """Whether a proposer keeps its own cache of the text (a draft model's), which the prompt cache also serves."""
+    return proposer is not None and proposer.capabilities.keeps_cache
+
+
+def _drafted_free(proposer: Proposer | None) -> bool:
+    """Whether the proposer's last round ran no draft forward (a lookup guess)."""
+    return proposer is not None and proposer.drafted_free
 
 
 def _free_round(seq: Sequence, k: int, rows: int) -> int:
     """k (at most the sequence's _free_depth) for an adaptive sequence whose draft model sits this round out, or
     whose proposer judges every round (prompt lookup's methods): its proposer's free guess (lookup's, which needs no
     draft forward and no draft cache) where that pays alone, else 0."""
-    free_round = getattr(seq.proposer, "free_round", None)
-    return free_round(seq.context, k, rows) if free_round is not None and seq.acceptance and k > 0 else 0
+    if not (seq.acceptance and k > 0 and seq.proposer.capabilities.guesses_free):
+        return 0
+    return seq.proposer.free_round(seq.context, k, rows)
 
 
 def _judges_rounds(seq: Sequence) -> bool:
     """Whether an adaptive sequence's proposer decides each round itself, after its free guess (prompt lookup's
     methods): the shared k, priced by draft forwards and by an acceptance learnt only on drafted rounds, is not
     for it, and every round is a free round."""
-    return seq.acceptance is not None and getattr(seq.proposer, "judges_rounds", False)
+    return seq.acceptance is not None and seq.proposer.capabilities.judges_rounds
 
 
 def _free_depth(seq: Sequence) -> int:
@@ -620,15 +618,15 @@ def _estimates(seq: Sequence) -> dict[str, Acceptance]:
     """An adaptive sequence's acceptance estimates by name, what it carries to the next of its method: its
     proposer's where it keeps its own (lookup: by match length; a hybrid: its draft model's and its lookup's), else
     the sequence's."""
-    own = getattr(seq.proposer, "acceptances", None)
-    return own() if own is not None else {DRAFT_ESTIMATE: _drafting_acceptance(seq)}
+    if seq.proposer.capabilities.keeps_estimates:
+        return seq.proposer.acceptances()
+    return {DRAFT_ESTIMATE: _drafting_acceptance(seq)}
 
 
 def _start_estimates(seq: Sequence, rates: dict[str, float]) -> None:
     """Start a new adaptive sequence's estimates from the rates its method's earlier sequences kept, by name."""
-    start = getattr(seq.proposer, "start_acceptances", None)
-    if start is not None:
-        start(rates)
+    if seq.proposer.capabilities.keeps_estimates:
+        seq.proposer.start_acceptances(rates)
     else:
         _drafting_acceptance(seq).start_from(rates.get(DRAFT_ESTIMATE))
 
@@ -636,5 +634,5 @@ def _start_estimates(seq: Sequence, rates: dict[str, float]) -> None:
 def _drafting_acceptance(seq: Sequence) -> Acceptance:
     """The acceptance the sequence's draft length follows: its proposer's own where it keeps one for the rounds
     that k prices (a hybrid's draft-model rounds), else the sequence's."""
-    own = getattr(seq.proposer, "drafting_acceptance", None)
+    own = seq.proposer.drafting_acceptance
     return seq.acceptance if own is None else own

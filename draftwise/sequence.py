@@ -12,6 +12,7 @@ import torch
 from draftwise.config import GenerationConfig
 from draftwise.estimates import Acceptance, TreeSpread
 from draftwise.metrics import Stats
+from draftwise.proposers.base import Proposer
 from draftwise.text import TextStream
 
 
@@ -21,7 +22,7 @@ class Sequence:
     cfg: GenerationConfig
     method: str  # the method this sequence speculates with ("none": the target alone)
     target: object  # its slot of the target's cache (a SlotView, or the backend for the engine's default slot)
-    proposer: object | None  # its own proposer, None for "none"
+    proposer: Proposer | None  # its own proposer, None for "none"
     acceptance: Acceptance | None  # None: the sequence drafts cfg.num_draft_tokens every round
     text: TextStream
     stats: Stats
@@ -37,8 +38,9 @@ class Sequence:
     @property
     def draft_behind(self) -> int:
         """Tokens of the text (but its last) missing from the proposer's own cache (a draft model's); 0 without one."""
-        behind = getattr(self.proposer, "behind", None)
-        return 0 if behind is None else behind(self.context)
+        if self.proposer is None or not self.proposer.capabilities.keeps_cache:
+            return 0
+        return self.proposer.behind(self.context)
 
     @property
     def prefill_done(self) -> bool:

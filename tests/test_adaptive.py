@@ -18,6 +18,7 @@ from draftwise.planner import chain_tokens
 from draftwise.config import GenerationConfig
 from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
+from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.compact import compact_draft
 from draftwise.methods import LOOKUP_TREE
 from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of
@@ -244,11 +245,18 @@ def test_a_width_last_timed_in_a_slow_spell_is_tried_again_once_its_time_is_stal
     assert policy.costs.verify(1, 9) == pytest.approx(0.4) and policy.choose([0.8], k_max=8, rows=1) == 6
 
 
-class FakeTreeDraft:
+class FakeTreeDraft(Proposer):
     """Stands in for a draft-tree proposer: its sizing is all the hybrid's pick reads of it."""
+
+    capabilities = Capabilities(needs_draft_model=True, drafts_trees=True)
 
     def __init__(self, sizing):
         self.sizing = sizing
+
+    def begin(self, prompt_ids, sampling, generator):
+        raise AssertionError("never drafts")
+
+    propose = observe = fork = begin
 
 
 def test_a_draft_forward_timed_in_a_slow_spell_is_not_trusted_once_stale():

@@ -21,6 +21,7 @@ from draftwise.estimates import StepCosts, TreeSpread
 from draftwise.bench.runners import Runners, check_methods
 from draftwise.cli import _uses_draft
 from draftwise.proposers import HybridProposer, PromptLookupProposer
+from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.methods import LOOKUP_CHAIN, LOOKUP_TREE
 from draftwise.proposers.hybrid import MIN_NGRAM, hybrid_of
 from draftwise.proposers.tree_growth import TreeSizing
@@ -238,11 +239,16 @@ def test_an_exception_mid_round_leaves_the_caches_consistent(where, monkeypatch)
     assert result.token_ids == reference("llama")
 
 
-class FakeDraft:
+class FakeDraft(Proposer):
     """Stands in for DraftModelProposer: proposes k copies of 7 and records what it is told."""
+
+    capabilities = Capabilities(needs_draft_model=True)
 
     def __init__(self):
         self.calls = []
+
+    def fork(self):
+        raise AssertionError("a fake serves one sequence")
 
     def begin(self, prompt_ids, sampling, generator):
         self.calls.append("begin")
@@ -288,6 +294,9 @@ class FakeTreeDraft(FakeDraft):
 
     def keep_path(self, path):
         self.calls.append(("keep_path", tuple(path)))
+
+    def price_with(self, costs, follow):  # as DraftTreeProposer's
+        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
 
 
 def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_known():
@@ -362,7 +371,7 @@ def test_the_tree_hybrid_offers_lookups_free_guess_in_a_round_the_draft_model_si
     text = [1, 2, 3, 5, 6, 1, 2, 3]
     chain.begin(text, None, None)
     assert chain.free_round(text, 2) == 0  # nothing measured
-    chain.costs = costs
+    chain.price_with(costs, follow=True)
     assert chain.free_round(text, 2) == 2 and chain.propose(text, 2).token_ids == (5, 6) and chain.drafted_free
     chain.observe(0)
     assert chain.free_round(text + [9, 4, 1, 2], 2) == 0  # no match of three tokens: no guess to offer
@@ -377,10 +386,8 @@ def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_dr
     def guess(branches, draft, depth, by_cost=True):
         hybrid = hybrid_of(draft, branches)
         hybrid.begin(text, None, None)
-        hybrid.costs = costs
-        if hybrid.sizing is not None:
-            hybrid.sizing.costs, hybrid.sizing.sized_by_cost = costs, by_cost
-        hybrid.lookup_depth = depth  # the engine's free-round k
+        hybrid.price_with(costs, follow=by_cost)
+        hybrid.allow_free_depth(depth)  # the engine's free-round k
         return hybrid.propose(text, 1).token_ids  # the draft model's k is 1
 
     # Lookup's guess prices its own width (flat here) and costs no forward: it goes as deep as a free round.
@@ -399,7 +406,7 @@ def test_the_chain_hybrid_picks_by_measured_tokens_per_second_once_a_draft_forwa
     costs = StepCosts()
     for width in (1, 3):
         costs.observe(1, width - 1, 0.0, 0.2)  # a flat pass: 0.2 s at any width
-    chain.costs = costs
+    chain.price_with(costs, follow=True)
     for _ in range(10):
         chain._draft_acceptance.observe(2, 2)  # the draft model is nearly always right
     # No draft forward timed yet: by rule, a three-token match is lookup's.
@@ -409,7 +416,7 @@ def test_the_chain_hybrid_picks_by_measured_tokens_per_second_once_a_draft_forwa
     text += [9, 1, 2, 3]  # (lookup's last guess lost: after a 3-token match it is at 0.31, 1.4 tokens in 0.2 s)
     assert chain.propose(text, 2).token_ids == (7, 7)  # measured, the draft model's, although the match is long
     chain.observe(2)
-    chain.costs = None  # a fixed-k sequence (the engine sets no costs): by rule, whatever was measured
+    chain.price_with(costs, follow=False)  # a fixed-k sequence: by rule, whatever was measured
     assert chain.propose(text + [8, 8, 1, 2, 3], 2).token_ids == (8, 8)
 
 
@@ -513,7 +520,7 @@ def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
     assert eng.method == method and eng.proposer.min_ngram == 2  # at most the longest n-gram
     tree = method == "hybrid-tree"
     assert eng.proposer.lookup.branches == (3 if tree else 1)
-    assert (eng.proposer.sizing is not None) == tree and eng.proposer.takes_rows == tree
+    assert (eng.proposer.sizing is not None) == tree and eng.proposer.capabilities.takes_rows == tree
     if tree:  # one sizing, so the engine's costs reach the lookup rounds too
         assert eng.proposer.lookup.sizing is eng.proposer.sizing is eng.proposer.draft.sizing
     runners = Runners(model("llama", 0), tiny_tokenizer(), draft_model=model("llama", 1, 1))
@@ -533,7 +540,7 @@ def test_a_new_sequence_inherits_no_round_the_last_one_left_unfinished():
     chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)
     text = [1, 2, 3, 5, 6, 1, 2, 3]
     chain.begin(text, None, None)
-    chain.costs = costs
+    chain.price_with(costs, follow=True)
     assert chain.free_round(text, 2) == 2  # armed for the next propose, which never comes: the step raised
     chain.begin([8, 9, 10], None, None)  # the engine's proposer, reused for the next sequence
     assert chain.propose([8, 9, 10], 2).token_ids == (7, 7) and not chain.drafted_free

@@ -1,7 +1,8 @@
 """Drafting for many sequences at once: their draft-model forwards share one batched pass per draft step.
 
-A proposer that can take part has the round in steps (DraftModelProposer, DraftTreeProposer and HybridProposer
-do): start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
+A proposer that can take part declares it (Capabilities.drafts_in_steps: DraftModelProposer, DraftTreeProposer,
+LayerSkipProposer and HybridProposer) and has the round in steps (proposers/base.py):
+start(context, k, stop_confidence); while pending() gives tokens to feed, take(the logits row after them);
 settle() (in `finally`: the cache holds the proposer's tokens, and a grown tree's fed nodes until verification);
 finish() -> Draft. Its `backend` is its slot of a shared HFBackend (a SlotView). A tree proposer feeds a depth of
 its tree per forward: its pending_layout() is that row's tree (the backend's tree mask and positions), with
@@ -14,28 +15,29 @@ from __future__ import annotations
 import time
 
 from draftwise.backends.hf import HFBackend, SlotView
+from draftwise.proposers.base import Proposer
 from draftwise.types import Draft
 
 
-def run_round(proposer, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
+def run_round(proposer: Proposer, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
     """One proposer's round alone: the batch of one."""
     proposer.start(context, k, stop_confidence)
     try:
         while (feed := proposer.pending()) is not None:
-            started, layout = time.perf_counter(), _layout(proposer)
+            started, layout = time.perf_counter(), proposer.pending_layout()
             if layout is None:
                 logits = proposer.backend.forward(feed)  # [fed, vocab]
             else:
                 model, slot = _shared(proposer.backend)
                 logits = model.forward_batch([(slot, feed)], trees=[layout])[0]
-            _time_forward(proposer, time.perf_counter() - started)
+            proposer.time_forward(time.perf_counter() - started)
             proposer.take(_rows_for(proposer, logits))
     finally:
         proposer.settle()
     return proposer.finish()
 
 
-def propose_many(proposers: list, contexts: list[list[int]], ks: list[int],
+def propose_many(proposers: list[Proposer], contexts: list[list[int]], ks: list[int],
                  stop_confidences: list[float]) -> list[Draft | BaseException]:
     """Each proposer's draft, or the exception that ended its round (the others go on).
 
@@ -46,7 +48,7 @@ def propose_many(proposers: list, contexts: list[list[int]], ks: list[int],
     for i, (proposer, context, k, stop) in enumerate(zip(proposers, contexts, ks, stop_confidences)):
         try:
             # Alone, a proposer runs its own round: no batch to share a forward with.
-            if k > 0 and hasattr(proposer, "pending") and len(proposers) > 1:
+            if k > 0 and proposer.capabilities.drafts_in_steps and len(proposers) > 1:
                 stepped.append(i)  # (before start: a start that raised has still to settle)
                 proposer.start(context, k, stop)
             else:
@@ -80,7 +82,7 @@ def _step_together(proposers: list, stepped: list[int], results: list) -> None:
             by_model.setdefault(id(_shared(proposers[i].backend)[0]), []).append((i, feed))
         for group in by_model.values():
             shared = _shared(proposers[group[0][0]].backend)[0]
-            trees = [_layout(proposers[i]) for i, _ in group]
+            trees = [proposers[i].pending_layout() for i, _ in group]
             # (a backend without trees, layer skipping's, never gets the argument: none of its rows is a tree)
             with_trees = {"trees": trees} if any(t is not None for t in trees) else {}
             started = time.perf_counter()
@@ -115,28 +117,15 @@ def _step_alone(proposers: list, group: list, shared, trees: list, results: list
 
 def _take(proposers: list, i: int, logits, seconds: float, results: list) -> None:
     try:
-        _time_forward(proposers[i], seconds)
+        proposers[i].time_forward(seconds)
         proposers[i].take(_rows_for(proposers[i], logits))
     except Exception as err:
         results[i] = err
 
 
-def _time_forward(proposer, seconds: float) -> None:
-    """Tell a proposer that times its own forwards (a tree's, to size the next) what the last one took."""
-    time_forward = getattr(proposer, "time_forward", None)
-    if time_forward is not None:
-        time_forward(seconds)
-
-
-def _layout(proposer):
-    """The tree of the proposer's pending feed (a tree proposer's depth), or None (text: one row per token)."""
-    layout = getattr(proposer, "pending_layout", None)
-    return None if layout is None else layout()
-
-
-def _rows_for(proposer, logits):
+def _rows_for(proposer: Proposer, logits):
     """What take() expects of a forward's logits [fed, vocab]: every row (a tree's depth), or the last one."""
-    return logits if getattr(proposer, "takes_rows", False) else logits[-1]
+    return logits if proposer.capabilities.takes_rows else logits[-1]
 
 
 def _shared(backend: HFBackend | SlotView) -> tuple[HFBackend, SlotView]:

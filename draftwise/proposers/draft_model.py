@@ -9,13 +9,17 @@ from __future__ import annotations
 import torch
 
 from draftwise.backends.base import Backend
+from draftwise.backends.hf import HFBackend, SlotView
 from draftwise.config import SamplingConfig
+from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.batch import run_round
 from draftwise.sampling import logits_to_probs, sample
 from draftwise.types import Draft
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    capabilities = Capabilities(needs_draft_model=True, drafts_in_steps=True, keeps_cache=True)
+
     def __init__(self, backend: Backend, target_vocab_size: int, token_ids: torch.Tensor | None = None):
         """token_ids: the target id of each draft logit, for a draft whose output layer keeps only some tokens
         (see compact.py); None when the draft's logits are indexed by the target's ids."""
@@ -99,11 +103,21 @@ class DraftModelProposer:
 
     def fork(self) -> "DraftModelProposer":
         """A proposer for another sequence: its own slot of the same draft model."""
-        shared = getattr(self.backend, "backend", self.backend)  # a slot view's model, or the model itself
-        return DraftModelProposer(shared.open_slot(), self.target_vocab_size, self.token_ids)
+        return self.fork_on_draft_model(DraftModelProposer)
+
+    def fork_on_draft_model(self, proposer_cls: type) -> "DraftModelProposer":
+        return proposer_cls(self._model().open_slot(), self.target_vocab_size, self.token_ids)
+
+    def _model(self) -> HFBackend:
+        """The draft model's backend, which every slot of it shares (a bare backend is its own default slot)."""
+        return self.backend.backend if isinstance(self.backend, SlotView) else self.backend
+
+    def attach_prompt_cache(self, cache) -> None:
+        if isinstance(self.backend, HFBackend):  # (the engine's own proposer: the model's default slot)
+            self.backend.prefix_cache, self.backend.prefix_name = cache, "draft"
 
     def release(self) -> None:
-        if hasattr(self.backend, "close"):
+        if isinstance(self.backend, SlotView):  # (the default slot is the model's own, never given back)
             self.backend.close()
 
     def observe(self, num_accepted: int) -> None:

@@ -28,6 +28,7 @@ sequence.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from itertools import takewhile
 
 import torch
@@ -42,7 +43,8 @@ from draftwise.verify.tree import TreeLayout
 
 
 class DraftTreeProposer(DraftModelProposer):
-    takes_rows = True  # take() gets every fed row's logits: a depth of the tree is fed at once (batch.py)
+    # take() gets every fed row's logits: a depth of the tree is fed at once (batch.py)
+    capabilities = replace(DraftModelProposer.capabilities, drafts_trees=True, takes_rows=True)
 
     def __init__(self, backend: Backend, target_vocab_size: int, token_ids: torch.Tensor | None = None,
                  sizing: TreeSizing | None = None):
@@ -58,9 +60,12 @@ class DraftTreeProposer(DraftModelProposer):
         self._layout: TreeLayout | None = None  # the pending forward's tree (None: the text, the root last)
 
     def fork(self) -> "DraftTreeProposer":
-        shared = getattr(self.backend, "backend", self.backend)  # a slot view's model, or the model itself
-        return DraftTreeProposer(shared.open_slot(), self.target_vocab_size, self.token_ids,
+        return DraftTreeProposer(self._model().open_slot(), self.target_vocab_size, self.token_ids,
                                  TreeSizing(self.sizing.costs, self.sizing.max_nodes))
+
+    def price_with(self, costs, follow: bool) -> None:
+        """The tree's width by what passes cost here; a fixed k means a fixed tree size too."""
+        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
 
     # -- a round, in steps (propose() runs them alone; batch.py in lockstep with other sequences) ------------
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:

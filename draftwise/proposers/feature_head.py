@@ -33,12 +33,15 @@ import torch
 
 from draftwise.config import SamplingConfig
 from draftwise.head.model import FeatureHead, HeadCache
+from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, grow
 from draftwise.types import Draft
 
 
-class HeadProposer:
-    wants_features = True  # the engine hands the target's hidden states over (add_features)
+class HeadProposer(Proposer):
+    # The engine hands the target's hidden states over (add_features). No draft model, no cache of the text to fill
+    # or restore, and no steps to share in a batch: the head drafts at once.
+    capabilities = Capabilities(drafts_trees=True, reads_target_features=True)
 
     def __init__(self, head: FeatureHead, readout: torch.nn.Linear, readout_ids: torch.Tensor, embed: torch.nn.Module,
                  sizing: TreeSizing | None = None, window: int | None = None):
@@ -82,8 +85,14 @@ class HeadProposer:
         return HeadProposer(self.head, self.readout, self.readout_ids, self.embed,
                             TreeSizing(self.sizing.costs, self.sizing.max_nodes), self.window)
 
-    def release(self) -> None:
-        pass
+    def price_with(self, costs, follow: bool) -> None:
+        """The tree's width by what passes cost here; a fixed k means a fixed tree size too."""
+        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's decoder layers a fused head reads beside the last one."""
+        return self.head.config.feature_layers
 
     # -- a round -------------------------------------------------------------------------------------------
     @torch.inference_mode()

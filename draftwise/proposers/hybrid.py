@@ -40,12 +40,14 @@ next round catches up on them (within its window).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from draftwise import planner
 from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
-from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.base import Proposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.proposers.tree_growth import followed_costs
@@ -60,39 +62,65 @@ MIN_NGRAM = TRUSTED_NGRAM
 MIN_LOOKUP_TOKENS = 2
 
 
-class HybridProposer:
-    def __init__(self, draft: DraftModelProposer, lookup: PromptLookupProposer, min_ngram: int | None = None):
-        """min_ngram: the shortest match that wins a round by rule (see MIN_NGRAM); default lookup's own."""
+class HybridProposer(Proposer):
+    def __init__(self, draft: Proposer, lookup: PromptLookupProposer, min_ngram: int | None = None):
+        """draft: the proposer of the rounds that cost forwards (a draft model's, a head's, the skip draft's).
+        min_ngram: the shortest match that wins a round by rule (see MIN_NGRAM); default lookup's own."""
         self.draft = draft
         self.lookup = lookup
+        # The draft's, and lookup's free guesses and estimates; always in steps (a lookup round is ready at once,
+        # and a draft without steps drafts at start()).
+        self.capabilities = replace(draft.capabilities, guesses_free=True, judges_rounds=False, keeps_estimates=True,
+                                    drafts_in_steps=True,
+                                    drafts_trees=draft.capabilities.drafts_trees or lookup.capabilities.drafts_trees)
         self.min_ngram = lookup.min_ngram if min_ngram is None else min_ngram
         lookup.trusted_ngram = self.min_ngram  # shorter matches start pessimistic (lookup's acceptance by match)
         # The draft model's per-token acceptance (the draft length follows it); lookup keeps its own by match length.
         self._draft_acceptance = Acceptance()
         self._drafted_depth: int | None = None  # the last round's draft-model draft, until observed
-        if getattr(draft, "sizing", None) is not None and lookup.sizing is not None:
-            lookup.sizing = draft.sizing  # one tree sizing for the pair: the engine sets its costs once
-        self._last: DraftModelProposer | PromptLookupProposer | None = None  # made the last proposal
+        if draft.sizing is not None and lookup.sizing is not None:
+            lookup.sizing = draft.sizing  # one tree sizing for the pair, priced once
+        self._last: Proposer | None = None  # made the last proposal
         self.rounds = {"lookup": 0, "draft": 0}  # proposals of each, this sequence
         self._guess: Draft | None = None  # this round's lookup guess, when lookup won it
         self._drafting = False  # whether this round's draft was started (and so has something to settle)
-        self.lookup_round = False  # whether lookup made the last proposal (read by the engine after observe)
+        self.lookup_round = False  # whether lookup made the last proposal (drafted_free)
         self._armed: Draft | None = None  # lookup's guess for a round the engine gave it alone (free_round)
-        self.costs = None  # (the engine sets them: see the property)
-        self.lookup_depth = 0  # the deepest guess lookup may offer, a free round's k (the engine sets it each step)
+        # The engine's step costs (price_with), which price the chain's pick, its lookup's guess and free rounds;
+        # None for a fixed k, whose rounds must not follow timings.
+        self.costs: StepCosts | None = None
+        self._free_depth = 0  # the deepest guess lookup may offer, a free round's k (allow_free_depth, each round)
+
+    def price_with(self, costs: StepCosts, follow: bool) -> None:
+        """Both parts are priced by them (a tree pair's one sizing, the draft's and lookup's alike). The chain's
+        lookup sizes its guess by them as lookup alone does: offered as deep as it pays, it is judged at the rate
+        of its best depth, not of its full k."""
+        self.costs = costs if follow else None
+        self.draft.price_with(costs, follow)
+        self.lookup.price_with(costs, follow)
+
+    def allow_free_depth(self, depth: int) -> None:
+        self._free_depth = depth
+
+    def attach_prompt_cache(self, cache) -> None:
+        self.draft.attach_prompt_cache(cache)
+
+    def attach_corpus(self, corpus: ProposalCache) -> None:
+        self.lookup.attach_corpus(corpus)
+
+    def fork_drafter(self) -> Proposer:
+        return self.draft.fork()
+
+    def fork_on_draft_model(self, proposer_cls: type) -> Proposer:
+        return self.draft.fork_on_draft_model(proposer_cls)
 
     @property
-    def costs(self) -> StepCosts | None:
-        """The engine's step costs, which price the chain's pick, its lookup's guess and free rounds; the engine sets
-        them for an adaptive sequence only (None for a fixed k: its rounds must not follow timings). The chain's
-        lookup sizes its guess by them as lookup alone does (the tree's, by the pair's sizing): offered as deep as
-        it pays, it is judged at the rate of its best depth, not of its full k."""
-        return self._costs
+    def feature_layers(self) -> tuple[int, ...]:  # a head's
+        return self.draft.feature_layers
 
-    @costs.setter
-    def costs(self, costs: StepCosts | None) -> None:
-        self._costs = costs
-        self.lookup.costs = costs
+    @property
+    def speed_paths(self):  # a head's
+        return self.draft.speed_paths
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.draft.begin(prompt_ids, sampling, generator)
@@ -116,23 +144,14 @@ class HybridProposer:
         self.lookup.start_acceptances(rates)
 
     @property
-    def takes_rows(self) -> bool:  # a draft-tree's take() reads every row of a depth (batch.py)
-        return getattr(self.draft, "takes_rows", False)
-
-    @property
     def sizing(self):  # the pair's tree sizing (tree_growth.py); None for the chain hybrid
-        return getattr(self.draft, "sizing", None)
-
-    @property
-    def wants_features(self) -> bool:  # a head drafts from the target's hidden states (the engine hands them over)
-        return getattr(self.draft, "wants_features", False)
+        return self.draft.sizing
 
     def bind(self, target_slot) -> None:
-        """Where the draft drafts in the sequence's own target slot (skip), it binds to it (the engine calls this
-        when the sequence opens). Lookup's rounds leave that slot as the engine keeps it: the text but its last
-        token, which is all the skip draft reads, so it never lags behind."""
-        if hasattr(self.draft, "bind"):
-            self.draft.bind(target_slot)
+        """Where the draft drafts in the sequence's own target slot (skip), it binds to it. Lookup's rounds leave
+        that slot as the engine keeps it: the text but its last token, which is all the skip draft reads, so it
+        never lags behind."""
+        self.draft.bind(target_slot)
 
     def add_features(self, start: int, features) -> None:
         self.draft.add_features(start, features)  # (every round's, lookup's too: the head catches up on them)
@@ -172,7 +191,7 @@ class HybridProposer:
         is not: k). A fixed-k sequence keeps k."""
         sizing = self.sizing
         priced = sizing.by_cost if sizing is not None else self._measured() is not None
-        return max(k, self.lookup_depth) if priced else k
+        return max(k, self._free_depth) if priced else k
 
     @property
     def drafting_acceptance(self) -> Acceptance:
@@ -239,7 +258,7 @@ class HybridProposer:
 
     def keep_path(self, path: list[int]) -> None:
         """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""
-        if self._last is self.draft and hasattr(self.draft, "keep_path"):
+        if self._last is self.draft:
             self.draft.keep_path(path)
 
     def observe(self, num_accepted: int) -> None:
@@ -258,7 +277,7 @@ class HybridProposer:
         self._guess = self._pick(context, k)
         if self._guess is not None:
             return
-        if hasattr(self.draft, "start"):
+        if self.draft.capabilities.drafts_in_steps:
             self.draft.start(context, k, stop_confidence)
             self._drafting = True
         else:  # a proposer without steps (the head): its draft is ready at once, and nothing is left to settle
@@ -268,13 +287,10 @@ class HybridProposer:
         return None if self._guess is not None else self.draft.pending()
 
     def pending_layout(self):
-        layout = getattr(self.draft, "pending_layout", None)
-        return None if self._guess is not None or layout is None else layout()
+        return None if self._guess is not None else self.draft.pending_layout()
 
     def time_forward(self, seconds: float) -> None:  # (only a draft-model round has forwards to time)
-        time_forward = getattr(self.draft, "time_forward", None)
-        if time_forward is not None:
-            time_forward(seconds)
+        self.draft.time_forward(seconds)
 
     @property
     def backend(self):  # where pending() tokens go
@@ -291,19 +307,18 @@ class HybridProposer:
     def finish(self) -> Draft:
         return self._guess if self._guess is not None else self._drafted(self.draft.finish())
 
-    # The draft model's cache of the text (a head keeps none: nothing to fill, restore or remember).
+    # The draft model's cache of the text (keeps_cache is the draft's: a head or the skip draft keeps none).
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
 
     def behind(self, context: list[int]) -> int:
-        return self.draft.behind(context) if hasattr(self.draft, "behind") else 0
+        return self.draft.behind(context)
 
     def restore(self, token_ids: list[int]) -> int:
-        return self.draft.restore(token_ids) if hasattr(self.draft, "restore") else 0
+        return self.draft.restore(token_ids)
 
     def remember(self) -> None:
-        if hasattr(self.draft, "remember"):
-            self.draft.remember()
+        self.draft.remember()
 
     def fork(self) -> "HybridProposer":
         return HybridProposer(self.draft.fork(), self.lookup.fork(), self.min_ngram)
@@ -314,7 +329,7 @@ class HybridProposer:
 
 def hybrid_of(draft, branches: int, max_ngram: int = 3, min_ngram: int | None = None,
               corpus: ProposalCache | None = None) -> HybridProposer:
-    """The hybrid of a draft-model proposer and prompt lookup's method (config.LOOKUP_BRANCHES). min_ngram: the
+    """The hybrid of a draft-model proposer and prompt lookup merging `branches` matches (1: a chain). min_ngram: the
     shortest match that wins a round by rule (default MIN_NGRAM, at most max_ngram). The tree hybrid's lookup
     offers every match (its rounds are picked by measurement once there is one); the chain hybrid's only matches
     of min_ngram tokens or more, by rule or measured."""

@@ -32,6 +32,7 @@ from draftwise.backends.hf import HFBackend, SlotView
 from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, VALUE_CHANGING, draft_copy, kernel_counts,
                                         plan_kernels, planned_kernel)
 from draftwise.errors import DraftwiseError
+from draftwise.proposers.base import Capabilities
 from draftwise.proposers.compact import KEEP_VOCAB, compact_readout
 from draftwise.proposers.draft_model import DraftModelProposer
 
@@ -200,6 +201,10 @@ class LayerSkipProposer(DraftModelProposer):
     hold exactly that again at its end: the round feeds the last token and each draft token but the last,
     then settle() trims back; the verification pass appends the same positions with every layer."""
 
+    # No second model and no cache of its own (its cache is the target slot, bound at open): nothing to fill,
+    # restore or remember.
+    capabilities = Capabilities(drafts_in_steps=True)
+
     def __init__(self, skipping_backend: SkippingBackend, target_vocab_size: int):
         super().__init__(backend=None, target_vocab_size=target_vocab_size,
                          token_ids=skipping_backend.stack.token_ids)
@@ -241,6 +246,12 @@ class LayerSkipProposer(DraftModelProposer):
 
     def fork(self) -> "LayerSkipProposer":
         return LayerSkipProposer(self.skipping, self.target_vocab_size)
+
+    def fork_on_draft_model(self, proposer_cls: type) -> DraftModelProposer:
+        raise DraftwiseError("a layer-skip proposer drafts with the target's own layers, not a draft model")
+
+    def attach_prompt_cache(self, cache) -> None:
+        """The target slot it drafts in is the engine's to offer to the prompt cache."""
 
     def release(self) -> None:
         """The slot is the sequence's target slot: the engine frees it."""

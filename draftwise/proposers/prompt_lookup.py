@@ -41,6 +41,7 @@ from draftwise import planner
 from draftwise.estimates import DECAY, Acceptance, StepCosts
 from draftwise.config import SamplingConfig
 from draftwise.errors import DraftwiseError
+from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.proposers.tree_growth import MAX_NODES, TreeSizing, followed_costs
 from draftwise.types import Draft, common_prefix
@@ -54,7 +55,7 @@ TRUSTED_NGRAM = 3
 SHORT_MATCH_PRIOR = (0.0, 2.0)
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None,
                  branches: int = 1, trusted_ngram: int = TRUSTED_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
@@ -64,8 +65,10 @@ class PromptLookupProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.branches = branches
+        self.capabilities = Capabilities(drafts_trees=branches > 1, guesses_free=True, judges_rounds=True,
+                                         keeps_estimates=True)
         self.trusted_ngram = min(trusted_ngram, max_ngram)  # (a lookup of shorter n-grams trusts its longest)
-        self.sizing = TreeSizing() if branches > 1 else None  # a tree's costs (the engine sets them)
+        self.sizing = TreeSizing() if branches > 1 else None  # a tree's costs (price_with)
         # The engine's step costs, which price a chain's depth (a tree's: its sizing's); None for a fixed k.
         self.costs: StepCosts | None = None
         self.last_match = 0  # tokens of the text's tail that the last guess matched (0: no guess)
@@ -81,8 +84,15 @@ class PromptLookupProposer:
     # draft model's rows in the same batch (and a chain hybrid's pick) are priced by. Nor does its tree widen
     # what the engine's draft length prices (TreeSpread): lookup sizes its own.
     drafted_free = True
-    lookup_round = True
-    judges_rounds = True  # (read on a sequence's own proposer: the methods lookup and lookup-tree)
+
+    def price_with(self, costs: StepCosts, follow: bool) -> None:
+        """Its guesses are priced by them (a tree's width by its sizing's) unless the sequence drafts a fixed k."""
+        self.costs = costs if follow else None
+        if self.sizing is not None:
+            self.sizing.costs, self.sizing.sized_by_cost = costs, follow
+
+    def attach_corpus(self, corpus: ProposalCache) -> None:
+        self.corpus = corpus
 
     def _start_estimates(self) -> None:
         self._by_match: dict[int, Acceptance] = {}  # per-token acceptance of the chain, by match length
@@ -215,9 +225,6 @@ class PromptLookupProposer:
 
     def fork(self) -> "PromptLookupProposer":
         return PromptLookupProposer(self.max_ngram, self.min_ngram, self.corpus, self.branches, self.trusted_ngram)
-
-    def release(self) -> None:
-        pass
 
     def _index(self, context: list[int]) -> None:
         """Record, for every n-gram that now has a token after it, where that token is (O(new tokens))."""
