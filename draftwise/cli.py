@@ -26,7 +26,7 @@ from draftwise import options
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
-from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs
+from draftwise.methods import BASELINE, DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs
 
 PROG = "draftwise"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -230,11 +230,11 @@ def fmt_optional(value: float | None, spec: str, suffix: str = "") -> str:
 def stats_line(stats) -> str:
     """One line for humans, e.g. `[draft k=4 float32] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
     dtype = stats.speed_paths.get("dtype")
-    label = " ".join(part for part in (stats.method, None if stats.method == "none" else f"k={stats.num_draft_tokens}",
-                                       dtype) if part)
+    k = None if stats.method == BASELINE else f"k={stats.num_draft_tokens}"
+    label = " ".join(part for part in (stats.method, k, dtype) if part)
     head = f"[{label}]"
     parts = [f"{stats.new_tokens} tokens", f"{fmt_optional(stats.tokens_per_s, '.1f')} tok/s"]
-    if stats.method != "none":
+    if stats.method != BASELINE:
         rate = stats.acceptance_rate
         parts.append(f"acceptance {fmt_optional(None if rate is None else 100 * rate, '.1f', '%')}")
         parts.append(f"mean accepted length {fmt_optional(stats.mean_accepted_length, '.2f')}")

@@ -61,6 +61,7 @@ class Method:
     needs: str | None  # one of NEEDS, or None
     help: str  # one line, for --help and the docs
     make: Callable[[Parts], Proposer | None]  # None: no proposer, the target alone
+    chain: str | None = None  # a tree method's chain form, which the bench reports it beside
 
 
 def _on_draft_model(cls) -> Callable[[Parts], Proposer]:
@@ -84,14 +85,15 @@ def _hybrid(drafter: Callable[[Parts], Proposer], branches: int) -> Callable[[Pa
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("draft", DRAFT_MODEL, "the --draft model", _on_draft_model(DraftModelProposer)),
     Method("draft-tree", DRAFT_MODEL, "the --draft model's likeliest continuations as a token tree",
-           _on_draft_model(DraftTreeProposer)),
+           _on_draft_model(DraftTreeProposer), chain="draft"),
     Method("lookup", None, "n-grams of the prompt and text so far", _lookup(LOOKUP_CHAIN)),
-    Method("lookup-tree", None, f"lookup's last {LOOKUP_TREE} matches as a token tree", _lookup(LOOKUP_TREE)),
+    Method("lookup-tree", None, f"lookup's last {LOOKUP_TREE} matches as a token tree", _lookup(LOOKUP_TREE),
+           chain="lookup"),
     Method(BASELINE, None, "the target alone: the baseline", lambda parts: None),
     Method("hybrid", DRAFT_MODEL, "lookup where the text's tail matches earlier text, the --draft model elsewhere",
            _hybrid(_on_draft_model(DraftModelProposer), LOOKUP_CHAIN)),
     Method("hybrid-tree", DRAFT_MODEL, "the same with lookup-tree and draft-tree",
-           _hybrid(_on_draft_model(DraftTreeProposer), LOOKUP_TREE)),
+           _hybrid(_on_draft_model(DraftTreeProposer), LOOKUP_TREE), chain="hybrid"),
     Method("skip", OWN_LAYERS, "the target itself on int8 copies of its layers where faster here, with some layers "
            "skipped where a short calibration at load says it pays; no second model", _drafter),
     Method("hybrid-skip", OWN_LAYERS, "skip, and lookup where the text's tail matches earlier text; no second model",
@@ -115,6 +117,11 @@ def register(method: Method) -> None:
 
 def method_names() -> tuple[str, ...]:
     return tuple(METHODS)
+
+
+def tree_chains() -> dict[str, str]:
+    """Each tree method that has a chain form -> that chain method."""
+    return {name: method.chain for name, method in METHODS.items() if method.chain is not None}
 
 
 def methods_needing(need: str | None) -> tuple[str, ...]:

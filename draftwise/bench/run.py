@@ -29,7 +29,7 @@ from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods
 from draftwise.bench.summary import summarize
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DTYPES, MAX_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
-from draftwise.methods import TRAINED_HEAD, methods_needing
+from draftwise.methods import BASELINE, TRAINED_HEAD, methods_needing
 from draftwise.files import prepare_out
 from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
@@ -210,7 +210,7 @@ def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt
 def _mark_identical(runs: list[dict], methods) -> None:
     """identical: the output equals the target-only greedy output of the same prompt (none's, else hf-plain's);
     the reference run itself is that output."""
-    reference = next((m for m in ("none", "hf-plain") if m in methods), None)
+    reference = next((m for m in (BASELINE, "hf-plain") if m in methods), None)
     expected = {(r["category"], r["question_id"]): r["token_ids"] for r in runs
                 if r["method"] == reference and r["repeat"] == 0}
     for run in runs:

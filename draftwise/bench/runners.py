@@ -93,7 +93,7 @@ class Runners:
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
         record = {name: getattr(result.stats, name) for name in fields}
-        if method == "none":
+        if method == BASELINE:
             record.update(dict.fromkeys(SPECULATION_FIELDS))
         return record, result.token_ids
 

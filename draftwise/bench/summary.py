@@ -9,12 +9,13 @@ import random
 import statistics
 from collections.abc import Iterable, Sequence
 
+from draftwise.methods import BASELINE, tree_chains
 from draftwise.metrics import leviathan_over_rounds, leviathan_speedup
 
 ALL = "all"
 REFERENCE_PEER = "hf-plain"
-REFERENCE_OWN = "none"
-TREE_CHAINS = {"draft-tree": "draft", "lookup-tree": "lookup", "hybrid-tree": "hybrid"}  # a tree method -> its chain
+REFERENCE_OWN = BASELINE
+TREE_CHAINS = tree_chains()  # a tree method -> its chain (methods.py)
 BOOTSTRAP_DRAWS = 2000
 INTERVAL_PROMPTS = 3  # fewer prompts give no interval: resampling one or two says nothing of the others
 

@@ -50,13 +50,13 @@ def add_serve(commands, formatter) -> None:
     m = p.add_argument_group("models")
     options.add_target(m, role="the model served")
     options.add_draft(m, default=DEFAULT_DRAFT, also="; 'none' for no draft model")
-    options.add_method(m, role="default speculation method: the one loaded, which the requests that do not choose one run")
+    options.add_method(m, role="the method loaded, and run for the requests that do not choose one")
     options.add_head(m)
     options.add_dtype(m)
     options.add_device(m)
     options.add_lookup_ngram(m)
     m.add_argument("--model-id", help="the model name clients send (default: --target)")
-    r = p.add_argument_group("speculation (of the requests that do not say, in \"speculation\")")
+    r = p.add_argument_group("speculation (of the requests that leave out the \"speculation\" field)")
     options.add_draft_length(r)
     r.add_argument("--experiment", metavar="ARMS.toml",
                    help="A/B arms: split the requests that leave out \"speculation\" between speculation settings "
