@@ -374,17 +374,12 @@ class Engine:
     # -- one round for a batch of sequences --------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> dict[Sequence, list[Event]]:
         """One round for every sequence (each prefilled, none finished): propose, verify all drafts in one
-        target pass, commit. Returns each sequence's events; a sequence that ended gets its final event, and
+        target pass, commit each sequence's caches, adapt the step costs, accept the kept tokens. Returns each sequence's events; a sequence that ended gets its final event, and
         one whose round failed ends with finish "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
-        ks = self._draft_lengths(seqs)
-        stop = self.draft_policy.stop_confidence(len(seqs))
-        stops = [stop if seq.acceptance else 0.0 for seq in seqs]
-        drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
+        ks = self._draft_lengths(seqs)  # how much each drafts: what the measured costs and acceptance say pays
+        drafts = self._propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
         proposed = time.perf_counter()
-        for i, seq in enumerate(seqs):  # a tree may be wider than k: the pass writes a position per node
-            if isinstance(drafts[i], Draft):
-                drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
         too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         verdicts: dict[int, Verdict] = {}
@@ -394,13 +389,13 @@ class Engine:
         # A sampled row's draws, as they were before the pass: a row verified again alone draws them again, so a
         # seeded text does not depend on whether a batch-mate's row failed the shared verification.
         draws = {i: seqs[i].generator.get_state() for i in live if not seqs[i].cfg.sampling.greedy}
-        try:
+        try:  # verify: every live draft in one target pass, each row's verdict the verifier's (exact)
             try:
                 verdicts, features = self._verify(seqs, drafts, live)
             except Exception as err:
                 timed = False
                 verdicts, features = self._verify_alone(seqs, drafts, live, err, draws)
-        finally:
+        finally:  # commit: whatever happened, each sequence's caches hold exactly its accepted text
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
                 try:
@@ -412,20 +407,37 @@ class Engine:
                 self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - started, verified - proposed)
-        # The pass is as wide as its widest draft (a tree's every node), drafted in up to max(k) steps.
-        if verdicts and timed:
-            steps = max((ks[i] for i in live if not _drafted_free(seqs[i].proposer)), default=0)
-            self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s,
-                                            times.verify_s, draft_steps=steps)
+        if verdicts and timed:  # adapt: what this shape of step cost, which the next rounds' lengths are priced by
+            self._observe_costs(seqs, drafts, ks, live, times)
         for i, err in failed.items():  # (after the costs: the pass itself ran for them)
             drafts[i] = err
             verdicts.pop(i, None)
+        # accept: each text grows by its kept draft tokens and the target's own next token (and acceptance learns)
         events = {seq: self._emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         for seq in seqs:
             seq.stats.decode_s += times.total_s
         self.last_step = times
         return events
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft | BaseException]:
+        """Each sequence's draft of (up to) its k tokens, draft-model sequences sharing each draft forward; a
+        proposer's error is its sequence's result, not the step's."""
+        stop = self.draft_policy.stop_confidence(len(seqs))
+        stops = [stop if seq.acceptance else 0.0 for seq in seqs]
+        drafts = propose_many([seq.proposer for seq in seqs], [seq.context for seq in seqs], ks, stops)
+        for i, seq in enumerate(seqs):  # a tree may be wider than k: the pass writes a position per node
+            if isinstance(drafts[i], Draft):
+                drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
+        return drafts
+
+    def _observe_costs(self, seqs: list[Sequence], drafts: list, ks: list[int], live: list[int],
+                       times: StepTimes) -> None:
+        """Fold the step's seconds into the policy's costs: the pass is as wide as its widest draft (a tree's every
+        node), drafted in up to max(k) forwards, of rounds that ran any (a lookup guess runs none)."""
+        steps = max((ks[i] for i in live if not _drafted_free(seqs[i].proposer)), default=0)
+        self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s, times.verify_s,
+                                        draft_steps=steps)
 
     def _fall_back_where_drafting_failed(self, seqs: list[Sequence], drafts: list, ks: list[int],
                                          draft_s: float) -> list[Sequence]:
