@@ -1,4 +1,5 @@
-"""The proposer contract: every member the engine, the batch of draft forwards (batch.py) and loading may use.
+"""The proposer contract: every member the engine (and the server through it), the batch of draft forwards
+(batch.py) and loading may use.
 
 A proposer guesses the tokens that follow a sequence's text; the target verifies them, so nothing here can change
 the output, only how fast it comes. One Proposer serves one live sequence at a time (fork() makes another).
@@ -9,13 +10,13 @@ those declarations, never on which attributes an object happens to have.
 
 A sequence's life, as the engine drives it (engine.py):
 
-    open     bind(target slot), begin(prompt, sampling, generator), price_with(costs, follow),
-             restore(prompt prefix) where the prompt cache had it
+    open     bind(target slot), begin(prompt, sampling, generator), restore(prompt prefix) where the prompt cache
+             had it (keeps_cache), price_with(costs, follow), start_acceptances(rates) (keeps_estimates)
     prefill  add_features(...) of the prompt (reads_target_features); extend(...) while behind(text) (keeps_cache)
-    a round  allow_free_depth(d); free_round(...) where it guesses free; then propose(...) or, sharing draft forwards
-             with other sequences, start / pending / pending_layout / take / time_forward / settle / finish;
-             after the target pass: add_features(kept rows), keep_path(kept path), observe(kept count);
-             drafted_free says whether the round ran a draft forward
+    a round  free_round(...) where it guesses free and the engine's k leaves it the round, allow_free_depth(d);
+             then propose(...) or, sharing draft forwards with other sequences, start / pending / pending_layout /
+             take / time_forward / settle / finish; after the target pass: add_features(kept rows),
+             keep_path(kept path), observe(kept count); drafted_free says whether it ran a draft forward
     close    acceptances() carried to the next sequence of the method (start_acceptances), remember() offered to
              the prompt cache, release()
 """
@@ -155,8 +156,8 @@ class Proposer(ABC):
 
     # -- a round ----------------------------------------------------------------------------------------------
     def allow_free_depth(self, depth: int) -> None:
-        """Each round, before free_round and propose: the deepest a guess that costs no forward may go (the
-        sequence's num_draft_tokens, within what it may still emit), whatever k the engine gives the round."""
+        """Each round, before propose: the deepest a guess that costs no forward may go (the sequence's
+        num_draft_tokens, within what it may still emit), whatever k the engine gives the round."""
 
     def free_round(self, context: list[int], k: int, rows: int = 1) -> int:
         """guesses_free: the k for a round that runs no draft forward (the engine's policy found that forwards do
