@@ -18,6 +18,7 @@ import draftwise.proposers
 from conftest import decode_together, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise.config import GenerationConfig
 from draftwise.engine import Engine
+from draftwise.methods import LOOKUP_TREE
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.hybrid import hybrid_of
 from draftwise.proposers.prompt_lookup import PromptLookupProposer
@@ -61,7 +62,7 @@ def test_a_proposer_built_of_parts_declares_what_its_parts_do():
     tree = PromptLookupProposer(branches=3).capabilities
     assert tree.drafts_trees and tree.guesses_free and tree.judges_rounds and not tree.keeps_cache
     assert not PromptLookupProposer().capabilities.drafts_trees
-    hybrid = hybrid_of(Minimal(), 3).capabilities
+    hybrid = hybrid_of(Minimal(), LOOKUP_TREE).capabilities
     assert hybrid.guesses_free and hybrid.drafts_trees and hybrid.keeps_estimates and not hybrid.judges_rounds
 
 
@@ -145,10 +146,13 @@ def test_the_engine_runs_a_proposer_with_only_the_required_members(adaptive):
     target, tokenizer = tiny_model("llama", 0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, method="lookup")
     eng.proposer = proposer = Minimal()  # the engine's own: served to the first sequence, forked for the others
+    eng.enable_prompt_cache(1 << 24), eng.enable_proposal_cache(4096)  # (a proposer with no cache of either)
     prompts = [tokenizer.encode("the the the quick brown fox"), tokenizer.encode("for i in range(10):")]
     cfg = GenerationConfig(max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=adaptive)
-    result = eng.generate(prompts[0], max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=adaptive)
-    assert result.token_ids == transformers_greedy(target, prompts[0], 24)
+    for _ in range(2):  # the second time from the prompt cache
+        result = eng.generate(prompts[0], max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=adaptive)
+        assert result.token_ids == transformers_greedy(target, prompts[0], 24)
+    assert result.stats.prompt_cached > 0
     seqs = decode_together(eng, prompts, cfg)  # two live sequences: the second gets a fork
     for seq, prompt in zip(seqs, prompts):
         assert seq.context[len(prompt):] == transformers_greedy(target, prompt, 24)
