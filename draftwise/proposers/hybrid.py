@@ -15,7 +15,7 @@ Exactness: the choice depends on the context alone, and the verifier handles bot
 
 hybrid-tree pairs the two tree proposers (lookup-tree, draft-tree) the same way. A draft-tree round leaves its
 tree in the draft's cache, so keep_path() goes to the draft model only after a round it made. The two share
-one tree sizing (how many nodes a round offers, by the measured costs), which the engine sets up once.
+one tree sizing (how many nodes a round offers, by the measured costs), which the engine prices once (price_with).
 Once those costs are measured, and the sequence's rounds may follow them (not a fixed k: `--fixed-k`, or a
 seeded sampled request), either hybrid picks by measurement instead of by MIN_NGRAM: lookup wins a round when its
 guess is expected to give more tokens per second than the draft model's, each priced by the measured pass and

@@ -47,9 +47,9 @@ class TreeSizing:
     far its own chances are borne out at each depth."""
 
     def __init__(self, costs: StepCosts | None = None, max_nodes: int = MAX_NODES):
-        self.costs = costs  # the engine's measured step costs (the engine sets them); None: trees of k nodes
+        self.costs = costs  # the engine's measured step costs (its proposer's price_with); None: trees of k nodes
         self.max_nodes = max_nodes
-        self.sized_by_cost = True  # False for a sequence drafting a fixed k (the engine sets it)
+        self.sized_by_cost = True  # False for a sequence drafting a fixed k (price_with)
         self._forward_s = Timings()  # seconds per proposer forward (one shape, 1), measured
         self._expansion_s = Timings()  # seconds of a forward that expands a depth, by its nodes, decayed
         # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
