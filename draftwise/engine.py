@@ -374,8 +374,9 @@ class Engine:
     # -- one round for a batch of sequences --------------------------------------------------------------
     def step(self, seqs: list[Sequence]) -> dict[Sequence, list[Event]]:
         """One round for every sequence (each prefilled, none finished): propose, verify all drafts in one
-        target pass, commit each sequence's caches, adapt the step costs, accept the kept tokens. Returns each sequence's events; a sequence that ended gets its final event, and
-        one whose round failed ends with finish "error" (seq.exception holds why) while the others go on."""
+        target pass, commit each sequence's caches, adapt the step costs, accept the kept tokens. Returns each
+        sequence's events; a sequence that ended gets its final event, and one whose round failed ends with finish
+        "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
         ks = self._draft_lengths(seqs)  # how much each drafts: what the measured costs and acceptance say pays
         drafts = self._propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
