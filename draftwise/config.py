@@ -57,7 +57,8 @@ class GenerationConfig:
     @classmethod
     def from_options(
         cls, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=(),
+        temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+        top_p: float = SamplingConfig.top_p, seed: int | None = None, stop=(),
         ignore_eos: bool = False, adaptive: bool = True, method: str | None = None,
     ) -> "GenerationConfig":
         """The one request config: the keyword options of Engine.stream, the CLI and the server, checked."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from draftwise.config import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET,
-                              DTYPES, MAX_DRAFT_TOKENS)
+                              DTYPES, MAX_DRAFT_TOKENS, SamplingConfig)
 from draftwise.errors import DraftwiseError
 from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, method_names, methods_help, methods_needing
 
@@ -84,11 +84,12 @@ def add_max_new_tokens(group, *, role: str = "most tokens to generate") -> None:
 
 def add_sampling(group) -> None:
     """How the target's logits become tokens: greedy unless --temperature is above 0."""
-    group.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    defaults = SamplingConfig()
+    group.add_argument("--temperature", type=float, default=defaults.temperature, metavar="T",
                        help="sampling temperature; 0 is greedy (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=0, metavar="N",
+    group.add_argument("--top-k", type=int, default=defaults.top_k, metavar="N",
                        help="sample among the N most likely tokens; 0 keeps all (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=1.0, metavar="P",
+    group.add_argument("--top-p", type=float, default=defaults.top_p, metavar="P",
                        help="sample among the most likely tokens whose probability sums to P, "
                             "0 < P <= 1 (default: %(default)s)")
     group.add_argument("--seed", type=int, metavar="N",
