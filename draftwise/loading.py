@@ -121,7 +121,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         drafter = skip_drafter(target, tokenizer, loaded, target_model, keep, compact_draft, draft_kernels, draft_vocab,
                                paths)
     if need == TRAINED_HEAD:
-        target.feature_layers = drafter.head.config.feature_layers  # a fused head reads some decoder layers too
+        target.feature_layers = drafter.feature_layers  # a fused head reads some decoder layers too
         paths["head"] = drafter.speed_paths
     if drafter is not None:
         parts = replace(parts, drafter=lambda: drafter)
