@@ -18,10 +18,10 @@ from pathlib import Path
 
 from draftwise import __version__
 from draftwise.bench.command import add_bench
-from draftwise.head.command import add_train_head
+from draftwise.bench.loadgen import add_loadgen
 from draftwise.serve.command import add_serve
-from draftwise.serve.loadgen import add_loadgen
 from draftwise.serve.log_command import add_log
+from draftwise.train.command import add_train_head
 from draftwise.config import DEVICE_HELP, DRAFT_METHODS, DTYPES, HEAD_METHODS, METHODS, GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt

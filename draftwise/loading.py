@@ -12,7 +12,7 @@ from draftwise.hardware import check_device
 from draftwise.proposers import DraftModelProposer, PromptLookupProposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
-from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
+from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.draft_tree import DraftTreeProposer
 from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.hybrid import hybrid_of
@@ -48,7 +48,7 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     the target's)."""
     method = choose_method(method, draft is not None)
     if method in HEAD_METHODS:
-        from draftwise.head.command import head_home
+        from draftwise.models import head_home
 
         head = head or str(head_home(target))
         require_head(head)  # an instant, before the target loads for minutes
