@@ -18,7 +18,7 @@ from pathlib import Path
 
 from draftwise import __version__
 from draftwise.bench.command import add_bench
-from draftwise.bench.loadgen import add_loadgen
+from draftwise.bench.loadgen_command import add_loadgen
 from draftwise.serve.command import add_serve
 from draftwise.serve.log_command import add_log
 from draftwise.train.command import add_train_head

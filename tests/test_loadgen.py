@@ -12,9 +12,10 @@ import pytest
 
 from draftwise.errors import DraftwiseError
 from draftwise.bench.loadgen import (
-    RequestRecord, acceptance, add_loadgen, base_url, finish_record, http_error, markdown_table, percentile,
-    plan_from_args, request_body, sse_data, summarise, take_chunk,
+    RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
+    summarise, take_chunk,
 )
+from draftwise.bench.loadgen_command import add_loadgen, plan_from_args
 
 # -- the summary math -----------------------------------------------------------------------------------
 
