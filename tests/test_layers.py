@@ -30,15 +30,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loading", ("draftwise.loading",)),  # names -> models -> an engine's parts
     ("methods", ("draftwise.methods",)),
     ("proposers | verify", ("draftwise.proposers", "draftwise.verify")),
-    # The cost model, below the proposers because the hybrids' choice, lookup's depth, tree sizing and the skip
-    # calibration (all proposers) ask it for prices.
-    ("planner", ("draftwise.planner", "draftwise.estimates")),
     ("backends", ("draftwise.backends",)),
     ("models", ("draftwise.models",)),
     ("machine and text", ("draftwise.hardware", "draftwise.files", "draftwise.progress", "draftwise.tokenizers",
-                          "draftwise.text")),
+                          "draftwise.request_text", "draftwise.text")),
+    # Shared vocabulary, and the one cost model (planner.py; estimates.py, what the engine measures), which is pure
+    # arithmetic at the bottom because the policy, the proposers' sizing and the metrics all ask it for prices.
     ("vocabulary", ("draftwise.config", "draftwise.types", "draftwise.metrics", "draftwise.sampling",
-                    "draftwise.errors")),
+                    "draftwise.errors", "draftwise.planner", "draftwise.estimates")),
 )
 # Imports that may run up a layer, each with its reason. None today.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
