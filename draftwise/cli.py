@@ -16,14 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from draftwise import __version__
+from draftwise import __version__, options
 from draftwise.bench.command import add_bench
-from draftwise.head.command import add_train_head
-from draftwise.serve.command import add_serve
-from draftwise.serve.loadgen import add_loadgen
-from draftwise.serve.log_command import add_log
-from draftwise import options
+from draftwise.bench.loadgen_command import add_loadgen
 from draftwise.config import GenerationConfig
+from draftwise.serve.command import add_serve
+from draftwise.serve.log_command import add_log
+from draftwise.train.command import add_train_head
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
 from draftwise.methods import BASELINE, DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs

@@ -13,7 +13,7 @@ from draftwise.hardware import check_device
 from draftwise.methods import DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD, Parts, choose_method, new_proposer
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
-from draftwise.head.model import check_fits, load_head, parameter_count, readout_layer, require_head
+from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
@@ -38,7 +38,7 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     method = choose_method(method, draft is not None)
     need = METHODS[method].needs
     if need == TRAINED_HEAD:
-        from draftwise.head.command import head_home
+        from draftwise.models import head_home
 
         head = head or str(head_home(target))
         require_head(head)  # an instant, before the target loads for minutes

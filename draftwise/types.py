@@ -28,10 +28,8 @@ class Draft:
         return len(self.token_ids)
 
     @cached_property
-    def layout(self):
-        """A tree's TreeLayout (verify/tree.py), made once for the pass and the verifier; None for a chain."""
-        from draftwise.verify.tree import TreeLayout  # the verifier's module imports this one
-
+    def layout(self) -> TreeLayout | None:
+        """A tree's TreeLayout, made once for the pass and the verifier; None for a chain."""
         return None if self.parents is None else TreeLayout.of(self.parents)
 
     @property
@@ -60,6 +58,41 @@ class Draft:
         if verdict.path is not None:
             return [self.token_ids[node] for node in verdict.path]
         return list(self.token_ids[: verdict.num_accepted])
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """A tree's shape as the target's pass and the tree verifier read it. Pass position 0 is the root (the text's
+    last token), position i + 1 is node i."""
+
+    depth: tuple[int, ...]  # per pass position: 0 for the root, 1 for its children, ...
+    children: tuple[tuple[int, ...], ...]  # per pass position: its children's pass positions, in draft order
+    visible: torch.Tensor  # [n + 1, n + 1] bool: position j attends to position i (i an ancestor of j, or j)
+
+    @classmethod
+    def of(cls, parents: tuple[int, ...]) -> "TreeLayout":
+        n = len(parents)
+        depth = [0] * (n + 1)
+        children: list[list[int]] = [[] for _ in range(n + 1)]
+        visible = torch.eye(n + 1, dtype=torch.bool)  # [n + 1, n + 1]
+        for node, parent in enumerate(parents):
+            if not -1 <= parent < node:
+                raise ValueError(f"tree node {node} has parent {parent}; a parent comes before its child (-1: root)")
+            at, up = node + 1, parent + 1
+            depth[at] = depth[up] + 1
+            children[up].append(at)
+            visible[at] = visible[up]
+            visible[at, at] = True
+        return cls(tuple(depth), tuple(map(tuple, children)), visible)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+
+def chain_parents(n: int) -> tuple[int, ...]:
+    """A chain of n tokens as a tree: each node's parent is the one before it."""
+    return tuple(range(-1, n - 1))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from conftest import tiny_model, transformers_greedy
 from draftwise.backends import attention
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.kernels import kernel_counts, plan_kernels, with_kernels
-from draftwise.verify.tree import TreeLayout
+from draftwise.types import TreeLayout
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -14,7 +14,7 @@ from draftwise.adaptive import DraftLengthPolicy
 from draftwise.backends.hf import HFBackend, SlotView
 from draftwise.config import GenerationConfig
 from draftwise.proposers.tree_growth import TreeSizing
-from draftwise.verify.tree import TreeLayout
+from draftwise.types import TreeLayout
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 NEW_TOKENS = 40

@@ -17,14 +17,14 @@ from draftwise.adaptive import DraftLengthPolicy
 from draftwise.estimates import StepCosts
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
-from draftwise.head.answers import target_answers
-from draftwise.head.as_run import GAP_WARNING
-from draftwise.head.model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
-from draftwise.head.train import (CHECKPOINT_FILE, TrainConfig, _held_back, attention_window_of, frequent_tokens,
-                                  readout_cover, train_head)
 from draftwise.proposers.feature_head import HeadProposer, attention_window
+from draftwise.proposers.head_model import CONFIG_FILE, WEIGHTS_FILE, FeatureHead, load_head, readout_ids
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing
+from draftwise.train.answers import target_answers
+from draftwise.train.as_run import GAP_WARNING
+from draftwise.train.head import (CHECKPOINT_FILE, TrainConfig, _held_back, attention_window_of, frequent_tokens,
+                                  readout_cover, train_head)
 from draftwise.types import Draft
 
 # Imported before any test here patches kernels.plan_kernels: loading imports compact, which binds plan_kernels by
@@ -182,8 +182,8 @@ def test_each_input_reads_its_own_token_and_each_tree_node_its_parents(heads, mo
 
 
 def test_training_hands_each_depth_its_own_current_token(heads, monkeypatch):
-    from draftwise.head.model import readout_layer
-    from draftwise.head.train import _Trainer
+    from draftwise.proposers.head_model import readout_layer
+    from draftwise.train.head import _Trainer
 
     model = tiny_model("qwen2", 0)
     head, ids = load_head(heads()[0], device=model.device)
@@ -229,8 +229,8 @@ def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_feature
     for shard in (folder / "features").iterdir():
         (copy / "features" / shard.name).write_bytes(shard.read_bytes())
     # The features are there: computing any would be a failure to reuse them.
-    monkeypatch.setattr("draftwise.head.features.target_features", lambda *_: pytest.fail("features recomputed"))
-    from draftwise.head import train
+    monkeypatch.setattr("draftwise.train.features.target_features", lambda *_: pytest.fail("features recomputed"))
+    from draftwise.train import head as train
 
     real_step, steps = train._Trainer.step, []
 
@@ -257,8 +257,8 @@ def test_an_interrupted_run_resumes_to_the_same_head_without_recomputing_feature
 
 def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypatch):
     """Generating the answers is the slow part of a run, so they are kept; other requests must not reuse them."""
-    from draftwise.head import train
-    from draftwise.head.corpus import Piece
+    from draftwise.train import head as train
+    from draftwise.train.corpus import Piece
 
     made = []
 
@@ -271,7 +271,7 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
     cfg = TrainConfig(answers=3, everyday=0)
     first = train.own_answers(None, None, cfg, tmp_path, progress=False)
     assert train.own_answers(None, None, cfg, tmp_path, progress=False) == first and made == [3]
-    from draftwise.head import answers as answer_kinds
+    from draftwise.train import answers as answer_kinds
 
     monkeypatch.setattr(answer_kinds, "REQUESTS", answer_kinds.REQUESTS[:-1])  # a kind of request dropped
     train.own_answers(None, None, cfg, tmp_path, progress=False)
@@ -280,8 +280,8 @@ def test_saved_answers_are_reused_only_for_the_same_requests(tmp_path, monkeypat
 
 def test_everyday_answers_are_added_after_the_package_answers_and_kept_apart(tmp_path, monkeypatch):
     """--everyday N: the target answers N everyday requests too; each set is saved and reused on its own."""
-    from draftwise.head import everyday, train
-    from draftwise.head.corpus import Piece
+    from draftwise.train import everyday, head as train
+    from draftwise.train.corpus import Piece
 
     made = []
 
@@ -304,9 +304,9 @@ def test_everyday_answers_are_added_after_the_package_answers_and_kept_apart(tmp
 
 
 def test_everyday_requests_are_seeded_named_by_topic_and_some_topics_are_held_back():
-    from draftwise.head import everyday
-    from draftwise.head.corpus import EXCLUDED_WORDS
-    from draftwise.head.train import _held_back
+    from draftwise.train import everyday
+    from draftwise.train.corpus import EXCLUDED_WORDS
+    from draftwise.train.head import _held_back
 
     requests = everyday.everyday_prompts(200)
     assert requests == everyday.everyday_prompts(200) != everyday.everyday_prompts(200, seed=1)
@@ -465,7 +465,7 @@ def test_a_trained_head_accepts_far_more_than_an_untrained_one(heads, tmp_path):
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.02)
-    from draftwise.head.model import save_head
+    from draftwise.proposers.head_model import save_head
 
     save_head(head, ids, tmp_path / "random")
     random_result = head_engine("qwen2", tmp_path / "random").generate(prompt_ids(), max_new_tokens=NEW_TOKENS,
@@ -677,7 +677,7 @@ def test_train_head_refuses_an_out_that_is_a_file_before_loading(tmp_path, capsy
 
 
 def test_the_default_head_folder_is_named_after_the_target_even_for_a_relative_path(tmp_path, monkeypatch):
-    from draftwise.head.command import head_home
+    from draftwise.models import head_home
 
     monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
     (tmp_path / "my-model").mkdir()
@@ -752,7 +752,7 @@ def test_train_head_passes_read_current_on(tmp_path, monkeypatch, options, reads
 
     given = []
     monkeypatch.setattr("draftwise.loading.load_models", lambda *a, **k: (None, None, None))
-    monkeypatch.setattr("draftwise.head.train.train_head", lambda _m, _t, _out, cfg, **k: given.append(cfg) or
+    monkeypatch.setattr("draftwise.train.head.train_head", lambda _m, _t, _out, cfg, **k: given.append(cfg) or
                         {"val_after": [{"top1": 0.5, "top3": 0.6}], "train_tokens": 1, "train_s": 1, "collect_s": 1})
     assert cli.main(["train-head", "--target", "tiny", "--out", str(tmp_path / "head"), *options, "-q"]) == 0
     assert given[0].reads_current is reads_current
@@ -761,7 +761,7 @@ def test_train_head_passes_read_current_on(tmp_path, monkeypatch, options, reads
 def test_the_corpus_keeps_no_benchmark_no_standard_library_copy_and_each_text_once(tmp_path):
     import textwrap as stdlib_module
 
-    from draftwise.head.corpus import corpus_texts, stdlib_lines
+    from draftwise.train.corpus import corpus_texts, stdlib_lines
 
     prose = "A guide to this package. " * 40
     files = {

@@ -11,10 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from draftwise.errors import DraftwiseError
-from draftwise.serve.loadgen import (
-    RequestRecord, acceptance, add_loadgen, base_url, finish_record, http_error, markdown_table, percentile,
-    plan_from_args, request_body, sse_data, summarise, take_chunk,
+from draftwise.bench.loadgen import (
+    RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
+    summarise, take_chunk,
 )
+from draftwise.bench.loadgen_command import add_loadgen, plan_from_args
 
 # -- the summary math -----------------------------------------------------------------------------------
 
@@ -361,7 +362,7 @@ def test_an_unusable_out_is_refused_before_any_request(tmp_path, standin):
 
 def test_levels_run_before_a_failing_one_are_written(tmp_path, standin, monkeypatch):
     # The server went away at the second level: what the first measured is kept, with the error raised after.
-    from draftwise.serve import loadgen
+    from draftwise.bench import loadgen
 
     real_warm_up, levels = loadgen._warm_up, []
 

@@ -133,8 +133,8 @@ def trained_head() -> Path:
     Trained on the CPU whatever the test device: a head trained on a GPU differs in its last bits, and at temperature
     1 whether its 2-node trees branch turned on them (on an H100 they never did), so the check that trees were
     drawn would depend on the device rather than on the engine."""
-    from draftwise.head.answers import target_answers
-    from draftwise.head.train import TrainConfig, train_head
+    from draftwise.train.answers import target_answers
+    from draftwise.train.head import TrainConfig, train_head
 
     model = copy.deepcopy(target()).cpu()
     texts = sorted({text[start:start + 24] for text in CORPUS for start in range(0, len(text) - 20, 3)})

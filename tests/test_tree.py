@@ -13,10 +13,10 @@ from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
 from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow
 from draftwise.sampling import sample
-from draftwise.types import Draft, Verdict
+from draftwise.types import Draft, TreeLayout, Verdict, chain_parents
 from draftwise.verify import verify_greedy
 from draftwise.verify.batch import DraftBatch, verify_batch
-from draftwise.verify.tree import TreeLayout, chain_parents, verify_tree_greedy, verify_tree_sampled
+from draftwise.verify.tree import verify_tree_greedy, verify_tree_sampled
 from stats_helpers import fit_pvalue
 
 #        root

@@ -83,5 +83,5 @@ class SharedBackend(Protocol):
                       hidden: bool = False):
         """Append each row's new ids to its slot; return float32 logits [n_i, vocab] per row (and, with hidden,
         the rows' last hidden states). Lengths move only once the whole pass has succeeded; trees: per row, None
-        or the TreeLayout its ids are scored as (verify/tree.py)."""
+        or the TreeLayout its ids are scored as (types.py)."""
         ...

@@ -90,7 +90,7 @@ class HFBackend:
         reads; with feature_layers, those layers' outputs before it, [n_i, (layers + 1) H]), as (logits per row,
         hidden states per row), for a proposer that drafts from them.
 
-        trees: per row, None or the TreeLayout of its ids (a root and a token tree, verify/tree.py): the row's
+        trees: per row, None or the TreeLayout of its ids (a root and a token tree, types.py): the row's
         positions are written in order, but each token's position id is its depth past the root and it
         attends to the cache and its own ancestors only. A layout longer than the row's ids continues a tree
         already in the slot (a draft model grows its tree one depth per forward): its first positions, the root

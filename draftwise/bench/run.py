@@ -63,14 +63,14 @@ class BenchConfig:
 
     @property
     def head_folder(self) -> str:
-        from draftwise.head.command import head_home
+        from draftwise.models import head_home
 
         return self.head or str(head_home(self.target))
 
     def check(self) -> None:
         check_methods(list(self.methods), self.draft is not None)
         if set(HEAD_METHODS) & set(self.methods):
-            from draftwise.head.model import require_head
+            from draftwise.proposers.head_model import require_head
 
             require_head(self.head_folder)
         for name in ("max_new_tokens", "repeats", "num_draft_tokens", "lookup_ngram"):

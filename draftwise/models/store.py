@@ -3,6 +3,7 @@
 Layout under store_home():
     models/<name>/      a converted Hugging Face folder; its draftwise.json manifest marks it pulled
     tmp/pull-<pid>-<name>-<random>/   work in progress; renamed into models/ only when complete
+    heads/<target name>/  a feature head trained for that target (`draftwise train-head`), by default
 """
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ def store_home() -> Path:
     """$DRAFTWISE_HOME, or ~/.cache/draftwise; read on every call so that tests and users can redirect it."""
     env = os.environ.get("DRAFTWISE_HOME")
     return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "draftwise"
+
+
+def head_home(target: str) -> Path:
+    """Where a target's trained head lives by default: $DRAFTWISE_HOME/heads/<name>, beside the model store."""
+    # (made absolute, not resolved: "." has no name, and a link's own name is the one the user gave)
+    return store_home() / "heads" / Path(os.path.abspath(target)).name.removesuffix(".gguf")
 
 
 def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[ModelStatus]:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # (annotations only: the estimates and backends need nothing 
     from draftwise.estimates import Acceptance, StepCosts
     from draftwise.proposers.proposal_cache import ProposalCache
     from draftwise.proposers.tree_growth import TreeSizing
-    from draftwise.verify.tree import TreeLayout
+    from draftwise.types import TreeLayout
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ from draftwise.proposers.compact import target_ids
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, growing
 from draftwise.sampling import logits_to_probs
-from draftwise.types import Draft
-from draftwise.verify.tree import TreeLayout
+from draftwise.types import Draft, TreeLayout
 
 
 class DraftTreeProposer(DraftModelProposer):

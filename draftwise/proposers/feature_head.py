@@ -1,6 +1,6 @@
 """A trained feature head drafts token trees (EAGLE-2, Li et al. 2024) from the target's own hidden states.
 
-The head (head/model.py) costs one decoder layer and a readout over the common tokens per forward, a few
+The head (head_model.py) costs one decoder layer and a readout over the common tokens per forward, a few
 percent of the target, and every forward expands a whole depth of the tree at once.
 
 Features: the engine hands over the target's last hidden state at every text position the target has read
@@ -32,8 +32,8 @@ import time
 import torch
 
 from draftwise.config import SamplingConfig
-from draftwise.head.model import FeatureHead, HeadCache
 from draftwise.proposers.base import Capabilities, Proposer
+from draftwise.proposers.head_model import FeatureHead, HeadCache
 from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, grow
 from draftwise.types import Draft
 

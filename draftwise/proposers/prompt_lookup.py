@@ -44,8 +44,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.proposers.tree_growth import MAX_NODES, TreeSizing, followed_costs
-from draftwise.types import Draft, common_prefix
-from draftwise.verify.tree import chain_parents
+from draftwise.types import Draft, chain_parents, common_prefix
 
 # Matches shorter than this start pessimistic: a shorter shared tail (one token, a common pair such as ", the")
 # recurs in any prose, and what followed it there is mostly wrong here.

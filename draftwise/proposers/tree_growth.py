@@ -33,8 +33,7 @@ import torch
 
 from draftwise import planner
 from draftwise.estimates import StepCosts, Timings, interpolate
-from draftwise.types import Draft
-from draftwise.verify.tree import chain_parents
+from draftwise.types import Draft, chain_parents
 
 BRANCH = 4  # children grown per expanded node
 WIDTH = 4  # nodes expanded per depth (one forward)

@@ -12,9 +12,9 @@ import torch
 
 from draftwise.config import SamplingConfig
 from draftwise.sampling import logits_to_probs, sample
-from draftwise.types import Draft, Verdict
+from draftwise.types import Draft, TreeLayout, Verdict
 from draftwise.verify.rejection import _residual
-from draftwise.verify.tree import TreeLayout, verify_tree_greedy, verify_tree_sampled
+from draftwise.verify.tree import verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass(frozen=True)

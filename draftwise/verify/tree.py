@@ -1,8 +1,8 @@
 """Token trees: several candidates per position, scored in one target pass, verified exactly.
 
 A tree is plain data: Draft.token_ids[i] is node i's token and Draft.parents[i] its parent node (-1: the root,
-the text's last token, which the pass feeds first); a parent comes before its children. TreeLayout turns it
-once into what the pass and the verifier need. Pass position 0 is the root, position i + 1 is node i.
+the text's last token, which the pass feeds first); a parent comes before its children. TreeLayout (types.py)
+turns it once into what the pass and the verifier need. Pass position 0 is the root, position i + 1 is node i.
 
 Greedy: from the root, follow the child whose token is the target's argmax there; stop where none is. The
 kept path is exactly the target's own greedy text.
@@ -17,44 +17,10 @@ The candidates must not depend on the target's random draws (they do not: propos
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from draftwise.sampling import sample
-from draftwise.types import Verdict
-
-
-@dataclass(frozen=True)
-class TreeLayout:
-    depth: tuple[int, ...]  # per pass position: 0 for the root, 1 for its children, ...
-    children: tuple[tuple[int, ...], ...]  # per pass position: its children's pass positions, in draft order
-    visible: torch.Tensor  # [n + 1, n + 1] bool: position j attends to position i (i an ancestor of j, or j)
-
-    @classmethod
-    def of(cls, parents: tuple[int, ...]) -> "TreeLayout":
-        n = len(parents)
-        depth = [0] * (n + 1)
-        children: list[list[int]] = [[] for _ in range(n + 1)]
-        visible = torch.eye(n + 1, dtype=torch.bool)  # [n + 1, n + 1]
-        for node, parent in enumerate(parents):
-            if not -1 <= parent < node:
-                raise ValueError(f"tree node {node} has parent {parent}; a parent comes before its child (-1: root)")
-            at, up = node + 1, parent + 1
-            depth[at] = depth[up] + 1
-            children[up].append(at)
-            visible[at] = visible[up]
-            visible[at, at] = True
-        return cls(tuple(depth), tuple(map(tuple, children)), visible)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depth)
-
-
-def chain_parents(n: int) -> tuple[int, ...]:
-    """A chain of n tokens as a tree: each node's parent is the one before it."""
-    return tuple(range(-1, n - 1))
+from draftwise.types import TreeLayout, Verdict
 
 
 def follow(token_ids: tuple[int, ...], layout: TreeLayout, wanted) -> tuple[list[int], int]:

@@ -8,7 +8,8 @@ common tokens (as the compact draft is), reads out the distribution of x_{t+2}. 
 its own predicted features back in, one depth of a token tree per forward.
 
 Only the fuse layer and the decoder layer are trained and saved (a few tens of MB); the embeddings and the
-output layer are the target's, frozen, taken at load.
+output layer are the target's, frozen, taken at load. The model and its files live here, on the inference side:
+loading reads a head (load_head), training (draftwise/train/) builds and writes one (save_head).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import random
 import torch
 from tqdm import tqdm
 
-from draftwise.head.corpus import Piece, corpus_texts, package_roots
+from draftwise.train.corpus import Piece, corpus_texts, package_roots
 
 REQUESTS = (
     "Explain what the following code does, step by step.\n\n{text}",

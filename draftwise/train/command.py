@@ -4,24 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-from pathlib import Path
 
 from draftwise import options
 from draftwise.errors import DraftwiseError
 from draftwise.files import prepare_out
-from draftwise.head.train import TrainConfig
+from draftwise.train.head import TrainConfig
 
 DEFAULTS = TrainConfig()
-
-
-def head_home(target: str) -> Path:
-    """Where a target's trained head lives by default: $DRAFTWISE_HOME/heads/<name>, beside the model store."""
-    from draftwise.models.store import store_home
-
-    # (made absolute, not resolved: "." has no name, and a link's own name is the one the user gave)
-    return store_home() / "heads" / Path(os.path.abspath(target)).name.removesuffix(".gguf")
 
 
 def add_train_head(commands, formatter) -> None:
@@ -89,8 +79,9 @@ def feature_layers(text: str) -> tuple[int, ...]:
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
-    from draftwise.head.train import train_head
     from draftwise.loading import load_models
+    from draftwise.models.store import head_home
+    from draftwise.train.head import train_head
 
     for name in ("answers", "everyday"):
         if getattr(args, name) < 0:

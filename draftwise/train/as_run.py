@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from draftwise.config import SamplingConfig
+from draftwise.loading import head_proposer
 
 GAP_WARNING = 0.02  # top-1 this far below training's validation is more than batch rounding: the engine's path differs
 
@@ -26,8 +27,6 @@ def top1_as_run(target_model, folder: Path, sequences: list[dict], progress: boo
     each answer token and the one after the answer's last), whether the head's first draft token is the target's
     greedy token, the head loaded from folder as the engine loads it and fed the target's true features a position
     at a time, as a round that kept one token feeds them."""
-    from draftwise.loading import head_proposer  # (loading imports the proposers, which import the head package)
-
     proposer = head_proposer(target_model, str(folder))
     hits = scored = 0
     with tqdm(total=sum(len(s["ids"]) - _first_scored(s) for s in sequences), desc="validation as run", unit="tok",

@@ -33,14 +33,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from draftwise.backends.kernels import on_timed_kernels
-from draftwise.head.answers import answer_prompts, requests_key, target_answers
-from draftwise.head.as_run import gap_line, top1_as_run
-from draftwise.head.corpus import Piece, training_sequences
-from draftwise.head.everyday import everyday_key, everyday_prompts
-from draftwise.head.features import collect, load_shards
-from draftwise.head.model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_config, save_head
 from draftwise.files import write_whole
 from draftwise.hardware import native_bf16
+from draftwise.proposers.head_model import FeatureHead, HeadConfig, readout_ids, readout_layer, save_config, save_head
+from draftwise.train.answers import answer_prompts, requests_key, target_answers
+from draftwise.train.as_run import gap_line, top1_as_run
+from draftwise.train.corpus import Piece, training_sequences
+from draftwise.train.everyday import everyday_key, everyday_prompts
+from draftwise.train.features import collect, load_shards
 
 VAL_EVERY = 20  # one source file in 20 is held back for validation
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -165,7 +165,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     trained_lengths = [len(s["ids"]) for s in train]
     record = {
         "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
-                  "of, the third-party package sources and docs installed beside draftwise (draftwise/head/)"
+                  "of, the third-party package sources and docs installed beside draftwise (draftwise/train/)"
                   + (f", and its answers to {cfg.everyday} everyday requests" if cfg.everyday else "")
                   if from_corpus else "given sequences",
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),

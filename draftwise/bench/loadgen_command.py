@@ -1,0 +1,140 @@
+"""`draftwise loadgen`: the command's options, checked into a LoadPlan, and the run that writes its results.
+
+The load generator itself (the HTTP driver, the records, the summary) is loadgen.py; argparse stays here.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import sys
+
+from draftwise.bench.loadgen import (API_KEY_ENV, MODES, LoadPlan, RequestRecord, base_url, markdown_table, run_load,
+                                     summarise, write_results)
+from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
+from draftwise.errors import DraftwiseError
+from draftwise.files import prepare_out
+
+
+def add_loadgen(commands, formatter) -> None:
+    p = commands.add_parser(
+        "loadgen",
+        formatter_class=formatter,
+        help="drive a live server over HTTP at several concurrencies, speculation on and off",
+        description=(
+            "Stream the bench's prompts to a running draftwise server (or any OpenAI-compatible one), with\n"
+            "exactly C requests in flight at each --concurrency C. Within a level, each mode runs in turn: on\n"
+            "(the server's default method, or --method, its draft length adapting to acceptance and load),\n"
+            "always (the same, drafting its full k every round: speculation {adaptive: false}) and off (the\n"
+            "target alone: speculation {method: none}). Each (mode, level) starts with one warm-up request,\n"
+            "not counted, then --requests requests; a failed request is counted, never retried. Greedy\n"
+            "(temperature 0), one chunk per token.\n"
+            "\n"
+            "Per (mode, level): aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
+            "level's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
+            "between one request's consecutive chunks, pooled), and the acceptance the server reports.\n"
+            "\n"
+            "Writes results.json (every request, raw, and the summary rows), report.md (the table) and\n"
+            "loadgen.png under --out; prints the table on stdout, progress on stderr."
+        ),
+        epilog=(
+            "examples:\n"
+            "  draftwise serve --port 8000 &\n"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --max-tokens 64\n"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --speculation off --categories summarization\n"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --method lookup --no-chat --json\n"
+            "\n"
+            "a run sends about (levels x modes x (requests + 1)) requests; by default every level sends each\n"
+            "selected prompt once (28 with --per-category 4), so start small with --per-category 1\n"
+            "--concurrency 1,2 --max-tokens 16."
+        ),
+    )
+    server = p.add_argument_group("server")
+    server.add_argument("--url", required=True, metavar="URL",
+                        help="the server's base address, http:// or https:// (a trailing /v1 is fine), "
+                             "e.g. http://127.0.0.1:8000")
+    server.add_argument("--api-key", metavar="KEY", help=f"sent as a bearer token (default: ${API_KEY_ENV})")
+    server.add_argument("--model", metavar="ID", help="the model id to ask for (default: the first of /v1/models)")
+    server.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds one request may take in all before it counts as failed (default: %(default)s)")
+    work = p.add_argument_group("workload")
+    work.add_argument("--concurrency", default="1,2,4,8", metavar="C,C,...",
+                      help="comma-separated numbers of requests in flight (default: %(default)s)")
+    work.add_argument("--speculation", default="on,off", metavar="MODE,...",
+                      help=f"comma-separated modes, from: {', '.join(MODES)} (default: %(default)s)")
+    work.add_argument("--method", metavar="NAME",
+                      help="in mode on, ask for this speculation method (default: the server's own)")
+    work.add_argument("--requests", type=int, metavar="N",
+                      help="requests per mode and level, the same prompts at every level so that levels "
+                           "compare, raised to the concurrency where below it (default: one per prompt, "
+                           "at least the largest concurrency)")
+    work.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                      help="max_tokens of every request (default: %(default)s)")
+    work.add_argument("--categories", default="all", metavar="C,C,...",
+                      help="the bench's prompt categories, comma-separated, or 'all' (default: %(default)s)")
+    work.add_argument("--per-category", type=int, default=4, metavar="N",
+                      help="first N prompts of each category (default: %(default)s)")
+    work.add_argument("--prompts", metavar="FILE",
+                      help="a JSONL file of {question_id, category, turns} instead of the built-in set")
+    work.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                      help="POST /v1/chat/completions with the prompt as a user message; --no-chat: "
+                           "/v1/completions with the raw prompt (default: chat)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="loadgen-results", metavar="DIR", help="output folder (default: %(default)s)")
+    out.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout")
+    p.set_defaults(func=cmd_loadgen)
+
+
+def plan_from_args(args: argparse.Namespace) -> LoadPlan:
+    """Check every option before anything touches the network; a bad one is a DraftwiseError naming it."""
+    _at_least("--requests", args.requests, 1, allow_none=True)
+    _at_least("--max-tokens", args.max_tokens, 1)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # (a run must end by itself)
+        raise DraftwiseError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
+    modes = tuple(dict.fromkeys(m.strip() for m in args.speculation.split(",") if m.strip()))
+    if not modes or any(m not in MODES for m in modes):
+        raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}; got {args.speculation!r}")
+    prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
+    return LoadPlan(
+        url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
+        prompts=tuple(select_prompts(prompts, args.categories, args.per_category)), requests=args.requests,
+        max_tokens=args.max_tokens, chat=args.chat, method=args.method, model=args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
+    )
+
+
+def _int_list(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise DraftwiseError(f"{name} takes a comma list of integers >= 1, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def _at_least(name: str, value, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < low:
+        raise DraftwiseError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def cmd_loadgen(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    out = prepare_out(args.out, "results.json, report.md and the plot")  # before the run, not after it
+    records: list[RequestRecord] = []
+    try:
+        asyncio.run(run_load(plan, records=records))
+    finally:  # a level that failed (the server went away) or Ctrl-C: the levels already run are kept
+        rows = summarise(records)
+        if records:
+            write_results(out, plan, records, rows,
+                          command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+            print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
+                  file=sys.stderr)
+    print(json.dumps(rows, indent=1) if args.json else markdown_table(rows))
+    return 0
