@@ -196,7 +196,7 @@ def speculation_options(value, methods_available) -> dict:
                            "speculation")
     unknown = set(value) - {"method", "num_draft_tokens", "adaptive"}
     if unknown:
-        raise RequestError(f"unknown 'speculation' fields: {', '.join(map(repr, sorted(unknown)))}; allowed: method, "
+        raise RequestError(f"unknown 'speculation' fields: {', '.join(sorted(unknown))}; allowed: method, "
                            "num_draft_tokens, adaptive", "speculation")
     out = {}
     if "method" in value:
