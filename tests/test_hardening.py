@@ -14,7 +14,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import psutil
 import pytest
 import torch
@@ -276,7 +275,8 @@ def test_a_flood_of_empty_messages_is_refused_before_any_template_runs(server, m
     url = server[0]
     rendered = []
     real = tiny_tokenizer().apply_chat_template
-    monkeypatch.setattr(tiny_tokenizer(), "apply_chat_template", lambda *a, **kw: (rendered.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(tiny_tokenizer(), "apply_chat_template",
+                        lambda *a, **kw: (rendered.append(1), real(*a, **kw))[1])
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 200_000}  # ~6 MB
     started = time.perf_counter()
     error = assert_openai_error(post(url, "chat/completions", body), 413)

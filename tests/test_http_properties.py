@@ -94,9 +94,9 @@ SPOILED = st.one_of(*(spoiled(good, most).map(lambda b, route=route: (route, b))
 BODIES = st.one_of(SPOILED, SPOILED, SPOILED,  # (mostly near a good request: the deep checks are reached there)
                    st.dictionaries(TEXT, FIELD, max_size=6).map(lambda b: ("completions", b)),
                    FIELD.map(lambda b: ("chat/completions", b)))
-BROKEN = st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"[", b"{", b'{"model": NaN}', b"[" * 5000,
-                                                            b'{"model": "tiny", "prompt": "hi", "max_tokens": Infinity}',
-                                                            b"\xff\xfe", b'{"a": 1e999999}', b"9" * 5000]))
+BROKEN = st.one_of(st.binary(max_size=64), st.sampled_from([
+    b"", b"[", b"{", b'{"model": NaN}', b"[" * 5000, b'{"model": "tiny", "prompt": "hi", "max_tokens": Infinity}',
+    b"\xff\xfe", b'{"a": 1e999999}', b"9" * 5000]))
 
 
 @pytest.fixture(scope="module")

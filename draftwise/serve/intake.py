@@ -30,7 +30,8 @@ class Intake:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as err:  # (a bad encoding, an integer of 5,000 digits, deep nests)
-            raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json", reason="invalid_json") from err
+            raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
+                               reason="invalid_json") from err
         return body, parse(body, self.engine, self.model_id, chat, self.default_draft_tokens, self.experiment,
                            self.trust_special_tokens)
 
