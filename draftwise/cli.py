@@ -107,6 +107,10 @@ def _add_generate(commands) -> None:
     source.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-' for stdin)")
     prompt.add_argument("--chat", action="store_true",
                         help="wrap the prompt as one user turn in the model's chat template")
+    prompt.add_argument("--trust-prompt-special-tokens", action="store_true",
+                        help="read control tokens written in the prompt's text (<|im_end|>, <|im_start|>) as the "
+                             "tokens themselves; by default they are plain text, so a prompt from someone else "
+                             "cannot close its turn or open a system one")
 
     gen = p.add_argument_group("generation")
     options.add_max_new_tokens(gen)
@@ -185,6 +189,7 @@ def _generation_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of Engine.stream, straight from the command line."""
     return dict(
         chat=args.chat,
+        trust_special_tokens=args.trust_prompt_special_tokens,
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         temperature=args.temperature,
@@ -202,7 +207,8 @@ def _check_early(generation: dict) -> None:
 
     Not a second set of rules: the same GenerationConfig.check() that Engine.stream() runs again.
     """
-    GenerationConfig.from_options(**{name: value for name, value in generation.items() if name != "chat"})
+    GenerationConfig.from_options(**{name: value for name, value in generation.items()
+                                     if name not in ("chat", "trust_special_tokens")})
 
 
 def _uses_draft(args: argparse.Namespace) -> bool:

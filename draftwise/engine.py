@@ -134,8 +134,13 @@ class Engine:
                 return Result("".join(pieces), token_ids, event.stats, event.finish_reason)
         raise AssertionError("stream ended without a final event")
 
-    def stream(self, prompt: str | list[int] | list[dict], *, chat: bool = False, **options) -> Iterator[Event]:
+    def stream(self, prompt: str | list[int] | list[dict], *, chat: bool = False, trust_special_tokens: bool = False,
+               **options) -> Iterator[Event]:
         """Yield one Event per emitted token, then a final Event with the finish reason and stats.
+
+        Control tokens spelled in the prompt's text or messages (`<|im_end|>`) are read as plain text, so that text
+        from users cannot close a turn or open one; trust_special_tokens=True reads them as the tokens, for text the
+        caller wrote (request_text.py). Token ids are taken as they are.
 
         options: those of GenerationConfig.from_options (max_new_tokens=128, num_draft_tokens=4, temperature=0,
         top_k=0, top_p=1, seed, stop, ignore_eos, adaptive=True, method). adaptive: num_draft_tokens is the most
@@ -143,7 +148,7 @@ class Engine:
         when speculation does not pay); False drafts it every round.
         """
         cfg = GenerationConfig.from_options(**options)
-        prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
+        prompt_ids = encode_prompt(self.tokenizer, prompt, chat, trust_special_tokens)
         self.check_open(prompt_ids, cfg)  # bad options raise at the call, not at the first token
         return self._run(prompt_ids, cfg)
 

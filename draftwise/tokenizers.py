@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from draftwise.errors import DraftwiseError
+from draftwise.request_text import encode_chat, encode_text
 
 _SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -52,18 +53,19 @@ def check_draft_reads_every_token(tokenizer, target_model, draft_model) -> None:
                              "a draft must share the target's tokenizer")
 
 
-def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
-    """Text, token ids, or chat messages -> token ids. chat=True wraps a string as one user turn."""
+def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool,
+                  trust_special_tokens: bool = False) -> list[int]:
+    """Text, token ids, or chat messages -> token ids. chat=True wraps a string as one user turn.
+    Control tokens spelled in the text stay text unless trust_special_tokens (request_text.py)."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     elif chat or isinstance(prompt, list):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not getattr(tokenizer, "chat_template", None):
             raise DraftwiseError("this model's tokenizer has no chat template; drop --chat and give plain text")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode_chat(tokenizer, messages, trust_special_tokens)
     else:
-        ids = tokenizer(prompt)["input_ids"]
+        ids = encode_text(tokenizer, prompt, trust_special_tokens)
     if not ids:
         raise DraftwiseError("the prompt is empty: give at least one token of text")
     return ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import secrets
 import time
@@ -17,31 +18,43 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from draftwise.errors import DraftwiseError
 from draftwise.serve.dashboard import add_dashboard
+from draftwise.serve.intake import Intake
 from draftwise.serve.metrics import ServeMetrics
-from draftwise.serve.protocol import RequestError, parse
+from draftwise.serve.protocol import RequestError
 from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 from draftwise.types import Event
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "content_filter": "content_filter"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
-MAX_BODY_BYTES = 32 * 2**20  # a request body; a context of 32,768 tokens is well under 1 MiB of text
+# A request body. A context of 32,768 tokens is well under 1 MiB of text (as token ids, 1/4 MiB); and reading JSON
+# holds the interpreter's lock throughout, which the model loop needs between its kernels: a body of 32 MiB of small
+# numbers held it for 0.7 s, 4 MiB holds it for under 0.1 s.
+MAX_BODY_BYTES = 4 * 2**20
+
+log = logging.getLogger(__name__)
 
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
-               speculation: dict | None = None, drain_timeout: float = 30.0, experiment=None) -> FastAPI:
+               speculation: dict | None = None, drain_timeout: float = 30.0, experiment=None,
+               trust_request_special_tokens: bool = False) -> FastAPI:
     """The ASGI app. On uvicorn's shutdown (lifespan) it drains the scheduler, so an embedded server that stops
     lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py).
     speculation: the GenerationConfig options (num_draft_tokens, adaptive) of requests that do not set them.
-    experiment: A/B arms (experiment.Experiment) that pick the speculation of requests that leave it out."""
+    experiment: A/B arms (experiment.Experiment) that pick the speculation of requests that leave it out.
+    trust_request_special_tokens: read control tokens spelled in a request's text as the tokens (request_text.py);
+    only for a server whose every client may write the model's turns, system turns included."""
+    intake = Intake(scheduler.engine, model_id, speculation, experiment, trust_request_special_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with app.state.dashboard.sampling():  # the dashboard's history, while the server runs
             yield
         await asyncio.to_thread(scheduler.drain, drain_timeout)  # a no-op when already drained
+        intake.close()
 
     app = FastAPI(title="draftwise", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
@@ -83,11 +96,11 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
         arrived = time.perf_counter()
         try:
             try:
-                body = json.loads(await _body(request))
-            except (ValueError, RecursionError) as err:  # (a bad encoding, an integer of 5,000 digits, deep nests)
-                raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json",
-                                   reason="invalid_json") from err
-            parsed = parse(body, scheduler.engine, model_id, chat, speculation, experiment)
+                raw = await _body(request)
+            except ClientDisconnect:  # it left while sending: nobody to answer, and nothing of ours to trace
+                log.info("a client disconnected while sending its request body")
+                return Response(status_code=499)
+            body, parsed = await intake.parse(raw, chat)  # JSON, checks, template, tokenizer: off the event loop
             relay = _Relay(asyncio.get_running_loop())
             reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics, parsed.arm)
             ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body,
@@ -172,7 +185,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError):
         metrics.reject(err.reason)
-        return _error(err)
+        return _error(err, {"WWW-Authenticate": "Bearer"} if err.status == 401 else None)  # (RFC 6750)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

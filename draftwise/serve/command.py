@@ -71,6 +71,11 @@ def add_serve(commands, formatter) -> None:
     n.add_argument("--api-key", default=os.environ.get("DRAFTWISE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$DRAFTWISE_API_KEY; none when unset)")
+    n.add_argument("--trust-request-special-tokens", action="store_true",
+                   help="read control tokens written as text in a request's prompt or messages (<|im_end|>, "
+                        "<|im_start|>) as the tokens themselves, and take any role a message names: every client "
+                        "can then write system turns of its own. By default that text is plain text and roles "
+                        "are those the chat template knows. Only for clients you trust as you trust yourself")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-batch", type=int, default=8, help="most requests running in one step (default: 8)")
     s.add_argument("--max-waiting", type=int, default=64,
@@ -166,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
                           guard=guard)
     model_id = args.model_id or args.target
-    app = create_app(scheduler, model_id, metrics, args.api_key, speculation, args.drain_timeout, experiment)
+    app = create_app(scheduler, model_id, metrics, args.api_key, speculation, args.drain_timeout, experiment,
+                     trust_request_special_tokens=args.trust_request_special_tokens)
     print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     if experiment is not None:
         print(f"draftwise: experiment {args.experiment}: {experiment.describe()}", file=sys.stderr)

@@ -14,8 +14,9 @@ from draftwise.tokenizers import encode_prompt
 MAX_STOPS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1000  # each stop string: matched against the text's end at every token, on the model's thread
 # A prompt string longer than this many characters a context position is refused before it is tokenized (the
-# tokenizer runs on the server's event loop): no tokenizer packs that much text into a token.
+# tokenizer runs on the server's one intake thread, intake.py): no tokenizer packs that much text into a token.
 MAX_CHARS_PER_TOKEN = 64
+MAX_MESSAGES = 2048  # as OpenAI's API: counted before any message is read, so a flood of empty ones is cheap to refuse
 
 # OpenAI parameters this server does not implement: refused when set to anything but "off", so that a client never
 # silently gets something other than what it asked for. Fields not named here and not read below are ignored.
@@ -36,7 +37,14 @@ class RequestError(DraftwiseError):
         self.param, self.status, self.kind, self.code, self.reason = param, status, kind, code, reason
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": _encodable(str(self)), "type": self.kind, "param": _encodable(self.param),
+                          "code": self.code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """text as UTF-8 can carry it: a message that quotes the request may hold a lone surrogate (JSON escapes one),
+    which no response body can encode; it is written as its escape instead."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,12 @@ class Parsed:
     arm: str = ""  # the A/B arm that chose its speculation ("" without an experiment)
 
 
-def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = None, experiment=None) -> Parsed:
+def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = None, experiment=None,
+          trust_special_tokens: bool = False) -> Parsed:
     """Check an OpenAI completions (chat=False) or chat completions body against what this server can do.
     speculation: the GenerationConfig options (num_draft_tokens, adaptive) of a request that does not set them.
-    With an experiment (experiment.py), a request that leaves out `speculation` gets its arm's."""
+    With an experiment (experiment.py), a request that leaves out `speculation` gets its arm's.
+    Control tokens spelled in the prompt or messages are text unless trust_special_tokens (request_text.py)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -62,8 +72,9 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
                            status=404, code="model_not_found", reason="unknown_model")
     _number(body, "n", 1, 1, 1, integer=True)
     _refuse_unsupported(body)
-    prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context) if chat
-                  else _prompt_ids(body, engine.tokenizer, engine.max_context, engine.readable_ids))
+    prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context, trust_special_tokens) if chat
+                  else _prompt_ids(body, engine.tokenizer, engine.max_context, engine.readable_ids,
+                                   trust_special_tokens))
     room = engine.max_context - len(prompt_ids)
     # OpenAI's defaults: the rest of the context for chat (none left: one token, which the context check refuses),
     # 16 for completions.
@@ -111,14 +122,14 @@ def _refuse_unsupported(body: dict) -> None:
                                f"{json.dumps(off[-1])})", name, code="unsupported_parameter")
 
 
-def _prompt_ids(body: dict, tokenizer, max_context: int, readable_ids: int) -> list[int]:
+def _prompt_ids(body: dict, tokenizer, max_context: int, readable_ids: int, trust_special_tokens: bool) -> list[int]:
     """readable_ids: the ids the target reads (its embedding's rows, at most the tokenizer's tokens)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         _check_length(len(prompt), max_context * MAX_CHARS_PER_TOKEN, "characters", "prompt", max_context)
-        return _encoded(lambda: encode_prompt(tokenizer, prompt, False), "prompt")
+        return _encoded(lambda: encode_prompt(tokenizer, prompt, False, trust_special_tokens), "prompt")
     if isinstance(prompt, list) and prompt:
         _check_length(len(prompt), max_context, "token ids", "prompt", max_context)  # (before each id is looked at)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -149,10 +160,12 @@ def _encoded(encode, param: str) -> list[int]:
         raise RequestError(str(err), param) from err
 
 
-def _chat_ids(body: dict, tokenizer, max_context: int) -> list[int]:
+def _chat_ids(body: dict, tokenizer, max_context: int, trust_special_tokens: bool) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES} are allowed", "messages")
     plain = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -169,7 +182,7 @@ def _chat_ids(body: dict, tokenizer, max_context: int) -> list[int]:
         plain.append({"role": m["role"], "content": content})
     _check_length(sum(len(m["role"]) + len(m["content"]) for m in plain), max_context * MAX_CHARS_PER_TOKEN,
                   "characters", "messages", max_context)
-    return _encoded(lambda: encode_prompt(tokenizer, plain, True), "messages")
+    return _encoded(lambda: encode_prompt(tokenizer, plain, True, trust_special_tokens), "messages")
 
 
 def speculation_options(value, methods_available) -> dict:
