@@ -158,8 +158,8 @@ class Engine:
         try:
             while not seq.prefill_done:
                 self.prefill(seq)
-            # Alone, there is no batch to spare the draft's prefill for; it is prefill too (4.5 s of a 709-token prompt
-            # for the 0.5B on a Zen 3).
+            # Alone, there is no batch to spare the draft's prefill for; it is prefill too (on a long prompt the draft
+            # model's prefill costs seconds, which decode's tokens/s would otherwise hide).
             seq.stats.prefill_s += self._timed_catch_up(seq)
             while seq.finish is None:
                 if self.wants_catch_up(seq, alone=True):
@@ -345,8 +345,8 @@ class Engine:
         draft is too far behind to catch up in its round, or the sequence decodes alone and its next step may be a
         probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
         past it, every later probe of a long request would learn nothing); a nearer one would catch up in the
-        probe's first draft forward, which is timed as drafting: a probe of the 0.5B draft 8 tokens behind priced
-        its forward at 1.5x what it costs, and kept drafting off for the rest of the request. So before a probe
+        probe's first draft forward, which is timed as drafting: the probe would price the draft's forward well
+        above what it costs, and keep drafting off for the rest of the request. So before a probe
         the draft is filled to the text (less the tokens a round's first forward feeds anyway). In a batch, a
         probe is not worth every row's catch-up. A sequence drafting a fixed k always drafts, and its rounds must
         not follow the engine's state (a seeded request's draws depend on them): its draft is filled whenever it

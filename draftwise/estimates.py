@@ -18,7 +18,7 @@ So both are measured as the engine runs:
   steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed;
 - the nodes a tree offers beside its deepest path, per sequence (TreeSpread).
 
-They sit below the proposers and the engine (DESIGN.md's layers): a proposer reads them, and never the
+They sit below the proposers and the engine (the layers of docs/architecture.md): a proposer reads them, and never the
 policy that chooses k.
 """
 from __future__ import annotations
@@ -64,13 +64,13 @@ class Acceptance:
         """Start a fresh estimate from a prior: `rate`, what earlier sequences of this kind kept, worth CARRIED_TRIALS
         tokens, where it is above the prior the estimate was made with (the default, 0.5 worth two tokens, or a
         pessimistic one lookup starts from after a short match); else that prior. Why: under the default one first
-        round that keeps nothing drops a to 0.32, below break-even for the 0.5B draft on a CPU without BF16, and
-        drafting stays off until a probe 8 steps on (16 if that fails too): traced on one prompt, the same request
-        drafted in 3 of 47 rounds in one run and in 21 of 21 in the next. A prior near what the draft usually does,
+        round that keeps nothing drops a to 0.32, below break-even for a small draft model on a CPU, and drafting
+        stays off until a probe 8 steps on (16 if that fails too): whether a request drafts at all would hang on its
+        first round's luck. A prior near what the draft usually does,
         worth a little more, lets one bad round pass; two in a row still turn drafting off. Never below the made-with
         prior, though: a start below it turns drafting off before the sequence's own text is tried, and what the draft
-        did on other texts says little of this one (an 8-token warm-up ended on 0.29 where the requests after it kept
-        about 0.7)."""
+        did on other texts says little of this one (a short warm-up can end far below what the requests after it
+        keep)."""
         assert not (self.kept or self.rejections), "start_from starts a fresh estimate"
         if rate is not None and rate > self.rate:
             self._accepted, self._trials = rate * CARRIED_TRIALS, CARRIED_TRIALS
@@ -103,10 +103,9 @@ class Timings:
     """Seconds by shape (a pass's width, a batch's rows, a draft forward's nodes), decayed, each with the step it was
     last timed at. A timing not renewed in STALE_STEPS steps is stale: it may date from a slow spell (a process
     sharing the cores, an engine's first requests while the machine was busy), and a shape that looks dear is not
-    chosen, so it would never be timed again. Measured on the Zen 3: an engine whose first requests shared the CPU
-    with a busy process then offered 4-node trees in every round of the next 12 requests, the widths it no longer
-    ran priced at up to 2.3 times what a fresh engine measured. So a stale timing is priced at most as the fresh
-    ones imply (interpolated: optimism, as for a shape never timed; one too cheap is chosen, and timed, at once),
+    chosen, so it would never be timed again: an engine whose first requests shared the CPU with a busy process
+    would keep pricing the widths it stopped running at what that spell cost, and never offer them again. So a
+    stale timing is priced at most as the fresh ones imply (interpolated: optimism, as for a shape never timed; one too cheap is chosen, and timed, at once),
     and its next timing replaces it instead of being averaged with it."""
 
     def __init__(self):
@@ -191,11 +190,11 @@ class TreeSpread:
     """A sequence's nodes beside its deepest path, per round its draft length priced (a hybrid's lookup rounds
     apart, as for its acceptance), decayed: 0 for a chain, more for a tree, whose verification pass is as wide as
     all its nodes. Why the draft length needs it: k prices a pass of k + 1 positions, and a tree k deep is verified
-    in a pass of k + 1 + this many. On the 2-core Zen 5 the head offered 3.2 nodes a round at depth 1 on prompts
-    where it kept 9% of them, drafting in almost every round: priced as a 2-token pass, the round looked like it
-    paid, and the 4-token pass it ran cost 1.1x a plain step for 1.09 tokens. Beside the path, not per position: a grown tree's side branches sit mostly near its root (its
-    likeliest alternatives), so a deeper tree is not proportionally wider (priced per position, the tree hybrid
-    lost 2% to its old self in an A/B; priced so, the head 1.02x, `hybrid-tree` 1.03x, `draft-tree` 1.00x)."""
+    in a pass of k + 1 + this many. Without it a tree of several nodes at depth 1 whose guesses are seldom kept is
+    priced as a 2-token pass and looks like it pays, while the wider pass it runs costs more than a plain step for
+    little over one token. Beside the path, not per position: a grown tree's side branches sit mostly near its
+    root (its likeliest alternatives), so a deeper tree is not proportionally wider, and pricing it per position
+    would overcharge the deep trees that pay."""
 
     def __init__(self):
         self._side: dict[int, float] = {}  # {0: side nodes, decayed} once a round has drafted

@@ -1,4 +1,4 @@
-"""The metrics of DESIGN.md, counted in one place and named once."""
+"""The engine's metrics (docs/serving.md lists them), counted in one place and named once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

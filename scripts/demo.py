@@ -3,7 +3,7 @@ target alone, prompt lookup and the hybrid, to show the speed-up and that the gr
 
 `--dtype auto` (the default) is bfloat16 where the hardware computes it and float32 elsewhere. Where a
 bfloat16 text differs from the target alone, the demo shows the first differing position and the target's
-top-2 logit gap there: a rounding near-tie, not a bug (see the README).
+top-2 logit gap there: a rounding near-tie, not a bug (README, "What it guarantees").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Measure the server's two caches on the default pair, in one process, interleaved (the figures in the README).
+"""Measure the server's two caches on the default pair, in one process, interleaved (docs/serving.md describes both).
 
   proposal: a templated workload (the same instruction about different records, as a form-filling service
             sends), served one request after another: prompt lookup alone against lookup with the proposal

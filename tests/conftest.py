@@ -46,7 +46,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 torch.set_num_threads(1)
 
 # Where the tiny models live: the suite runs on the CPU; DRAFTWISE_TEST_DEVICE=cuda runs the engine's tests on a
-# GPU (README, "How it is tested"). The weights are made on the CPU first, so they are the same on either.
+# GPU (README, "Testing"). The weights are made on the CPU first, so they are the same on either.
 TEST_DEVICE = os.environ.get("DRAFTWISE_TEST_DEVICE", "cpu")
 # The fast kernels (int8, oneDNN) are CPU kernels: elsewhere every linear stays dense, and tests of them skip.
 cpu_kernels = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the timed kernels are CPU kernels")

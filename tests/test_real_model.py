@@ -27,7 +27,7 @@ def loaded():
     source = resolve(NAME, progress=False)
     # float32: identity with transformers' own greedy is the promise there. In bfloat16 (the `auto` dtype on a
     # CPU with AVX-512 BF16) a verification pass and a one-token step round differently, so a near-tie can go
-    # either way (README, "float32 or bfloat16").
+    # either way (README, "What it guarantees").
     return load_hf(str(source.path), source.gguf_file, dtype="float32", progress=False)
 
 

@@ -1,9 +1,9 @@
 """Linear kernels chosen by measurement on the machine at hand, never assumed.
 
 Decoding on a CPU is bound by memory bandwidth: a pass over 1 to 8 new tokens should cost about what
-reading the weights once costs. torch's default linear does not always get there: on the 2-core CPUs
-measured here, a float32 `F.linear` over 2 to 8 rows took 2 to 5 times its 1-row time, while oneDNN with
-prepacked weights stayed nearly flat; on another CPU, or in bfloat16, or for another shape, the answer
+reading the weights once costs. torch's default linear does not always get there: on some CPUs a float32
+`F.linear` over 2 to 8 rows takes several times its 1-row time, while oneDNN with prepacked weights stays nearly
+flat; on another CPU, or in bfloat16, or for another shape, the answer
 differs (oneDNN's bfloat16 packing even refuses CPUs without AVX-512). So each candidate kernel is timed on
 each distinct weight shape, at the widths the model will run, and the one with the smallest worst-case
 slowdown against the best kernel at each width replaces `nn.Linear` (never one slower than dense for a
@@ -13,20 +13,19 @@ dtype and shape under $DRAFTWISE_HOME/calibration, so the second load pays nothi
 Kernels:
 - `dense`: `nn.Linear` as loaded (torch's default, MKL on x86);
 - `onednn`: oneDNN with the weight reordered once into its blocked layout (same values, same math);
-- `split`: dense for a single row, oneDNN for more. On a Zen 3 EPYC in float32, oneDNN ran the MLP's down
-  projection at half dense's time over 2 to 8 rows but 15% slower over one, so neither alone was right for
-  both a plain step and a verification pass;
+- `split`: dense for a single row, oneDNN for more: where oneDNN beats dense over 2 to 8 rows but loses over
+  one, neither alone is right for both a plain step and a verification pass;
 - `padded`: oneDNN, a call of fewer than PAD_ROWS rows run as PAD_ROWS (zero rows below its own). oneDNN runs
-  fewer rows through paths of their own: on a Zen 4 EPYC (family 25, model 17) in bfloat16 the 1.5B's linears,
-  their weights streamed from memory as in a real pass, took 29% longer over one row than over four (profiled),
-  and padded, a plain step of the whole model went from 129 to 108 ms (docs/bench/padded-zen4). Same values as
-  onednn's four-row path, so a row's result no longer depends on how many rows share its call below PAD_ROWS;
+  fewer rows through paths of their own, which on some CPUs (in bfloat16 especially) take longer over one row than
+  over four, weights streamed from memory as in a real pass; padded, a plain step pays the four-row path's time,
+  so the padding costs less than it saves where that holds (the timing decides). Same values as onednn's four-row
+  path, so a row's result no longer depends on how many rows share its call below PAD_ROWS;
 - `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
   the target still verifies every token, so only acceptance can move;
 - `int8-dynamic`: int8 weights (one scale per output row) and int8 activations quantized on each call, in torch's
-  packed quantized GEMM (fbgemm on x86), for calls of a few rows (wider ones run the float weight). On the
-  Zen 3 (AVX2, no VNNI) in float32 it ran the 0.5B draft's MLP projections at a fifth of dense's time, where
-  `int8`'s weight-only kernel took 2 to 3 times dense's; elsewhere the timings decide. Draft-only, like `int8`.
+  packed quantized GEMM (fbgemm on x86), for calls of a few rows (wider ones run the float weight). On CPUs
+  without VNNI, in float32, it can run a draft's MLP projections several times faster than dense where `int8`'s
+  weight-only kernel is slower than dense; elsewhere the timings decide. Draft-only, like `int8`.
 """
 from __future__ import annotations
 
@@ -52,7 +51,7 @@ VALUE_CHANGING = ("int8", "int8-dynamic")  # draft-only: every other kernel comp
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
 DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
 ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
-PAD_ROWS = 4  # the padded kernel's narrowest call (the Zen 4 above: 2 and 3 rows cost more than 4, as 1 did)
+PAD_ROWS = 4  # the padded kernel's narrowest call (where padding pays, 2 and 3 rows cost more than 4, as 1 does)
 DYNAMIC_MAX_ROWS = 8  # int8-dynamic's widest call: a draft step or a tree's depth, never a prefill
 MIN_GAIN = 0.05  # another kernel must beat dense by this much: timings jitter, and dense is the known path
 REPEATS = 7

@@ -171,7 +171,7 @@ def _promise_section(parts: dict[str, dict], floor: float = PROMISE_FLOOR) -> st
 def _steadiness_section(parts: dict[str, dict], limit: float = STEADY_SPREAD) -> str | None:
     """How steady the machine was: `none`'s seconds per target pass, compared between repeats of one prompt (the
     same shapes, so only the machine moved). A shared VM can run at two speeds for tens of seconds at a time (a
-    2-core Zen 5 went from 60 to 85 ms a step and back within one prompt's runs), and a category of few prompts
+    step's time rising by a third and back within one prompt's runs), and a category of few prompts
     carries that noise into every ratio of its row."""
     spreads = []  # (max over min of a prompt's repeats, dtype, category, question id)
     for dtype, part in parts.items():

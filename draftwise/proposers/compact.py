@@ -8,8 +8,8 @@ weights. Two cuts:
   most frequent tokens the same way); keeping 32,768 of them plus the special tokens reads a fifth of the
   bytes, so it is never slower; what it can cost is acceptance, which the bench measures;
 - int8 weights read half the bytes of bfloat16 and a quarter of float32, but whether its kernel is faster
-  depends on the dtype, the shape and the CPU (4.8x slower than float32 on one Xeon, faster in bfloat16 on
-  an EPYC), so backends/kernels.py times it against the alternatives at load and keeps the fastest.
+  depends on the dtype, the shape and the CPU (several times slower than float32 on some processors, faster
+  than bfloat16 on others), so backends/kernels.py times it against the alternatives at load and keeps the fastest.
 A draft token outside the kept set is simply never proposed. Nothing here touches exactness: the target
 still verifies every token.
 """

@@ -25,16 +25,16 @@ tokens the target emits next say how much of it would have been kept.
 A match shorter than MIN_NGRAM starts pessimistic, so that it wins only on that evidence (the chain's lookup
 offers none: its guesses follow matches of MIN_NGRAM tokens). Each of these estimates starts from what the
 engine's earlier sequences of the method kept (acceptances, start_acceptances; Acceptance.start_from): carried
-for the draft model's alone, a new request's first rounds went to it where lookup's, at its default, would have
-won them (traced on the chain, 12% slower on one request in both repeats). The choice still depends on the past
+for the draft model's alone, a new request's first rounds would go to it where lookup's, at its default, would
+have won them. The choice still depends on the past
 alone, as the draft length does (adaptive.py), so the output stays exact.
 
 hybrid-skip pairs the target's own draft (layer_skip.py: int8 copies of its layers, some maybe skipped) with lookup
 as the chain hybrid does: no second model, and lookup takes the rounds where the text copies itself.
 
 hybrid-head pairs a trained feature head's trees (feature_head.py) with lookup-tree the same way: no draft model,
-and lookup covers what the head is weakest at, text that copies its prompt (on the Zen 4 bench the head kept 8% of
-its guesses on summaries, lookup 37%). The head keeps no cache of the text and has no steps to share in a batch:
+and lookup covers what the head is weakest at, text that copies its prompt (summaries, where lookup keeps several
+times more of its guesses than the head). The head keeps no cache of the text and has no steps to share in a batch:
 it drafts at once, and while lookup wins rounds the verified text's features still reach it (add_features), so its
 next round catches up on them (within its window).
 """
@@ -185,9 +185,9 @@ class HybridProposer(Proposer):
     def _lookup_k(self, k: int) -> int:
         """How deep lookup may guess in a round whose draft-model k is k. The tree hybrid's lookup sizes its own
         tree by the measured cost of the wider pass, and costs no forward: it goes as deep as in a round the draft
-        model sits out. Cut to the draft model's k, it lost rounds on copying text: on a Zen 4 code prompt, while
-        the policy gave the draft model k = 2, the tree hybrid took 17 target passes where lookup-tree alone took
-        13. The chain's lookup does the same once its pick is measured, which prices the guess's width (by rule it
+        model sits out. Cut to the draft model's k, it would lose rounds on copying text: while the policy keeps
+        the draft model shallow, lookup's free guesses would be cut as short, and the hybrid would need more
+        target passes than lookup-tree alone. The chain's lookup does the same once its pick is measured, which prices the guess's width (by rule it
         is not: k). A fixed-k sequence keeps k."""
         sizing = self.sizing
         priced = sizing.by_cost if sizing is not None else self._measured() is not None
@@ -197,9 +197,8 @@ class HybridProposer(Proposer):
     def drafting_acceptance(self) -> Acceptance:
         """The acceptance the engine's draft length follows, instead of the sequence's as a whole: the draft-model
         rounds alone. k prices the draft model's forwards; lookup rounds cost none, and in free text they are won
-        on a lower acceptance (by rule, on any three-token match), which would pull the draft model's depth down:
-        on the Zen 4 bench the chain hybrid, then picking by rule alone, drafted 0.89 tokens a round against
-        draft's 1.35, and ran at 0.97x draft."""
+        on a lower acceptance (by rule, on any three-token match), which would pull the draft model's depth down
+        below what `draft` alone runs, and the hybrid below `draft`'s speed."""
         return self._draft_acceptance
 
     @property

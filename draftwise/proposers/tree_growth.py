@@ -19,8 +19,8 @@ growth stops before a forward none of whose nodes would: the nodes it would expa
 probabilities to the round's expected tokens, and if that is less than what the forward's seconds earn at the
 rate of the tree already grown, no later depth can pay either. A proposer unsure of its next guesses then stops
 instead of drafting depths none of whose nodes would be offered; one sure of its first guess and unsure of the
-others expands that one alone, for what a one-row forward costs (on a CPU a 4-row forward of the 0.5B draft costs
-1.3x a 1-row one: a tree that is a chain in all but its forwards drafts more dearly than the chain). A fixed k
+others expands that one alone, for what a one-row forward costs (on a CPU a 4-row forward of a small draft costs
+more than a 1-row one: a tree that is a chain in all but its forwards would draft more dearly than the chain). A fixed k
 grows to k, WIDTH nodes a depth.
 """
 from __future__ import annotations

@@ -65,8 +65,9 @@ def answer_prompts(count: int, seed: int = 0, roots=None) -> list[tuple[str, lis
 def target_answers(model, tokenizer, requests: list[tuple[str, list[dict]]], max_new_tokens: int,
                    batch_size: int = 16, progress: bool = True) -> list[Piece]:
     """Each (source, request)'s chat-templated prompt followed by the target's greedy answer (cut after its end
-    token), as a Piece whose answer starts where the prompt ends. batch_size 16: on the Zen 5 (bfloat16), 160-token
-    answers of the 1.5B came at 43 tok/s in batches of 8, 62 in 16, 64 in 32."""
+    token), as a Piece whose answer starts where the prompt ends. batch_size 16: wider batches answer faster on a
+    CPU until the matrix kernels are busy, and past 16 rows they gain little while the padding of unequal answers
+    grows."""
     prompts = [_prompt_ids(tokenizer, messages) for _source, messages in requests]
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)

@@ -3,10 +3,10 @@ the target's dtype, the kernels timed for this machine, the attention window), o
 
 Why: training's validation runs the head in float32, hundreds of rows a call, and the engine does not. The two can
 disagree where a kernel changes values only for narrow calls: int8-dynamic quantizes calls of at most
-DYNAMIC_MAX_ROWS rows and runs wider ones on the float weight. Until 14163fa the engine ran the head's fuse on it
-(Zen 5, bfloat16): its one activation scale per call, set by the target feature's few huge dimensions, rounded the
-next token's embedding away, and held-back top-1 fell from 42.8% to 33.7% in the engine while validation went on
-saying 42.8%. Scored here, such a gap shows in the run that trains the head.
+DYNAMIC_MAX_ROWS rows and runs wider ones on the float weight. Run on the head's fuse, its one activation scale
+per call, set by the target feature's few huge dimensions, rounds the next token's embedding away: the engine's
+guesses get worse while validation, on wide calls, does not see it (which is why loading.py keeps the fuse off
+int8-dynamic). Scored here, such a gap shows in the run that trains the head.
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@ hand-written list of everyday topics, answered by the target itself (answers.tar
 
 Why: the package corpus (corpus.py) is code and technical English, and the requests built from it (answers.py) keep
 its subjects. A head trained on them alone guesses the target's next token on held-back answers about package files
-far better than on what users ask. On the Zen 5 (bfloat16), the head of 256 package answers and no everyday ones got
-43% top-1 as the engine runs it held back, but 29% over the target's answers to 56 of the bench's prompts (8 of each
-category; measured, never trained on): 15% on news summaries, 25% on translation and questions, 43% on code. With
-256 everyday answers added it got 33.7% there (docs/bench/head-everyday-zen5). The requests ask for prose, translation
+far better than on what users ask: it keeps its guesses on code, but far fewer on news summaries, translation
+and questions, which are most of what a chat model is asked. Everyday answers added to its training close much of
+that gap without costing it the code. The requests ask for prose, translation
 into English, summaries of a text the answer writes first (so the summary has a longer text above it to draw on, as
 a summary of a user's article does), short factual answers, advice, worked arithmetic and dialogue. Nothing here
 comes from a benchmark: the topics are ours, and the request kinds are those of any chat model's users.

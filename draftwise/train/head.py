@@ -67,8 +67,8 @@ class TrainConfig:
     everyday: int = 256
     answer_tokens: int = 256  # the longest answer
     feature_layers: tuple[int, ...] = ()  # decoder layers read beside the last hidden state (EAGLE-3's fusion)
-    # Each input also carries x_t's embedding (model.FeatureHead): on the Zen 4 bench, 1.11x the same run without it
-    # as `head` (docs/bench/head-current-zen4).
+    # Each input also carries x_t's embedding (proposers/head_model.FeatureHead): the feature says where the target
+    # was, the embedding which token it chose there, and the head guesses better with both.
     reads_current: bool = True
 
 
@@ -98,8 +98,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     _claim(out, target_fingerprint(target_model))
     from_corpus = pieces is None
     # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
-    # it (backends/kernels.py; same values). On a Zen 3 in float32, generate()'s batch of 8 answers took 63 s
-    # against torch's dense linear's 89 to 94 (32 tokens each, the same answers), a 512-token pass 11.0 s against 12.6.
+    # it (backends/kernels.py; same values, and faster than torch's dense linear where the timing picked another).
     running = on_timed_kernels(target_model)
     torch.manual_seed(cfg.seed)  # after the plan, whose timings draw random inputs only when not cached
     if from_corpus:
