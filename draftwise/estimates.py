@@ -105,8 +105,8 @@ class Timings:
     sharing the cores, an engine's first requests while the machine was busy), and a shape that looks dear is not
     chosen, so it would never be timed again: an engine whose first requests shared the CPU with a busy process
     would keep pricing the widths it stopped running at what that spell cost, and never offer them again. So a
-    stale timing is priced at most as the fresh ones imply (interpolated: optimism, as for a shape never timed; one too cheap is chosen, and timed, at once),
-    and its next timing replaces it instead of being averaged with it."""
+    stale timing is priced at most as the fresh ones imply (interpolated: optimism, as for a shape never timed; one
+    too cheap is chosen, and timed, at once), and its next timing replaces it instead of being averaged with it."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}

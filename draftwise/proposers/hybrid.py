@@ -187,8 +187,8 @@ class HybridProposer(Proposer):
         tree by the measured cost of the wider pass, and costs no forward: it goes as deep as in a round the draft
         model sits out. Cut to the draft model's k, it would lose rounds on copying text: while the policy keeps
         the draft model shallow, lookup's free guesses would be cut as short, and the hybrid would need more
-        target passes than lookup-tree alone. The chain's lookup does the same once its pick is measured, which prices the guess's width (by rule it
-        is not: k). A fixed-k sequence keeps k."""
+        target passes than lookup-tree alone. The chain's lookup does the same once its pick is measured, which
+        prices the guess's width (by rule it is not: k). A fixed-k sequence keeps k."""
         sizing = self.sizing
         priced = sizing.by_cost if sizing is not None else self._measured() is not None
         return max(k, self._free_depth) if priced else k
