@@ -142,8 +142,9 @@ class Engine:
         from users cannot close a turn or open one; trust_special_tokens=True reads them as the tokens, for text the
         caller wrote (request_text.py). Token ids are taken as they are.
 
-        options: those of GenerationConfig.from_options (max_new_tokens=128, num_draft_tokens=4, temperature=0,
-        top_k=0, top_p=1, seed, stop, ignore_eos, adaptive=True, method). adaptive: num_draft_tokens is the most
+        options: those of GenerationConfig.from_options (max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        num_draft_tokens=DEFAULT_DRAFT_TOKENS, both in config.py; temperature=0, top_k=0, top_p=1, seed, stop,
+        ignore_eos, adaptive=True, method). adaptive: num_draft_tokens is the most
         per round, and each round drafts the number that the measured acceptance and costs say pays best (none
         when speculation does not pay); False drafts it every round.
         """

@@ -46,7 +46,7 @@ import torch
 
 from draftwise import planner
 from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts
-from draftwise.config import SamplingConfig
+from draftwise.config import DEFAULT_LOOKUP_NGRAM, SamplingConfig
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.prompt_lookup import TRUSTED_NGRAM, PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
@@ -326,7 +326,7 @@ class HybridProposer(Proposer):
         self.draft.release()
 
 
-def hybrid_of(draft, branches: int, max_ngram: int = 3, min_ngram: int | None = None,
+def hybrid_of(draft, branches: int, max_ngram: int = DEFAULT_LOOKUP_NGRAM, min_ngram: int | None = None,
               corpus: ProposalCache | None = None) -> HybridProposer:
     """The hybrid of a draft-model proposer and prompt lookup merging `branches` matches (1: a chain). min_ngram: the
     shortest match that wins a round by rule (default MIN_NGRAM, at most max_ngram). The tree hybrid's lookup

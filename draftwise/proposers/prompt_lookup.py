@@ -39,7 +39,7 @@ import torch
 
 from draftwise import planner
 from draftwise.estimates import DECAY, Acceptance, StepCosts
-from draftwise.config import SamplingConfig
+from draftwise.config import DEFAULT_LOOKUP_NGRAM, SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.proposal_cache import ProposalCache
@@ -55,7 +55,7 @@ SHORT_MATCH_PRIOR = (0.0, 2.0)
 
 
 class PromptLookupProposer(Proposer):
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, corpus: ProposalCache | None = None,
+    def __init__(self, max_ngram: int = DEFAULT_LOOKUP_NGRAM, min_ngram: int = 1, corpus: ProposalCache | None = None,
                  branches: int = 1, trusted_ngram: int = TRUSTED_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftwiseError(f"lookup n-gram sizes must satisfy 1 <= min <= max, got min={min_ngram} max={max_ngram}")

@@ -27,6 +27,7 @@ import torch
 
 from draftwise import planner
 from draftwise.backends.hf import HFBackend
+from draftwise.config import DEFAULT_DRAFT_TOKENS
 from draftwise.proposers.compact import target_ids
 from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting
 
@@ -50,7 +51,7 @@ def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> list[int]:
     return tokenizer(text)["input_ids"][:tokens]
 
 
-def plan_skip(target: HFBackend, ids: list[int], k: int = 4, cache: bool = True,
+def plan_skip(target: HFBackend, ids: list[int], k: int = DEFAULT_DRAFT_TOKENS, cache: bool = True,
               stack: DraftStack | None = None) -> SkipPlan:
     """The skip plan for target's model drafting on stack (cached for a named model on this machine, measured
     otherwise). target's default slot is used for the measurement and left empty."""
@@ -74,7 +75,8 @@ def plan_skip(target: HFBackend, ids: list[int], k: int = 4, cache: bool = True,
 
 
 @torch.inference_mode()
-def measure_skip(target: HFBackend, ids: list[int], k: int = 4, stack: DraftStack | None = None) -> SkipPlan:
+def measure_skip(target: HFBackend, ids: list[int], k: int = DEFAULT_DRAFT_TOKENS,
+                 stack: DraftStack | None = None) -> SkipPlan:
     stack = stack or DraftStack()
     model = target.model
     count = len(decoder_layers(model))
