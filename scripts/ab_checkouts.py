@@ -13,7 +13,7 @@ from pathlib import Path
 
 from draftwise.bench.ab import Worker, format_rows, run_ab, summarize
 from draftwise.bench.prompts import default_prompts, select_prompts
-from draftwise.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_DRAFT_TOKENS, DEFAULT_TARGET
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--methods", default="none,draft,lookup,hybrid")
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("-k", type=int, default=4)
+    p.add_argument("-k", type=int, default=DEFAULT_DRAFT_TOKENS)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args()
