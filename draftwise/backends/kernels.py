@@ -126,8 +126,8 @@ class Int8DynamicLinear(nn.Module):
     multiply-add saturates at 8) and returns the model's dtype.
 
     Wider calls (a prefill, a catch-up) run the model's own float weight: one activation scale over many rows
-    is set by the few with huge activations (a prompt's first tokens), and on the 0.5B draft over 256 tokens
-    it left 25% error on the MLP's down projection (7% row by row), which the draft's cache would then keep.
+    is set by the few with huge activations (a prompt's first tokens), and rounds the others' far more coarsely
+    than a scale per row would: errors the draft's cache would then keep.
     keep_float=False keeps no reference to the float weight (a copy that only ever drafts, beside a target
     that repacked its own): wide calls then run a few rows at a time."""
 

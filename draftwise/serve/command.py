@@ -179,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
                             args.drain_timeout)
     # The model loop runs here, on the thread that loaded the models, and HTTP on another: every thread that runs
-    # torch gets its own OpenMP team, and two teams on two cores made each forward about 20-40% slower, measured.
+    # torch gets its own OpenMP team, and two teams contending for the same few cores slow every forward.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
     http = threading.Thread(target=server.run_then_stop, name="draftwise-http", daemon=True)

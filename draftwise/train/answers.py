@@ -2,8 +2,8 @@
 
 Why: at generation time the head reads the target's features over the target's *own* text. Teacher-forced on
 someone else's text, the features and the next tokens follow another distribution, and a head that scores well
-there can score poorly on what the target writes (seen on the tiny test models: 57% top-1 on corpus text, 11%
-on the model's own continuation). Answers from the target close that gap, at the price of generating them.
+there can score poorly on what the target writes, however well it scores on the corpus's text. Answers from
+the target close that gap, at the price of generating them.
 
 The requests are built from the same package files as the corpus (corpus.py; never a benchmark prompt): explain
 a piece of code, summarize or translate a passage of documentation, answer a question about it, write code
