@@ -89,10 +89,6 @@ class BenchConfig:
             server_binary()
             gguf_files(self)
 
-    @property
-    def lcpp_methods(self) -> list[str]:
-        return [m for m in self.methods if m in LCPP_PEERS]
-
 
 def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
     prompts = load_prompts(cfg.prompts_file) if cfg.prompts_file else default_prompts()
