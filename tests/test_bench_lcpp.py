@@ -159,7 +159,8 @@ def test_peers_make_run_records_and_name_their_engine(tmp_path, fake):
     assert draft_argv[draft_argv.index("-md") + 1] == str(draft)
     assert draft_argv[draft_argv.index("--spec-type") + 1] == "draft-simple"
     assert any(a[a.index("--spec-type") + 1] == "ngram-mod" for a in argvs if "--spec-type" in a and "-md" not in a)
-    assert "b9999-fake" in engine and "draft.gguf" in engine and "Q4_K - Medium" in engine and "AVX512" in engine
+    assert "b9999-fake" in engine and "draft.gguf" in engine and "Q4_K - Medium" in engine
+    assert engine.endswith("; 2 threads, CPU: AVX512, AVX512_BF16") and "|" not in engine  # a table cell
 
 
 def test_a_server_that_never_gets_ready_times_out_and_is_stopped(tmp_path, fake, monkeypatch):

@@ -372,7 +372,7 @@ def _table_engines(engines: dict | None, runs: list[dict], methods: list[str]) -
     """Which engine and kernels each method ran on, and how far its output follows the reference's."""
     if not engines:
         return None
-    body = [[m, engines.get(m, "?"), fmt_pct(agreement(runs, m))] for m in methods]
+    body = [[m, engines.get(m, "?").replace("|", "\\|"), fmt_pct(agreement(runs, m))] for m in methods]
     legend = ("same first tokens: the share of its tokens before its first difference from the reference greedy "
               f"output (`{REFERENCE_OWN}`'s), over the prompts' first repeats; a method on other weights (llama.cpp "
               "on the 4-bit file) or another dtype parts from it where two tokens' scores are near a tie.")

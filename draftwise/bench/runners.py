@@ -11,6 +11,7 @@ the first over the seconds after the first, at which rate every token it emitted
 from __future__ import annotations
 
 import copy
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -227,7 +228,16 @@ def _lcpp_engine(server: LlamaServer) -> str:
     if spec.spec_type:
         text += f", --spec-type {spec.spec_type}"
     info = server.system_info()
-    return text + (f"; {info}" if info else "")
+    return text + (f"; {_cpu_features(info)}" if info else "")
+
+
+def _cpu_features(system_info: str) -> str:
+    """llama.cpp's system_info ('n_threads = 2 (...) / 2 | CPU : AVX = 1 | AVX2 = 1 | REPACK = 1 | ...') as
+    '2 threads, CPU: AVX, AVX2, REPACK': the features its kernels use, without the table-breaking bars."""
+    threads = re.search(r"n_threads = (\d+)", system_info)
+    features = [name for name, on in re.findall(r"(\w+) = (\d+)", system_info)
+                if on != "0" and name not in ("n_threads", "n_threads_batch")]
+    return (f"{threads.group(1)} threads, " if threads else "") + "CPU: " + ", ".join(features)
 
 
 @dataclass(frozen=True)
