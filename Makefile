@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean llama-server
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 # DTYPE=float32 (or bfloat16) overrides the default, auto: bfloat16 only where the CPU computes it natively.
 demo: install
 	$(PY) scripts/demo.py $(if $(DTYPE),--dtype $(DTYPE))
+
+# llama.cpp's llama-server, for the bench's lcpp-* peers: built once from the llama.cpp that llama-cpp-python
+# vendors (pinned in the script) into $DRAFTWISE_HOME/llama.cpp/<version>/bin; SDIST=file.tar.gz skips the download.
+llama-server:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
 
 test: install
 	$(PY) -m pytest -q

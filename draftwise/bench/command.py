@@ -5,6 +5,7 @@ import argparse
 import json
 import shlex
 import sys
+import textwrap
 
 from draftwise import options
 from draftwise.config import DEFAULT_DRAFT
@@ -12,7 +13,7 @@ from draftwise.config import DEFAULT_DRAFT
 
 def add_bench(commands, formatter) -> None:
     from draftwise.bench.run import DEFAULT_METHODS, HEAD_METHODS
-    from draftwise.bench.runners import METHODS
+    from draftwise.bench.runners import METHODS, PEER_HELP
 
     p = commands.add_parser(
         "bench",
@@ -27,7 +28,13 @@ def add_bench(commands, formatter) -> None:
             "\n"
             "Writes results.json (every run, raw, and a summary row per dtype, method and category), report.md\n"
             "(the tables, per dtype) and two PNG plots per dtype under --out. Prompts: the Spec-Bench set (first\n"
-            "turn, chat template) by category, plus a code category of completion and edit prompts."
+            "turn, chat template) by category, plus a code category of completion and edit prompts.\n"
+            "\n"
+            "Bench-only baselines (--methods):\n"
+            + "".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15) + "\n"
+                      for name, text in PEER_HELP.items())
+            + "The lcpp-* methods run llama.cpp's llama-server on the GGUF files as published, started on\n"
+            "127.0.0.1 by the bench; build it once with `make llama-server`."
         ),
         epilog=(
             "examples:\n"
@@ -42,15 +49,21 @@ def add_bench(commands, formatter) -> None:
     )
     models = p.add_argument_group("models")
     options.add_target(models, role="the model benchmarked")
-    options.add_draft(models, default=DEFAULT_DRAFT, also=" and for hf-assisted")
+    options.add_draft(models, default=DEFAULT_DRAFT, also=" and for hf-assisted (lcpp-draft: its GGUF file)")
     options.add_head(models)
     options.add_dtype(models, several=True)
     options.add_device(models)
     options.add_lookup_ngram(models)
+    models.add_argument("--target-gguf", metavar="FILE",
+                        help="the GGUF file the lcpp-* methods run (default: the target's own: a .gguf, or the "
+                             "file the model store keeps)")
+    models.add_argument("--draft-gguf", metavar="FILE", help="the GGUF file lcpp-draft drafts with (default: the "
+                                                             "draft's own)")
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
                       help=f"comma-separated, from: {', '.join(METHODS)}; {' and '.join(map(repr, HEAD_METHODS))} "
-                           "need a trained head (see draftwise train-head) (default: %(default)s)")
+                           "need a trained head (see draftwise train-head), the lcpp-* ones a built llama-server "
+                           "(default: %(default)s)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
                       help="comma-separated categories, or 'all' (default: %(default)s)")
     work.add_argument("--per-category", type=int, default=3, metavar="N",
@@ -89,7 +102,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
         lookup_ngram=args.lookup_ngram, fixed_k=args.fixed_k,
         out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
-        resume=args.resume, device=args.device,
+        resume=args.resume, device=args.device, target_gguf=args.target_gguf, draft_gguf=args.draft_gguf,
     )
     return per_dtype(cfg, split_list(args.dtype))
 

@@ -80,6 +80,7 @@ def split_by_dtype(results: dict) -> dict[str, dict]:
             "roofline": roofline,
             "runs": own_runs,
             "summary": [row for row in summary if dtype_of(row) == dtype] if summary else summarize(own_runs, roofline),
+            "engines": (results.get("engines") or {}).get(dtype),
         }
     return parts
 
@@ -343,6 +344,42 @@ def _roofline_reading(target: dict, draft: dict | None, meta: dict) -> str:
     return " ".join(parts)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(runs: list[dict], method: str) -> float | None:
+    """The share of method's tokens, over prompts (first repeats), that come before its first difference from the
+    reference greedy output (`none`'s, else hf-plain's): where a peer on other weights or kernels parts from it."""
+    reference = next((m for m in (REFERENCE_OWN, REFERENCE_PEER) if any(r["method"] == m for r in runs)), None)
+    firsts = lambda m: {(r["category"], r["question_id"]): r.get("token_ids") for r in runs  # noqa: E731
+                        if r["method"] == m and r["repeat"] == 0}
+    expected, own = firsts(reference), firsts(method)
+    pairs = [(ids, expected.get(key)) for key, ids in own.items()]
+    pairs = [(ids, ref) for ids, ref in pairs if ids and ref is not None]
+    if reference is None or not pairs:
+        return None
+    return sum(common_prefix(ids, ref) for ids, ref in pairs) / sum(len(ids) for ids, _ in pairs)
+
+
+def _table_engines(engines: dict | None, runs: list[dict], methods: list[str]) -> str | None:
+    """Which engine and kernels each method ran on, and how far its output follows the reference's."""
+    if not engines:
+        return None
+    body = [[m, engines.get(m, "?").replace("|", "\\|"), fmt_pct(agreement(runs, m))] for m in methods]
+    legend = ("same first tokens: the share of its tokens before its first difference from the reference greedy "
+              f"output (`{REFERENCE_OWN}`'s), over the prompts' first repeats; a method on other weights (llama.cpp "
+              "on the 4-bit file) or another dtype parts from it where two tokens' scores are near a tie.")
+    return ("## Engines\n\n" + md_table(["method", "engine and kernels", "same first tokens"], body, align_left=2)
+            + "\n\n" + legend)
+
+
 def _plots_section(plots: dict[str, str] | None, out_dir: Path) -> str | None:
     if not plots:
         return None
@@ -363,6 +400,7 @@ def _dtype_sections(part: dict, plots: dict[str, str] | None, out_dir: Path) -> 
         _table_trees(part["runs"]),
         _table_positions(summary, methods),
         _table_roofline(part["roofline"], meta),
+        _table_engines(part.get("engines"), part["runs"], methods),
         _plots_section(plots, out_dir),
     ]
 

@@ -25,7 +25,8 @@ from draftwise.bench.journal import Journal, code_version, settings_of
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
-from draftwise.bench.runners import METHODS, NEEDS_DRAFT, Runners, check_methods, measure_roofline
+from draftwise.bench.runners import (LCPP_PEERS, METHODS, NEEDS_LOADED_DRAFT, GgufFiles, LlamaCppPeers, Runners,
+                                     check_methods, measure_roofline)
 from draftwise.bench.summary import summarize
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DTYPES, MAX_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
@@ -35,7 +36,8 @@ from draftwise.hardware import resolve_dtype
 from draftwise.tokenizers import encode_prompt
 
 HEAD_METHODS = methods_needing(TRAINED_HEAD)
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS)  # every method but those needing a trained head
+# Every method but those needing a trained head or a llama-server build (opt-in: `make llama-server`).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS and m not in LCPP_PEERS)
 WARMUP_TOKENS = 8
 
 
@@ -60,6 +62,8 @@ class BenchConfig:
     progress: bool = True
     head: str | None = None  # the trained head for head and hybrid-head; None: where train-head puts the target's
     resume: bool = False  # keep the finished prompts of an earlier bench of these settings under out
+    target_gguf: str | None = None  # the GGUF files llama.cpp runs (lcpp-*); None: the target's and draft's own
+    draft_gguf: str | None = None
 
     @property
     def head_folder(self) -> str:
@@ -79,6 +83,11 @@ class BenchConfig:
         if self.num_draft_tokens > MAX_DRAFT_TOKENS:
             raise DraftwiseError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, "
                                  f"got {self.num_draft_tokens}")
+        if uses_lcpp(self):
+            from draftwise.bench.llamacpp_server import server_binary
+
+            server_binary()
+            gguf_files(self)
 
 
 def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
@@ -127,6 +136,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
                  "wall_seconds": round(time.perf_counter() - started_clock, 1),
                  "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
         "roofline": {p["dtype"]: p["roofline"] for p in passes},
+        "engines": {p["dtype"]: p["engines"] for p in passes},
         "runs": [run for p in passes for run in p["runs"]],
         "summary": [row for p in passes for row in p["summary"]],
     }
@@ -141,17 +151,24 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged;
     resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model = models
+    # llama.cpp on the cores ours use: as many threads as torch runs.
+    lcpp = LlamaCppPeers(gguf_files(cfg), threads=torch.get_num_threads()) if uses_lcpp(cfg) else None
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
-                      lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k)
+                      lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
-    _warm_up(runners, cfg.methods, encoded[0])
-    runs, resumed = _interleaved_runs(runners, cfg, prompts, encoded, journal)
+    try:  # llama.cpp's servers are processes of their own: stopped whatever happens
+        _warm_up(runners, cfg.methods, encoded[0])
+        runs, resumed = _interleaved_runs(runners, cfg, prompts, encoded, journal)
+        engines = runners.engines(cfg.methods, cfg.dtype)
+    finally:
+        runners.close()
     _mark_identical(runs, cfg.methods)
     roofline = _roofline(runners) if cfg.roofline else None
     summary = [{"dtype": cfg.dtype, **row} for row in summarize(runs, roofline)]
-    return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary, "resumed": resumed}
+    return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary, "resumed": resumed,
+            "engines": engines}
 
 
 def load_models(cfg: BenchConfig):
@@ -162,7 +179,23 @@ def load_models(cfg: BenchConfig):
 
 
 def uses_draft(cfg: BenchConfig) -> bool:
-    return any(m in NEEDS_DRAFT for m in cfg.methods)
+    """Whether a method runs the loaded draft model (lcpp-draft runs the draft's GGUF file instead)."""
+    return any(m in NEEDS_LOADED_DRAFT for m in cfg.methods)
+
+
+def uses_lcpp(cfg: BenchConfig) -> bool:
+    return any(m in LCPP_PEERS for m in cfg.methods)
+
+
+def gguf_files(cfg: BenchConfig) -> GgufFiles:
+    """The GGUF files the lcpp-* methods run: the paths given, else the target's and draft's own (a .gguf, or the
+    file the model store keeps); the draft's only when lcpp-draft runs."""
+    from draftwise.bench.llamacpp_server import find_gguf
+
+    draft = None
+    if "lcpp-draft" in cfg.methods:
+        draft = find_gguf(cfg.draft, cfg.draft_gguf, "--draft-gguf")
+    return GgufFiles(find_gguf(cfg.target, cfg.target_gguf, "--target-gguf"), draft)
 
 
 def _warm_up(runners: Runners, methods, prompt_ids: list[int]) -> None:
@@ -276,4 +309,5 @@ def model_files(cfg: BenchConfig) -> dict:
                 for p in paths]
 
     return {"target": files_of(cfg.target), "draft": files_of(cfg.draft if uses_draft(cfg) else None),
-            "head": files_of(cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None)}
+            "head": files_of(cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None),
+            "target_gguf": files_of(cfg.target_gguf), "draft_gguf": files_of(cfg.draft_gguf)}

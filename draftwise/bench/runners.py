@@ -1,33 +1,49 @@
-"""One greedy generation of one prompt by one method, timed the same way for ours and transformers'.
+"""One greedy generation of one prompt by one method, timed the same way for ours, transformers' and llama.cpp's.
 
 Every runner returns a raw run record (the fields summary.py reads) plus the emitted token ids.
 Decoding is timed whole on both sides, each step with all its work (not only the model calls), and the prompt's
 prefill is left out: ours times it apart. transformers' generate has no such split, so a stopping criterion,
 which it asks after every step, marks when each step ended; the first step is the prompt's prefill (with, for the
 assisted peers, the first round), and the peer is timed from its end to the last step's, at that rate for every
-token it emitted.
+token it emitted. llama.cpp's server (lcpp-*) times itself the same way: its predicted_per_second is the tokens after
+the first over the seconds after the first, at which rate every token it emitted counts.
 """
 from __future__ import annotations
 
 import copy
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 from draftwise.backends.kernels import on_timed_kernels
+from draftwise.bench.llamacpp_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer, ServerSpec
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
 
 OURS = (BASELINE, *(name for name in TABLE if name != BASELINE))  # the table's, the baseline first (report order)
-PEERS = ("hf-plain", "hf-assisted", "hf-lookup")
+# Bench-only baselines: transformers' generate, and llama.cpp's llama-server on the GGUF files as published.
+PEER_HELP = {
+    "hf-plain": "transformers' generate, the target alone",
+    "hf-assisted": "transformers' assisted generation with the draft model (its own draft-length defaults)",
+    "hf-lookup": "transformers' prompt lookup (prompt_lookup_num_tokens = --num-draft-tokens)",
+    "lcpp-plain": "llama.cpp's llama-server on the target's GGUF file, no speculation",
+    "lcpp-draft": "llama-server speculating with the draft's GGUF file (--spec-type draft-simple, llama.cpp's own "
+                  "draft length)",
+    "lcpp-ngram": "llama-server's n-gram speculation (--spec-type ngram-mod, llama.cpp's own settings)",
+}
+LCPP_PEERS = ("lcpp-plain", "lcpp-draft", "lcpp-ngram")
+PEERS = ("hf-plain", "hf-assisted", "hf-lookup", *LCPP_PEERS)
 METHODS = OURS + PEERS
-NEEDS_DRAFT = (*methods_needing(DRAFT_MODEL), "hf-assisted")
+NEEDS_DRAFT = (*methods_needing(DRAFT_MODEL), "hf-assisted", "lcpp-draft")
+NEEDS_LOADED_DRAFT = tuple(m for m in NEEDS_DRAFT if m not in LCPP_PEERS)  # lcpp-draft runs the draft's file
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
 SPECULATION_FIELDS = ("proposed", "accepted", "nodes", "rounds", "proposed_at", "accepted_at", "draft_s")
 
@@ -47,9 +63,11 @@ class Runners:
     """The loaded models, shared by every method so that all of them run on the very same weights."""
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                 head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True):
+                 head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
+                 lcpp: LlamaCppPeers | None = None):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
-        n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens."""
+        n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
+        lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close())."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
@@ -60,6 +78,21 @@ class Runners:
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
         self._peer_config = _greedy_config(target_model.generation_config.pad_token_id)
+        self.lcpp = lcpp
+
+    def close(self) -> None:
+        """Stop what runs outside this process (llama.cpp's servers)."""
+        if self.lcpp is not None:
+            self.lcpp.close()
+
+    def engines(self, methods, dtype: str) -> dict[str, str]:
+        """{method: the engine and kernels it ran on}, for the report."""
+        import transformers
+
+        ours = f"draftwise on PyTorch {torch.__version__}, {dtype} weights, kernels timed and chosen at load"
+        theirs = f"transformers {transformers.__version__} generate on PyTorch {torch.__version__}, {dtype} weights"
+        return {m: self.lcpp.engine(m) if m in LCPP_PEERS and self.lcpp is not None else
+                theirs if m in PEERS else ours for m in methods}
 
     @property
     def draft_in_use(self):
@@ -84,6 +117,10 @@ class Runners:
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
         if method in OURS:
             return self._run_ours(method, prompt_ids, max_new_tokens)
+        if method in LCPP_PEERS:
+            if self.lcpp is None:
+                raise DraftwiseError(f"{method} needs llama.cpp's GGUF files (Runners made without lcpp)")
+            return self.lcpp.run(method, prompt_ids, max_new_tokens)
         return self._run_peer(method, prompt_ids, max_new_tokens)
 
     def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
@@ -115,6 +152,92 @@ class Runners:
                                                     stopping_criteria=StoppingCriteriaList([steps]), **extra)
         token_ids = output[0, len(prompt_ids):].tolist()
         return _peer_record(method, len(token_ids), steps.marks, target, draft), token_ids
+
+
+@dataclass(frozen=True)
+class GgufFiles:
+    """The files llama.cpp runs: the target's GGUF, and the draft's for lcpp-draft (None without a draft)."""
+    target: Path
+    draft: Path | None = None
+
+
+class LlamaCppPeers:
+    """One llama-server per lcpp-* method, started on first use (the warm-up: loading is never timed) and kept
+    running until close(), so the methods interleave with ours like any other. Each runs on threads threads,
+    the cores ours use."""
+
+    def __init__(self, files: GgufFiles, threads: int | None = None, binary: Path | None = None):
+        self.files, self.threads, self.binary = files, threads, binary
+        self._servers: dict[str, LlamaServer] = {}
+        self._engines: dict[str, str] = {}
+
+    def spec(self, method: str) -> ServerSpec:
+        if method == "lcpp-draft":
+            if self.files.draft is None:
+                raise DraftwiseError("lcpp-draft needs the draft's GGUF file (--draft NAME or --draft-gguf PATH)")
+            return ServerSpec(self.files.target, draft=self.files.draft, spec_type="draft-simple",
+                              threads=self.threads)
+        spec_type = {"lcpp-plain": None, "lcpp-ngram": "ngram-mod"}[method]
+        return ServerSpec(self.files.target, spec_type=spec_type, threads=self.threads)
+
+    def server(self, method: str) -> LlamaServer:
+        if method not in self._servers:
+            server = LlamaServer(self.spec(method), binary=self.binary)
+            server.start()
+            self._servers[method] = server
+            self._engines[method] = _lcpp_engine(server)
+        return self._servers[method]
+
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+        completion = self.server(method).complete(prompt_ids, max_new_tokens)
+        return _lcpp_record(method, completion), completion.token_ids[:max_new_tokens]
+
+    def engine(self, method: str) -> str:
+        return self._engines.get(method, "llama.cpp llama-server (not started)")
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
+
+
+def _lcpp_record(method: str, completion) -> dict:
+    """A llama-server generation as a run record. Each target pass emits the draft tokens it kept and one of its
+    own (the first token's pass is the prompt's), so the passes are the tokens less the kept drafts."""
+    new_tokens = len(completion.token_ids)
+    rate = completion.tokens_per_s
+    record = {"new_tokens": new_tokens, "decode_s": new_tokens / rate if rate else None, "tokens_per_s": rate,
+              "verify_s": None, **dict.fromkeys(SPECULATION_FIELDS)}
+    if method == "lcpp-plain":
+        record["target_forwards"] = new_tokens
+    else:
+        # (llama-server leaves the draft counts out of its timings when nothing was drafted)
+        proposed, accepted = completion.draft_n or 0, completion.draft_accepted or 0
+        record.update(target_forwards=new_tokens - accepted, proposed=proposed, accepted=accepted)
+    return record
+
+
+def _lcpp_engine(server: LlamaServer) -> str:
+    """The engine and kernels of a running llama-server: its build, the file and its quantization, and the CPU
+    features its kernels use (llama.cpp's system_info, from its log)."""
+    props = server.props()
+    spec = server.spec
+    files = spec.model.name + (f" with draft {spec.draft.name}" if spec.draft is not None else "")
+    text = (f"llama.cpp llama-server {props.get('build_info', '?')} (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s "
+            f"source), {files} ({props.get('model_ftype') or 'type unknown'})")
+    if spec.spec_type:
+        text += f", --spec-type {spec.spec_type}"
+    info = server.system_info()
+    return text + (f"; {_cpu_features(info)}" if info else "")
+
+
+def _cpu_features(system_info: str) -> str:
+    """llama.cpp's system_info ('n_threads = 2 (...) / 2 | CPU : AVX = 1 | AVX2 = 1 | REPACK = 1 | ...') as
+    '2 threads, CPU: AVX, AVX2, REPACK': the features its kernels use, without the table-breaking bars."""
+    threads = re.search(r"n_threads = (\d+)", system_info)
+    features = [name for name, on in re.findall(r"(\w+) = (\d+)", system_info)
+                if on != "0" and name not in ("n_threads", "n_threads_batch")]
+    return (f"{threads.group(1)} threads, " if threads else "") + "CPU: " + ", ".join(features)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,267 @@
+"""llama.cpp's own `llama-server` as a bench peer: find the built binary, start it on a free local port, send one
+greedy completion by token ids, read llama.cpp's own decode timing, stop it.
+
+The server is built from the llama.cpp that llama-cpp-python vendors (scripts/build_llama_server.sh), so the peer
+runs the very kernels a llama.cpp backend links. Nothing here needs a model library: plain HTTP on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftwise.errors import DraftwiseError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendored llama.cpp the server is built from
+BINARY_ENV = "DRAFTWISE_LLAMA_SERVER"  # a llama-server of the user's own, instead of the built one
+STARTUP_TIMEOUT_S = 300.0  # loading two GGUF files on a busy 2-core machine takes tens of seconds
+REQUEST_TIMEOUT_S = 1800.0  # one whole generation: 512 tokens at a few tokens/s
+CONTEXT_TOKENS = 8192  # the KV cache the server allocates: longest prompt plus max_new_tokens, with room
+LOG_TAIL_LINES = 15
+
+
+class LlamaServerError(DraftwiseError):
+    """llama-server is missing, did not start, or answered with an error."""
+
+
+def built_binary_path() -> Path:
+    """Where scripts/build_llama_server.sh puts the binary: beside the model store, per llama-cpp-python version."""
+    from draftwise.models.store import store_home
+
+    return store_home() / "llama.cpp" / LLAMA_CPP_PYTHON_VERSION / "bin" / "llama-server"
+
+
+def server_binary() -> Path:
+    """The llama-server to run: $DRAFTWISE_LLAMA_SERVER, else the built one; an error that says how to build it."""
+    given = os.environ.get(BINARY_ENV)
+    path = Path(given).expanduser() if given else built_binary_path()
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        where = f"${BINARY_ENV} names {path}, which is not an executable file" if given else \
+            f"no llama-server built at {path}"
+        raise LlamaServerError(
+            f"{where}. Build it once with `make llama-server` (scripts/build_llama_server.sh: llama.cpp from "
+            f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s source, about 20 minutes on 2 cores), or set "
+            f"{BINARY_ENV} to a llama-server of your own")
+    return path
+
+
+def find_gguf(model: str, given: str | None = None, option: str = "--target-gguf") -> Path:
+    """The GGUF file llama.cpp runs for model: the path given, model itself when it is a .gguf file, or the file a
+    pull kept in the model store's folder; otherwise an error that says how to get one. option: the flag that
+    gives the path, for the message."""
+    from draftwise.models.registry import KNOWN_MODELS
+    from draftwise.models.store import store_home
+
+    if given is not None:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise LlamaServerError(f"{option} {given}: no such file")
+        return path.absolute()
+    if model.endswith(".gguf") and Path(model).is_file():
+        return Path(model).absolute()
+    if model in KNOWN_MODELS:
+        kept = store_home() / "models" / model / KNOWN_MODELS[model].gguf_file
+        if kept.is_file():
+            return kept
+        raise LlamaServerError(f"the model store keeps no GGUF file for {model} (pulled before the store kept it): "
+                               f"run `draftwise models pull {model} --force`, or give {option} PATH")
+    ggufs = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else []
+    if len(ggufs) == 1:
+        return ggufs[0].absolute()
+    raise LlamaServerError(f"llama.cpp needs {model} as a GGUF file: give {option} PATH")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One llama-server configuration: the target GGUF and how it speculates. spec_type: llama.cpp's
+    --spec-type (None: plain decoding); draft: the draft GGUF for 'draft-simple'; draft_max: its
+    --spec-draft-n-max (None: llama.cpp's default). threads: None leaves llama.cpp's own choice."""
+
+    model: Path
+    draft: Path | None = None
+    spec_type: str | None = None
+    draft_max: int | None = None
+    threads: int | None = None
+    context: int = CONTEXT_TOKENS
+
+    def arguments(self, host: str, port: int) -> list[str]:
+        # One slot, so every request runs alone as the bench's others do; no prompt cache held in memory (each
+        # request prefills afresh: the same work as ours, and no reuse that could change the logits).
+        # Log level 4 (trace) adds only the start-up's system_info line: the CPU features its kernels use.
+        args = ["-m", str(self.model), "--host", host, "--port", str(port), "-c", str(self.context),
+                "-np", "1", "--cache-ram", "0", "-lv", "4"]
+        if self.threads is not None:
+            args += ["-t", str(self.threads), "-tb", str(self.threads)]
+        if self.draft is not None:
+            args += ["-md", str(self.draft)]
+            if self.threads is not None:
+                args += ["-td", str(self.threads), "-tbd", str(self.threads)]
+        if self.spec_type is not None:
+            args += ["--spec-type", self.spec_type]
+        if self.draft_max is not None:
+            args += ["--spec-draft-n-max", str(self.draft_max)]
+        return args
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generation as llama-server reports it. tokens_per_s: its predicted_per_second, the tokens after the
+    first over the seconds after the first (the first comes from the prompt's prefill, which is excluded), None
+    when only one token was generated. draft_n, draft_accepted: None without speculation."""
+
+    token_ids: list[int]
+    predicted_n: int
+    tokens_per_s: float | None
+    prompt_ms: float | None
+    predicted_ms: float | None
+    draft_n: int | None
+    draft_accepted: int | None
+
+
+def completion_request(prompt_ids: list[int], n_predict: int) -> dict:
+    """The /completion body: the prompt as token ids (so llama.cpp scores exactly what draftwise encoded, chat
+    template and all), greedy, EOS ignored, exactly n_predict tokens, their ids returned."""
+    return {
+        "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": True,
+        "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],  # argmax, no other sampler in the chain
+        "cache_prompt": False, "return_tokens": True, "stream": False,
+    }
+
+
+def parse_completion(body: dict) -> Completion:
+    """A /completion answer -> Completion; an answer without tokens or timings is an error that says so."""
+    timings = body.get("timings")
+    tokens = body.get("tokens")
+    if not isinstance(timings, dict) or not isinstance(tokens, list):
+        raise LlamaServerError(f"llama-server answered without tokens or timings: {json.dumps(body)[:300]}")
+    per_second = timings.get("predicted_per_second")
+    return Completion(
+        token_ids=[int(t) for t in tokens],
+        predicted_n=int(timings.get("predicted_n", len(tokens))),
+        tokens_per_s=float(per_second) if per_second else None,  # 0.0: nothing timed after the first token
+        prompt_ms=timings.get("prompt_ms"),
+        predicted_ms=timings.get("predicted_ms"),
+        draft_n=timings.get("draft_n"),
+        draft_accepted=timings.get("draft_n_accepted"),
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (the OS picks it); the server binds it a moment later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class LlamaServer:
+    """A running llama-server, started by start() (or `with`), stopped by close(), its output kept in a log."""
+
+    def __init__(self, spec: ServerSpec, binary: Path | None = None, host: str = "127.0.0.1",
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
+        self.spec, self.host, self.startup_timeout_s = spec, host, startup_timeout_s
+        self.binary = binary or server_binary()
+        self.port: int | None = None
+        self._process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> LlamaServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the server and wait, at most startup_timeout_s, until /health says the model is loaded."""
+        self.port = free_port(self.host)
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        command = [str(self.binary), *self.spec.arguments(self.host, self.port)]
+        self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self._process.poll() is not None:
+                raise LlamaServerError(f"llama-server exited with code {self._process.returncode} while starting "
+                                       f"({self.binary.name} {self.spec.model.name}):\n{self.log_tail()}")
+            if self._healthy():
+                return
+            if time.monotonic() > deadline:
+                raise LlamaServerError(f"llama-server did not become ready within {self.startup_timeout_s:.0f} s "
+                                       f"on {self.url}:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as answer:
+                return answer.status == 200  # 503 while the model loads
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def complete(self, prompt_ids: list[int], n_predict: int) -> Completion:
+        """One greedy generation of n_predict tokens after prompt_ids."""
+        body = self._request("/completion", completion_request(prompt_ids, n_predict))
+        return parse_completion(body)
+
+    def props(self) -> dict:
+        """The server's /props: its build_info, model file and type, default settings."""
+        return self._request("/props")
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:500]
+            raise LlamaServerError(f"llama-server {path} answered {error.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise LlamaServerError(f"llama-server {path} failed ({error}):\n{self.log_tail()}") from None
+
+    def log_text(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:]) or "(no output)"
+
+    def system_info(self) -> str | None:
+        """llama.cpp's system_info line from the log (the CPU features its kernels use), when it printed one."""
+        found = re.findall(r"system_info: (.*)", self.log_text())
+        return found[-1].strip() if found else None
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and delete its log."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+        if self._log is not None:
+            self._log.close()
+            Path(self._log.name).unlink(missing_ok=True)
+            self._log = None
