@@ -104,7 +104,7 @@ def test_a_positions_logits_do_not_depend_on_the_call_that_computed_them():
 @needs_llama
 @pytest.mark.real_model
 def test_without_the_minimum_width_one_token_steps_round_differently():
-    """The control: scored alone, a one-token step takes llama.cpp's vector kernels, and its logits differ."""
+    """The control: unpadded, a one-token step takes other kernels than a wider pass, and the logits differ."""
     shapes = positions_by_call_shape(backend(min_width=1))
     assert not torch.equal(shapes["one-token steps"], shapes["one 5-token pass"])
 
@@ -185,7 +185,8 @@ def test_every_method_gives_the_tokens_of_none_alone_and_batched(method):
     assert eng.speed_paths["backend"] == "llamacpp"
     for prompt in (PROMPT, OTHER):
         for k in (1, 4):
-            got = eng.generate(ids(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=k).token_ids
+            got = eng.generate(ids(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=k,
+                               adaptive=False).token_ids  # (a fixed k: every round drafts)
             assert tuple(got) == baseline(prompt), f"{method}, k={k}, alone"
     batched = together(eng, [PROMPT, OTHER], method)
     assert [tuple(row) for row in batched] == [baseline(PROMPT), baseline(OTHER)], f"{method}, batched"

@@ -4,12 +4,14 @@ Each slot is a llama.cpp sequence id with its own stream of cache cells; a ragge
 llama_decode (each row's tokens under its own sequence id and positions, logits at every position). Rolling
 back is dropping a sequence's cells past a position.
 
-Batch invariance, which makes every method's greedy output that of `none`: under LlamaSettings' defaults
-(llamacpp_api.py) each logit is one fixed dot product per row, except that llama.cpp scores a single row with
-its vector kernels and two or more with its matrix ones (llamafile's tinyBLAS), which round differently. So no
-pass is narrower than MIN_WIDTH: every row is padded to the widest row's length (at least MIN_WIDTH) with its
-own last token, at the positions after its own, where no real token looks and the next pass overwrites them.
-The padding is scored too, so that the output layer also always sees more than one row.
+Batch invariance, which makes every method's greedy output that of `none`: llama.cpp's CPU kernels take other
+paths (and round differently) for narrow passes than for wide ones: one row against several (llamafile's tinyBLAS
+starts at two), and again below eight tokens for quantized weights. So no pass is narrower than MIN_WIDTH: every
+row is padded to the widest row's length, and to at least MIN_WIDTH, with its own last token at the positions
+after its own, where no real token looks and the next pass overwrites them; the padding is scored too, so the
+output layer sees as many rows. With LlamaSettings' defaults (llamacpp_api.py) that makes a position's logits the
+same bits in one-token steps, a chain, a prefill chunk or a row of a ragged batch; a one-token step then costs an
+eight-token pass.
 
 Not served here: token trees (no tree attention mask per row), hidden states and running some of the layers,
 so the methods that need them (tree methods, head, skip) are refused when an engine is built (methods.py).
@@ -22,7 +24,7 @@ from draftwise.backends.hf import SlotView
 from draftwise.backends.llamacpp_api import LlamaContext, LlamaSettings
 from draftwise.errors import DraftwiseError
 
-MIN_WIDTH = 2  # the narrowest pass: one row is scored by other kernels than two (see the module's docstring)
+MIN_WIDTH = 8  # the narrowest pass: narrower ones take other kernels (see the module's docstring)
 PAD_ROOM = 64  # cells per sequence past max_context, for a short row's padding at the end of the context
 DEFAULT_SLOTS = 8  # sequences one backend holds at once: the server's batch, or a draft model's slots
 DEFAULT_CONTEXT = 4096  # positions per sequence, unless the model was trained on fewer

@@ -28,7 +28,7 @@ def llama_cpp_module():
 @dataclass(frozen=True)
 class LlamaSettings:
     """How the context is made. The defaults are those under which a position's logits do not depend on the call
-    that computed them (with every pass at least MIN_WIDTH tokens wide, llamacpp.py):
+    that computed them (with every pass at least llamacpp.MIN_WIDTH tokens wide per row):
 
     - repack False: llama.cpp's CPU "repack" buffers run groups of 4 rows through one kernel and the rest through
       another, whose sums round differently;
