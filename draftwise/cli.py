@@ -98,6 +98,7 @@ def _add_generate(commands) -> None:
     options.add_method(models)
     options.add_head(models)
     options.add_dtype(models)
+    options.add_backend(models)
     options.add_device(models)
     options.add_lookup_ngram(models)
 

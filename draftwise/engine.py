@@ -76,7 +76,7 @@ class Engine:
         self.method = method
         self.eos = eos
         self.max_context = max_context or target.max_context  # the smallest context of the models involved
-        self.readable_ids = readable_ids(tokenizer, target.model)  # the ids a prompt of token ids may hold
+        self.readable_ids = readable_ids(tokenizer, target.embedding_rows)  # the ids a prompt of token ids may hold
         self.speed_paths = dict(speed_paths or {})
         self._default_in_use = False
         self.last_step = StepTimes()
@@ -101,7 +101,7 @@ class Engine:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, the head's with a head, skip and hybrid-skip on an engine built for either (the skip draft's plan is
         calibrated at load)."""
-        return available_methods(self.method)
+        return available_methods(self.method, self.target.backend_name)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":

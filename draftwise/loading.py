@@ -5,12 +5,13 @@ from dataclasses import replace
 
 from torch import nn
 
-from draftwise.backends.hf import HFBackend, load_model, load_tokenizer
+from draftwise.backends.hf import HFBackend, embedding_rows, load_model, load_tokenizer
 from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
-from draftwise.methods import DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD, Parts, choose_method, new_proposer
+from draftwise.methods import (DEFAULT_BACKEND, DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD, Parts, check_backend,
+                               choose_method, new_proposer)
 from draftwise.proposers.compact import KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
@@ -30,12 +31,23 @@ EXACT_INPUT_LAYERS = ("fuse", "reduce")
 
 
 def build_engine(engine_cls, *, target: str, draft: str | None = None, method: str | None = None,
-                 dtype: str = "auto", device: str = "cpu", progress: bool = True, head: str | None = None, **lookup):
+                 dtype: str = "auto", device: str = "cpu", progress: bool = True, head: str | None = None,
+                 backend: str = DEFAULT_BACKEND, **lookup):
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed).
 
     head: the trained head's folder for the methods head and hybrid-head (default: where `draftwise train-head` puts
-    the target's)."""
+    the target's). backend: "hf" (transformers) or "llamacpp" (the GGUF file as published, loading_llamacpp.py);
+    a method the backend cannot serve is refused before anything loads."""
+    check_backend(backend)
     method = choose_method(method, draft is not None)
+    check_backend(backend, method)
+    if backend == "llamacpp":
+        from draftwise.loading_llamacpp import build_llamacpp_engine
+
+        if device != "cpu":
+            raise DraftwiseError(f"the llama.cpp backend runs on the cpu here, not {device}")
+        return build_llamacpp_engine(engine_cls, target=target, draft=draft, method=method, progress=progress,
+                                     **lookup)
     need = METHODS[method].needs
     if need == TRAINED_HEAD:
         from draftwise.models import head_home
@@ -104,7 +116,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
-        check_draft_reads_every_token(tokenizer, target_model, draft_model)  # also with no draft tokenizer
+        check_draft_reads_every_token(tokenizer, embedding_rows(target_model),  # also with no draft tokenizer
+                                      embedding_rows(draft_model))
     if need == TRAINED_HEAD and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.

@@ -28,6 +28,13 @@ TRAINED_HEAD = "a trained head"  # a feature head trained for this target (draft
 OWN_LAYERS = "the target's own layers"  # some of the target's layers, picked by a calibration at load
 NEEDS = (DRAFT_MODEL, TRAINED_HEAD, OWN_LAYERS)
 
+# What a method may ask of the target's backend beyond scoring chains of tokens, and what each backend serves: a
+# method runs only on a backend that serves all it asks (the llama.cpp route scores chains alone).
+TREES = "token trees"  # a tree scored in one pass, its kept path moved into place
+INTERNALS = "the model's internals"  # hidden states (a feature head) or some of its layers alone (layer skipping)
+BACKENDS: dict[str, frozenset[str]] = {"hf": frozenset({TREES, INTERNALS}), "llamacpp": frozenset()}
+DEFAULT_BACKEND = "hf"
+
 BASELINE = "none"  # the target alone: what every method's speed is compared with, and first in every list
 # Prompt lookup's branches: the continuations of how many earlier matches one guess merges (more than one: a tree).
 LOOKUP_CHAIN, LOOKUP_TREE = 1, 3
@@ -62,6 +69,7 @@ class Method:
     help: str  # one line, for --help and the docs
     make: Callable[[Parts], Proposer | None]  # None: no proposer, the target alone
     chain: str | None = None  # a tree method's chain form, which the bench reports it beside
+    asks: frozenset[str] = frozenset()  # what it needs of the target's backend (TREES, INTERNALS): see BACKENDS
 
 
 def _on_draft_model(cls) -> Callable[[Parts], Proposer]:
@@ -85,22 +93,24 @@ def _hybrid(drafter: Callable[[Parts], Proposer], branches: int) -> Callable[[Pa
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("draft", DRAFT_MODEL, "the --draft model", _on_draft_model(DraftModelProposer)),
     Method("draft-tree", DRAFT_MODEL, "the --draft model's likeliest continuations as a token tree",
-           _on_draft_model(DraftTreeProposer), chain="draft"),
+           _on_draft_model(DraftTreeProposer), chain="draft", asks=frozenset({TREES})),
     Method("lookup", None, "n-grams of the prompt and text so far", _lookup(LOOKUP_CHAIN)),
     Method("lookup-tree", None, f"lookup's last {LOOKUP_TREE} matches as a token tree", _lookup(LOOKUP_TREE),
-           chain="lookup"),
+           chain="lookup", asks=frozenset({TREES})),
     Method(BASELINE, None, "the target alone: the baseline", lambda parts: None),
     Method("hybrid", DRAFT_MODEL, "lookup where the text's tail matches earlier text, the --draft model elsewhere",
            _hybrid(_on_draft_model(DraftModelProposer), LOOKUP_CHAIN)),
     Method("hybrid-tree", DRAFT_MODEL, "the same with lookup-tree and draft-tree",
-           _hybrid(_on_draft_model(DraftTreeProposer), LOOKUP_TREE), chain="hybrid"),
+           _hybrid(_on_draft_model(DraftTreeProposer), LOOKUP_TREE), chain="hybrid", asks=frozenset({TREES})),
     Method("skip", OWN_LAYERS, "the target itself on int8 copies of its layers where faster here, with some layers "
-           "skipped where a short calibration at load says it pays; no second model", _drafter),
+           "skipped where a short calibration at load says it pays; no second model", _drafter,
+           asks=frozenset({INTERNALS})),
     Method("hybrid-skip", OWN_LAYERS, "skip, and lookup where the text's tail matches earlier text; no second model",
-           _hybrid(_drafter, LOOKUP_CHAIN)),
-    Method("head", TRAINED_HEAD, "a trained feature head, see train-head, drafting token trees", _drafter),
+           _hybrid(_drafter, LOOKUP_CHAIN), asks=frozenset({INTERNALS})),
+    Method("head", TRAINED_HEAD, "a trained feature head, see train-head, drafting token trees", _drafter,
+           asks=frozenset({TREES, INTERNALS})),
     Method("hybrid-head", TRAINED_HEAD, "the head, and lookup-tree where the text's tail matches earlier text; no "
-           "second model", _hybrid(_drafter, LOOKUP_TREE)),
+           "second model", _hybrid(_drafter, LOOKUP_TREE), asks=frozenset({TREES, INTERNALS})),
 )}
 
 
@@ -147,12 +157,29 @@ def choose_method(method: str | None, has_draft: bool) -> str:
     return method
 
 
-def available_methods(own: str) -> tuple[str, ...]:
-    """The methods a sequence may ask for on an engine built for method `own`: the target alone and those that
-    need nothing, then those that need what own needs (its draft model, head or calibrated layers)."""
+def available_methods(own: str, backend: str = DEFAULT_BACKEND) -> tuple[str, ...]:
+    """The methods a sequence may ask for on an engine built for method `own` on `backend`: the target alone and
+    those that need nothing, then those that need what own needs (its draft model, head or calibrated layers);
+    of those, the ones the backend serves."""
     need = METHODS[own].needs
     free = [name for name in methods_needing(None) if name != BASELINE]
-    return (BASELINE, *free, *(methods_needing(need) if need is not None else ()))
+    served = BACKENDS[backend]
+    return tuple(name for name in (BASELINE, *free, *(methods_needing(need) if need is not None else ()))
+                 if METHODS[name].asks <= served)
+
+
+def check_backend(backend: str, method: str | None = None) -> None:
+    """Refuse an unknown backend, or a method that asks what the backend does not serve (naming those that do)."""
+    if backend not in BACKENDS:
+        raise DraftwiseError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if method is None:
+        return
+    missing = check_method(method).asks - BACKENDS[backend]
+    if missing:
+        serving = [name for name, served in BACKENDS.items() if check_method(method).asks <= served]
+        raise DraftwiseError(f"method {method!r} needs {' and '.join(sorted(missing))}, which the {backend} backend "
+                             f"does not give; it runs on the {' or '.join(serving)} backend (--backend "
+                             f"{serving[0]})")
 
 
 def new_proposer(method: str, parts: Parts) -> Proposer | None:

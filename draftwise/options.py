@@ -9,7 +9,8 @@ import argparse
 from draftwise.config import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET,
                               DTYPES, MAX_DRAFT_TOKENS, SamplingConfig)
 from draftwise.errors import DraftwiseError
-from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, method_names, methods_help, methods_needing
+from draftwise.methods import (BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, TRAINED_HEAD, available_methods, method_names,
+                               methods_help, methods_needing)
 
 MODEL_FORMS = "NAME, Hugging Face folder or .gguf path"
 DEFAULT_METHOD_HELP = "draft when --draft is given, else lookup"
@@ -54,6 +55,15 @@ def add_dtype(group, *, several: bool = False, role: str = "weights dtype at loa
                                 f"dtype; {what} (default: %(default)s)")
     else:
         group.add_argument("--dtype", choices=DTYPES, default="auto", help=f"{role}: {what} (default: %(default)s)")
+
+
+def add_backend(group) -> None:
+    """--backend: what runs the models (methods.BACKENDS)."""
+    chains = ", ".join(available_methods("hybrid", "llamacpp"))
+    group.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
+                       help="what runs the models: 'hf' (transformers, every method) or 'llamacpp' (the GGUF file as "
+                            "published, through llama-cpp-python: pip install 'draftwise[llamacpp]'; the methods "
+                            f"{chains}; --dtype does not apply) (default: %(default)s)")
 
 
 def add_device(group, *, what: str = "the models run") -> None:
@@ -102,6 +112,8 @@ def check_lookup_ngram(args: argparse.Namespace) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """Engine.from_pretrained's keyword options from the shared flags (head only when given)."""
+    """Engine.from_pretrained's keyword options from the shared flags (head only when given, backend only when not
+    the default)."""
     return dict(dtype=args.dtype, device=args.device, lookup_max_ngram=args.lookup_ngram,
-                **({"head": args.head} if args.head else {}))
+                **({"head": args.head} if args.head else {}),
+                **({"backend": args.backend} if args.backend != DEFAULT_BACKEND else {}))

@@ -37,17 +37,19 @@ def check_same_tokenizer(target, draft) -> None:
             )
 
 
-def readable_ids(tokenizer, model) -> int:
-    """How many ids, from 0, a prompt may hold: the tokenizer's tokens, as far as the model's embedding reads them."""
-    return min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+def readable_ids(tokenizer, embedding_rows: int) -> int:
+    """How many ids, from 0, a prompt may hold: the tokenizer's tokens, as far as the model's embedding (of
+    embedding_rows rows: a backend's member of that name) reads them."""
+    return min(len(tokenizer), embedding_rows)
 
 
-def check_draft_reads_every_token(tokenizer, target_model, draft_model) -> None:
-    """A draft model whose embedding has fewer rows than there are ids to read (the tokenizer's tokens, as far as
-    the target's own embedding reads them) would fail mid-generation: refuse it before anything runs. Rows past
-    those are padding, which real pairs differ in (Qwen2.5's 7B pads to 152,064 ids, its 0.5B to 151,936)."""
-    rows = draft_model.get_input_embeddings().num_embeddings
-    needed = readable_ids(tokenizer, target_model)
+def check_draft_reads_every_token(tokenizer, target_rows: int, draft_rows: int) -> None:
+    """A draft model whose embedding has fewer rows (draft_rows) than there are ids to read (the tokenizer's tokens,
+    as far as the target's own embedding, of target_rows, reads them) would fail mid-generation: refuse it before
+    anything runs. Rows past those are padding, which real pairs differ in (Qwen2.5's 7B pads to 152,064 ids, its
+    0.5B to 151,936)."""
+    rows = draft_rows
+    needed = readable_ids(tokenizer, target_rows)
     if rows < needed:
         raise DraftwiseError(f"the draft model reads {rows} token ids but the target and its tokenizer use {needed}; "
                              "a draft must share the target's tokenizer")

@@ -290,6 +290,8 @@ def test_load_engine_passes_the_options_to_from_pretrained(capsys, monkeypatch):
     assert code == 0
     assert seen == {"target": "tiny", "draft": "tiny-draft", "method": "draft", "dtype": "bfloat16",
                     "device": "cuda:1", "progress": False, "lookup_max_ngram": 5}
+    code, _, _ = run(capsys, *gen("--backend", "llamacpp", "--method", "none", "--quiet"))
+    assert code == 0 and seen["backend"] == "llamacpp"
 
 
 def test_ignored_draft_is_mentioned(capsys, loads):

