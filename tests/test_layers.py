@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("draftwise",)),  # Engine, Result, DraftwiseError (Engine imported lazily)
     # The round for a batch of sequences, the state it keeps per sequence and the draft-length policy.
     ("engine", ("draftwise.engine", "draftwise.sequence", "draftwise.adaptive")),
-    ("loading", ("draftwise.loading",)),  # names -> models -> an engine's parts
+    ("loading", ("draftwise.loading", "draftwise.loading_llamacpp")),  # names -> models -> an engine's parts
     ("methods", ("draftwise.methods",)),
     ("proposers | verify", ("draftwise.proposers", "draftwise.verify")),
     ("backends", ("draftwise.backends",)),
