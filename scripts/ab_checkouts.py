@@ -38,6 +38,8 @@ def main() -> None:
     print(f"A = {args.a.resolve()}\nB = {args.b.resolve()}\n{len(prompts)} prompts, methods {methods}, "
           f"{args.max_new_tokens} tokens, k {args.k}, {args.repeats} repeats", file=sys.stderr)
     arms = {"A": Worker(args.a.resolve(), spec), "B": Worker(args.b.resolve(), spec)}
+    for name, arm in arms.items():  # kernels are timed at load: a different choice explains a different speed
+        print(f"{name} loaded: {json.dumps(arm.speed_paths)}", file=sys.stderr, flush=True)
     try:
         for arm in arms.values():  # a warm-up each, excluded
             arm.run(prompts[0], methods[0], 8, args.k)

@@ -27,7 +27,7 @@ from draftwise import Engine
 spec = json.loads(sys.stdin.readline())
 engine = Engine.from_pretrained(target=spec["target"], draft=spec["draft"], method=spec["method"],
                                 dtype=spec["dtype"], progress=False)
-print(json.dumps({"ready": True}), flush=True)
+print(json.dumps({"ready": True, "speed_paths": engine.speed_paths}, default=str), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     result = engine.generate(job["prompt"], chat=True, method=job["method"], max_new_tokens=job["max_new_tokens"],
@@ -52,8 +52,10 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER], cwd=checkout, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._send(spec)
-        if not self._receive().get("ready"):
+        ready = self._receive()
+        if not ready.get("ready"):
             raise RuntimeError(f"the worker for {checkout} did not start")
+        self.speed_paths = ready.get("speed_paths", {})  # what its load chose (dtype, kernels): a timed choice
 
     def run(self, prompt: str, method: str, max_new_tokens: int, k: int) -> ArmRun:
         self._send({"prompt": prompt, "method": method, "max_new_tokens": max_new_tokens, "k": k})
