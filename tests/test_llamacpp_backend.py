@@ -101,14 +101,6 @@ def test_a_positions_logits_do_not_depend_on_the_call_that_computed_them():
         assert torch.equal(logits, first), f"{name}: max |diff| {float((logits - first).abs().max())}"
 
 
-@needs_llama
-@pytest.mark.real_model
-def test_without_the_minimum_width_one_token_steps_round_differently():
-    """The control: unpadded, a one-token step takes other kernels than a wider pass, and the logits differ."""
-    shapes = positions_by_call_shape(backend(min_width=1))
-    assert not torch.equal(shapes["one-token steps"], shapes["one 5-token pass"])
-
-
 @functools.lru_cache(maxsize=None)
 def backend_vocab() -> int:
     return backend().vocab_size
