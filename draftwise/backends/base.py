@@ -91,3 +91,35 @@ class SharedBackend(Protocol):
         the rows' last hidden states). Lengths move only once the whole pass has succeeded; trees: per row, None
         or the TreeLayout its ids are scored as (types.py)."""
         ...
+
+
+class OnDefaultSlot:
+    """A SharedBackend's single-sequence methods, acting on its `default` slot: code that runs one sequence at a
+    time (a proposer's own draft model) takes the shared model as it is, with no slot of its own."""
+
+    default: Backend
+
+    @property
+    def cache_len(self) -> int:
+        return self.default.cache_len
+
+    def prefill(self, token_ids: list[int]) -> None:
+        self.default.prefill(token_ids)
+
+    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
+        return self.default.forward(new_token_ids)
+
+    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
+        return self.default.append(token_ids, hidden)
+
+    def trim(self, to_len: int) -> None:
+        self.default.trim(to_len)
+
+    def keep(self, start: int, sources: list[int]) -> None:
+        self.default.keep(start, sources)
+
+    def restore(self, token_ids: list[int]) -> int:
+        return self.default.restore(token_ids)
+
+    def remember(self, token_ids: list[int]) -> None:
+        self.default.remember(token_ids)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from draftwise.backends.base import OnDefaultSlot
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
@@ -16,7 +17,7 @@ from draftwise.progress import transformers_progress
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class HFBackend:
+class HFBackend(OnDefaultSlot):
     """A model and one SlotCache: sequences open slots, and one forward serves a ragged batch of them.
 
     The single-sequence methods (prefill, forward, trim, cache_len) act on `default`, a slot opened here,
@@ -59,32 +60,6 @@ class HFBackend:
 
     def close_slot(self, view: "SlotView") -> None:
         self.cache.close_slot(view.slot)
-
-    # -- the default slot ------------------------------------------------------------------------------
-    @property
-    def cache_len(self) -> int:
-        return self.default.cache_len
-
-    def prefill(self, token_ids: list[int]) -> None:
-        self.default.prefill(token_ids)
-
-    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
-        return self.default.forward(new_token_ids)
-
-    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
-        return self.default.append(token_ids, hidden)
-
-    def trim(self, to_len: int) -> None:
-        self.default.trim(to_len)
-
-    def keep(self, start: int, sources: list[int]) -> None:
-        self.default.keep(start, sources)
-
-    def restore(self, token_ids: list[int]) -> int:
-        return self.default.restore(token_ids)
-
-    def remember(self, token_ids: list[int]) -> None:
-        self.default.remember(token_ids)
 
     # -- ragged batches --------------------------------------------------------------------------------
     def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.backends.base import OnDefaultSlot
 from draftwise.backends.hf import SlotView
 from draftwise.backends.llamacpp_api import LlamaContext, LlamaSettings
 from draftwise.errors import DraftwiseError
@@ -39,7 +40,7 @@ class LlamaSequence:
         self.open = True
 
 
-class LlamaBackend:
+class LlamaBackend(OnDefaultSlot):
     """A GGUF model in llama.cpp, as a SharedBackend (base.py): slots open and close; forward_batch scores a
     ragged batch of them in one decode (several when it holds more than the context's batch of tokens)."""
 
@@ -82,32 +83,6 @@ class LlamaBackend:
         seq.open = False
         self.llama.forget(seq.seq_id)
         self._free.append(seq.seq_id)
-
-    # -- the default slot ------------------------------------------------------------------------------
-    @property
-    def cache_len(self) -> int:
-        return self.default.cache_len
-
-    def prefill(self, token_ids: list[int]) -> None:
-        self.default.prefill(token_ids)
-
-    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
-        return self.default.forward(new_token_ids)
-
-    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
-        return self.default.append(token_ids, hidden)
-
-    def trim(self, to_len: int) -> None:
-        self.default.trim(to_len)
-
-    def keep(self, start: int, sources: list[int]) -> None:
-        self.default.keep(start, sources)
-
-    def restore(self, token_ids: list[int]) -> int:
-        return self.default.restore(token_ids)
-
-    def remember(self, token_ids: list[int]) -> None:
-        self.default.remember(token_ids)
 
     # -- ragged batches --------------------------------------------------------------------------------
     def forward_batch(self, rows: list[tuple["LlamaSlot", list[int]]], logits: bool = True,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftwise.estimates import interpolate
+from draftwise.types import common_prefix
 from draftwise.bench.summary import ALL, REFERENCE_OWN, REFERENCE_PEER, ratio, summarize, trees_beside_chains
 
 ROOFLINE_TOKENS = (1, 2, 4, 8, 16)
@@ -342,16 +343,6 @@ def _roofline_reading(target: dict, draft: dict | None, meta: dict) -> str:
         f"{round_ms / step:.2f})."
     )
     return " ".join(parts)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two outputs share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def agreement(runs: list[dict], method: str) -> float | None:
