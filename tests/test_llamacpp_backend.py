@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import decode_together
 
 from draftwise import Engine
 from draftwise.config import GenerationConfig
@@ -156,16 +157,7 @@ def baseline(prompt: str) -> tuple[int, ...]:
 
 def together(eng: Engine, prompts: list[str], method: str) -> list[list[int]]:
     """Both prompts as one batch: each round of both sequences one engine.step."""
-    seqs = [eng.open_sequence(ids(p), greedy(method)) for p in prompts]
-    try:
-        for seq in seqs:
-            while not seq.prefill_done:
-                eng.prefill(seq)
-        while any(seq.finish is None for seq in seqs):
-            eng.step([seq for seq in seqs if seq.finish is None])
-    finally:
-        for seq in seqs:
-            eng.close_sequence(seq)
+    seqs = decode_together(eng, [ids(p) for p in prompts], greedy(method))
     return [seq.context[len(ids(p)):] for seq, p in zip(seqs, prompts)]
 
 
