@@ -36,8 +36,9 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     """Load by model name, local Hugging Face folder or .gguf path (pulling a known name if needed).
 
     head: the trained head's folder for the methods head and hybrid-head (default: where `draftwise train-head` puts
-    the target's). backend: "hf" (transformers) or "llamacpp" (the GGUF file as published, loading_llamacpp.py);
-    a method the backend cannot serve is refused before anything loads."""
+    the target's). backend: "hf" (transformers), "quant" (transformers with its linears on the GGUF file's own
+    blocks, backends/quant_model.py) or "llamacpp" (the GGUF file as published, loading_llamacpp.py); a method the
+    backend cannot serve is refused before anything loads."""
     check_backend(backend)
     method = choose_method(method, draft is not None)
     check_backend(backend, method)
@@ -49,19 +50,38 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
         return build_llamacpp_engine(engine_cls, target=target, draft=draft, method=method, progress=progress,
                                      **lookup)
     need = METHODS[method].needs
+    quantized = backend == "quant"
+    if quantized:
+        dtype = quant_dtype(dtype)
+        # The kernels' choice is the quantized one, and a compact draft would re-pack the output layer it
+        # reads: both stay as loaded.
+        lookup = {"target_kernels": ("dense",), "compact_draft": False, **lookup}
     if need == TRAINED_HEAD:
         from draftwise.models import head_home
 
         head = head or str(head_home(target))
         require_head(head)  # an instant, before the target loads for minutes
     target_model, tokenizer, draft_model = load_models(target, draft if need == DRAFT_MODEL else None, dtype, device,
-                                                       progress)
-    return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
+                                                       progress, quantized)
+    engine = assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
+    if quantized:
+        engine.speed_paths["backend"] = "quant"
+    return engine
+
+
+def quant_dtype(dtype: str) -> str:
+    """The quant backend computes in float32 around its integer kernel: 'auto' means that; another is refused."""
+    if dtype not in ("auto", "float32"):
+        raise DraftwiseError(f"the quant backend computes in float32 around its integer kernel; --dtype {dtype} "
+                             "does not apply (leave it at auto, or use --backend hf)")
+    return "float32"
 
 
 def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
-                progress: bool = True):
-    """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first."""
+                progress: bool = True, quantized: bool = False):
+    """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first.
+
+    quantized: each model's linears on its GGUF file's own blocks (the quant backend; dtype float32)."""
     from draftwise.models import check_resolves, resolve  # the store pulls weights; only named models need it
 
     check_device(device)  # an instant, before a pull or a load of minutes
@@ -77,8 +97,23 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
         # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
         check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
         draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
+        if quantized:
+            draft_model = on_quant_weights(draft_model, draft_source, draft, progress)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
+    if quantized:
+        target_model = on_quant_weights(target_model, target_source, target, progress)
     return target_model, tokenizer, draft_model
+
+
+def on_quant_weights(model, source, name: str, progress: bool):
+    """model with its linears on the blocks of the GGUF file it came from, or an error that says how to get one."""
+    from draftwise.backends.quant_model import on_gguf_weights
+
+    gguf = source.gguf_path
+    if gguf is None:
+        raise DraftwiseError(f"the quant backend reads the model's GGUF file; {name!r} has none here (pull it by name "
+                             "with `draftwise models pull`, or pass a .gguf file)")
+    return on_gguf_weights(model, gguf, progress)
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,

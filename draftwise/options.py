@@ -61,9 +61,12 @@ def add_backend(group) -> None:
     """--backend: what runs the models (methods.BACKENDS)."""
     chains = ", ".join(available_methods("hybrid", "llamacpp"))
     group.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
-                       help="what runs the models: 'hf' (transformers, every method) or 'llamacpp' (the GGUF file as "
-                            "published, through llama-cpp-python: pip install 'draftwise[llamacpp]'; the methods "
-                            f"{chains}; --dtype does not apply) (default: %(default)s)")
+                       help="what runs the models: 'hf' (transformers, every method), 'quant' (transformers with "
+                            "its linears on the GGUF file's own 4- and 6-bit blocks, draftwise's integer kernel, "
+                            "compiled here on first use; float32 around it; every method but the head ones) or "
+                            "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
+                            f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) "
+                            "(default: %(default)s)")
 
 
 def add_device(group, *, what: str = "the models run") -> None:

@@ -16,3 +16,10 @@ def transformers_progress(enabled: bool) -> Iterator[None]:
         yield
     finally:
         (logging.enable_progress_bar if was_enabled else logging.disable_progress_bar)()
+
+
+def bar(items, desc: str, disable: bool = False):
+    """A tqdm bar on stderr over items (a list: its length is the total)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, disable=disable, dynamic_ncols=True, leave=False)

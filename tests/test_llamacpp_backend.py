@@ -29,7 +29,7 @@ needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
 
 
 def test_an_unknown_backend_is_refused_with_the_choices():
-    with pytest.raises(DraftwiseError, match="unknown backend 'vllm'; choose one of: hf, llamacpp"):
+    with pytest.raises(DraftwiseError, match="unknown backend 'vllm'; choose one of: hf, quant, llamacpp"):
         Engine.from_pretrained("no-such-model", method="none", backend="vllm")
 
 
@@ -37,7 +37,7 @@ def test_an_unknown_backend_is_refused_with_the_choices():
 def test_methods_the_llamacpp_backend_cannot_serve_are_refused_before_loading(method):
     # (the target does not exist: the refusal comes before any name is resolved)
     with pytest.raises(DraftwiseError, match=f"method {method!r} needs .* the llamacpp backend does not give; it "
-                                             "runs on the hf backend"):
+                                             "runs on the hf (or quant )?backend"):
         Engine.from_pretrained("no-such-model", draft="no-such-draft", method=method, backend="llamacpp")
 
 

@@ -38,6 +38,8 @@ from draftwise.tokenizers import encode_prompt
 HEAD_METHODS = methods_needing(TRAINED_HEAD)
 # Every method but those needing a trained head or a llama-server build (opt-in: `make llama-server`).
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS and m not in LCPP_PEERS)
+# A pass that runs the quant backend: the models' linears on their GGUF files' own blocks (float32 around them).
+GGUF_PASS = "gguf"
 WARMUP_TOKENS = 8
 
 
@@ -102,8 +104,8 @@ def per_dtype(cfg: BenchConfig, names: Sequence[str]) -> list[BenchConfig]:
     unknown name before any model loads.
     """
     if not names:
-        raise DraftwiseError(f"dtype: give at least one of {', '.join(DTYPES)}")
-    dtypes = dict.fromkeys(resolve_dtype(name, cfg.device) for name in names)
+        raise DraftwiseError(f"dtype: give at least one of {', '.join(DTYPES)}, or {GGUF_PASS}")
+    dtypes = dict.fromkeys(name if name == GGUF_PASS else resolve_dtype(name, cfg.device) for name in names)
     return [replace(cfg, dtype=dtype) for dtype in dtypes]
 
 
@@ -155,7 +157,8 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     lcpp = LlamaCppPeers(gguf_files(cfg), threads=torch.get_num_threads()) if uses_lcpp(cfg) else None
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
-                      lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp)
+                      lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp,
+                      quantized=cfg.dtype == GGUF_PASS)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     try:  # llama.cpp's servers are processes of their own: stopped whatever happens
@@ -175,7 +178,9 @@ def load_models(cfg: BenchConfig):
     """(target, tokenizer, draft or None): the draft only when a method needs it."""
     from draftwise.loading import load_models as load
 
-    return load(cfg.target, cfg.draft if uses_draft(cfg) else None, cfg.dtype, cfg.device, cfg.progress)
+    quantized = cfg.dtype == GGUF_PASS
+    return load(cfg.target, cfg.draft if uses_draft(cfg) else None, "float32" if quantized else cfg.dtype, cfg.device,
+                cfg.progress, quantized)
 
 
 def uses_draft(cfg: BenchConfig) -> bool:

@@ -64,16 +64,18 @@ class Runners:
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
-                 lcpp: LlamaCppPeers | None = None):
+                 lcpp: LlamaCppPeers | None = None, quantized: bool = False):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
         n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
-        lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close())."""
+        lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close()). quantized: the models' linears are
+        on their GGUF blocks (the quant backend): no kernels to time, no compact draft."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         self.lookup_ngram, self.adaptive = lookup_ngram, adaptive
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
-        self.fast_target = on_timed_kernels(target_model)
+        self.quantized = quantized
+        self.fast_target = target_model if quantized else on_timed_kernels(target_model)
         self.tokenizer = tokenizer
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
@@ -90,6 +92,9 @@ class Runners:
         import transformers
 
         ours = f"draftwise on PyTorch {torch.__version__}, {dtype} weights, kernels timed and chosen at load"
+        if self.quantized:
+            ours = (f"draftwise on PyTorch {torch.__version__}, the GGUF files' own blocks on draftwise's integer "
+                    "kernel (qgemm.c), float32 elsewhere")
         theirs = f"transformers {transformers.__version__} generate on PyTorch {torch.__version__}, {dtype} weights"
         return {m: self.lcpp.engine(m) if m in LCPP_PEERS and self.lcpp is not None else
                 theirs if m in PEERS else ours for m in methods}
@@ -109,9 +114,10 @@ class Runners:
             # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
             # copy has repacked.
             head = {"head": self.head} if needs(method, TRAINED_HEAD) else {}
+            quant = {"target_kernels": ("dense",), "compact_draft": False} if self.quantized else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
                                                        loaded_model=self.target_model,
-                                                       lookup_max_ngram=self.lookup_ngram, **head)
+                                                       lookup_max_ngram=self.lookup_ngram, **head, **quant)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:

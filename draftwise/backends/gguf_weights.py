@@ -1,0 +1,161 @@
+"""A GGUF file's quantized blocks, read as published into the layout qgemm.c multiplies by.
+
+Every type read here maps exactly onto one form: w[n, k] = d[n, s] * sc[n, g] * q[n, k] - dmin[n, s] * mn[n, g],
+q unsigned, g = k // group its group, s = g // supers its super-group (groups of `group` values, `supers` groups a
+super-group). The integers and scales are the file's own; nothing is re-quantized from floats.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from draftwise.errors import DraftwiseError
+
+TILE = 16  # output channels per tile (qgemm.c)
+
+
+@dataclass
+class Blocks:
+    """One weight [n, k] in per-channel form: q [n, k] uint8, sc and mn [n, k/group] int8, d and dmin
+    [n, k/(group*supers)] float32."""
+
+    q: np.ndarray
+    sc: np.ndarray
+    mn: np.ndarray
+    d: np.ndarray
+    dmin: np.ndarray
+    group: int
+    supers: int
+    nibbles: bool  # every q below 16: stored two to a byte
+
+    def dequantize(self) -> np.ndarray:
+        """[n, k] float32: what the blocks stand for (for checks; the kernel never forms it)."""
+        n, k = self.q.shape
+        per_group = lambda a: np.repeat(a, self.group, axis=1)  # noqa: E731  [n, groups] -> [n, k]
+        per_super = lambda a: np.repeat(a, self.group * self.supers, axis=1)  # noqa: E731
+        scale = per_super(self.d) * per_group(self.sc).astype(np.float32)
+        low = per_super(self.dmin) * per_group(self.mn).astype(np.float32)
+        return scale * self.q.astype(np.float32) - low
+
+    def rows(self, order: np.ndarray) -> "Blocks":
+        """The same weight with its output channels taken in `order`."""
+        return Blocks(self.q[order], self.sc[order], self.mn[order], self.d[order], self.dmin[order], self.group,
+                      self.supers, self.nibbles)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _q4_k(blocks: np.ndarray):  # 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    packed = blocks[:, 4:16].reshape(-1, 3, 4)
+    a, b, c = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)  # [blocks, 8]
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(-1, 256), sc, mn, d, dmin, 32, 8
+
+
+def _q6_k(blocks: np.ndarray):  # 210 bytes: 128 low nibbles, 64 of 2-bit highs, 16 int8 scales, d (f16)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(-1, 2, 2, 64)  # [blocks, half, nibble, 64]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(-1, 2, 4, 32)
+    q = (ql.reshape(-1, 2, 4, 32) | (qh << 4)).reshape(-1, 256)  # 0..63, the file's value + 32
+    sc = blocks[:, 192:208].copy().view(np.int8)  # [blocks, 16]
+    d = _f16(blocks[:, 208:210])
+    return q, sc, sc, d, 32 * d, 16, 16  # d * sc * (q - 32)
+
+
+def _q5_0(blocks: np.ndarray):  # 22 bytes: d (f16), 32 high bits, 16 bytes of nibbles; w = d * (q - 16)
+    d = _f16(blocks[:, 0:2])
+    high = blocks[:, 2:6].copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    low = blocks[:, 6:22].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    q = (low & 0x0F).reshape(-1, 32) | ((high & 1).astype(np.uint8) << 4)
+    return q, *_unit_scales(len(blocks)), d, 16 * d, 32, 1
+
+
+def _q8_0(blocks: np.ndarray):  # 34 bytes: d (f16), 32 int8; w = d * q
+    d = _f16(blocks[:, 0:2])
+    q = (blocks[:, 2:34].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, *_unit_scales(len(blocks)), d, 128 * d, 32, 1
+
+
+def _q4_0(blocks: np.ndarray):  # 18 bytes: d (f16), 16 bytes of nibbles; w = d * (q - 8)
+    d = _f16(blocks[:, 0:2])
+    return _nibbles(blocks[:, 2:18]), *_unit_scales(len(blocks)), d, 8 * d, 32, 1
+
+
+def _q4_1(blocks: np.ndarray):  # 20 bytes: d, m (f16), 16 bytes of nibbles; w = d * q + m
+    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, _ = _unit_scales(len(blocks))
+    return _nibbles(blocks[:, 4:20]), sc, -sc, d, m, 32, 1
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    return (qs.reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1) & 0x0F).reshape(-1, 32)
+
+
+def _unit_scales(blocks: int):
+    ones = np.ones((blocks, 1), dtype=np.int8)
+    return ones, ones
+
+
+# GGUF type name -> (bytes a block, values a block, decoder)
+DECODERS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q5_0": (22, 32, _q5_0), "Q8_0": (34, 32, _q8_0),
+            "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1)}
+
+
+def decode(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
+    """A tensor's raw bytes [n, k / values * bytes] -> Blocks, or an error naming the types read."""
+    if type_name not in DECODERS:
+        raise DraftwiseError(f"the quant backend reads {', '.join(DECODERS)} weights, not {type_name}")
+    size, values, decoder = DECODERS[type_name]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // values), size)
+    q, sc, mn, d, dmin, group, supers = decoder(blocks)
+    groups, super_groups = k // group, k // (group * supers)
+    return Blocks(q.reshape(n, k).astype(np.uint8), sc.reshape(n, groups).astype(np.int8),
+                  mn.reshape(n, groups).astype(np.int8), d.reshape(n, super_groups).astype(np.float32),
+                  dmin.reshape(n, super_groups).astype(np.float32), group, supers,
+                  nibbles=type_name in ("Q4_K", "Q4_0", "Q4_1"))
+
+
+@dataclass
+class Packed:
+    """Blocks in qgemm.c's tile layout (tile of 16 channels outermost), as flat contiguous arrays."""
+
+    q: np.ndarray
+    sc: np.ndarray
+    mn: np.ndarray
+    d: np.ndarray
+    dmin: np.ndarray
+    n: int
+    k: int
+    group: int
+    supers: int
+    nibbles: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.sc, self.mn, self.d, self.dmin))
+
+
+def pack(blocks: Blocks) -> Packed:
+    """Tile-major layout; channels padded to a multiple of 16 with zero scales (their outputs are dropped)."""
+    n, k = blocks.q.shape
+    padded = -n % TILE
+    if padded:
+        blocks = Blocks(*(np.pad(a, ((0, padded), (0, 0))) for a in (blocks.q, blocks.sc, blocks.mn, blocks.d,
+                                                                      blocks.dmin)),
+                        blocks.group, blocks.supers, blocks.nibbles)
+    tiles, g = (n + padded) // TILE, blocks.group
+    groups = k // g
+    # [tiles, groups, vec, channel, 4]: register `vec` holds 4 consecutive values of each of the 16 channels
+    q = blocks.q.reshape(tiles, TILE, groups, g // 4, 4).transpose(0, 2, 3, 1, 4)
+    if blocks.nibbles:  # register i and i + 4 share bytes: low and high nibble
+        q = q[:, :, : g // 8] | (q[:, :, g // 8:] << 4)
+    by_tile = lambda a: np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1)).ravel()  # noqa: E731
+    return Packed(np.ascontiguousarray(q).ravel(), by_tile(blocks.sc), by_tile(blocks.mn), by_tile(blocks.d),
+                  by_tile(blocks.dmin), n, k, g, blocks.supers, blocks.nibbles)

@@ -1,0 +1,264 @@
+// Quantized matmul for a few rows: y[M, N] = x[M, K] . W[N, K]^T, W as a GGUF file stores it.
+//
+// Why our own kernel: decoding on a CPU reads every weight once per pass, so a pass over 1 to 8 rows should
+// cost about one weight read. Kernels that dequantize a block per row (llama.cpp's vec_dot, PyTorch's int4
+// weight-only op) pay the unpacking again for every row, and cost about twice a plain step at 4 rows.
+// Here each 16-channel tile of weights is unpacked once into registers and applied to every row.
+//
+// Weights (see gguf_weights.py): w[n, k] = d[n, s] * sc[n, g] * q[n, k] - dmin[n, s] * mn[n, g]
+//   q: unsigned values below 256 (below 16 when packed two to a byte), g = k / G its group, s = g / S its
+//   super-group. Every GGUF type draftwise reads maps onto this exactly (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1).
+// Activations: each row quantized per group of G to int8 with its own scale, as llama.cpp does (Q8_K);
+//   the integer dot products then run on AVX512-VNNI (64 multiply-adds an instruction).
+//
+// Batch invariance: a row's result depends only on that row and the weights. The instruction sequence that
+// computes y[m, n] is the same whatever M is, whichever chunk of rows m falls in, and whichever thread runs
+// its tile (tiles are never split over threads): a row's logits are bit-identical alone or in any batch.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DW_VNNI 1
+#else
+#define DW_VNNI 0
+#endif
+
+#define TILE 16  // output channels per tile: one float32 lane each
+#define MAX_ROWS 16  // rows per pass over a tile: one accumulator register each
+
+// Quantize each row of x [rows, k] to int8 per group of g: xq [rows, k], scale and float sum per group.
+void dw_quantize_rows(const float *x, int rows, int k, int g, int8_t *xq, float *scale, float *sum) {
+    const int groups = k / g;
+#pragma omp parallel for schedule(static) if (rows * k > 65536)
+    for (int r = 0; r < rows; r++) {
+        for (int j = 0; j < groups; j++) {
+            const float *v = x + (size_t)r * k + (size_t)j * g;
+            int8_t *out = xq + (size_t)r * k + (size_t)j * g;
+            float amax = 0.0f;
+            for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float s = amax / 127.0f;
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int total = 0;
+            for (int i = 0; i < g; i++) {
+                const int qv = (int)nearbyintf(v[i] * inv);
+                out[i] = (int8_t)qv;
+                total += qv;
+            }
+            scale[(size_t)r * groups + j] = s;
+            sum[(size_t)r * groups + j] = s * (float)total;
+        }
+    }
+}
+
+int dw_vectorized(void) { return DW_VNNI; }
+
+#if DW_VNNI
+// One tile of 16 channels over R rows. G: group size (16 or 32); NIB: values packed two to a byte.
+static inline __attribute__((always_inline)) void tile_rows(
+    const int R, const int G, const int NIB, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
+    const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y, int ldy) {
+    const int groups = k / G;
+    const int vecs = G / 4;  // registers of 16 channels x 4 values per group
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 dv = _mm512_setzero_ps(), dmv = _mm512_setzero_ps();
+    for (int j = 0; j < groups; j++) {
+        if (j % S == 0) {
+            dv = _mm512_loadu_ps(d + (size_t)(j / S) * TILE);
+            dmv = _mm512_loadu_ps(dmin + (size_t)(j / S) * TILE);
+        }
+        const __m512 ws = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_loadu_si128((const __m128i *)(sc + (size_t)j * TILE)))));
+        const __m512 wm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128((const __m128i *)(mn + (size_t)j * TILE)))));
+        __m512i w[8];
+        if (NIB) {
+            const uint8_t *p = q + (size_t)j * TILE * G / 2;
+            for (int i = 0; i < vecs / 2; i++) {
+                const __m512i packed = _mm512_loadu_si512(p + 64 * i);
+                w[i] = _mm512_and_si512(packed, low);
+                w[i + vecs / 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+        } else {
+            const uint8_t *p = q + (size_t)j * TILE * G;
+            for (int i = 0; i < vecs; i++) w[i] = _mm512_loadu_si512(p + 64 * i);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (size_t)r * k + (size_t)j * G;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+            for (int i = 0; i < vecs; i += 2) {
+                int32_t a, b;
+                memcpy(&a, xr + 4 * i, 4);
+                memcpy(&b, xr + 4 * i + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a));
+                s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(b));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            const size_t at = (size_t)r * groups + j;
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(xs[at])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(xsum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, acc[r]);
+}
+
+#define ROWS_CASE(R, G, NIB)                                                                             \
+    case R:                                                                                              \
+        tile_rows(R, G, NIB, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);                            \
+        break;
+#define ALL_ROWS(G, NIB)                                                                                 \
+    switch (R) {                                                                                         \
+        ROWS_CASE(1, G, NIB) ROWS_CASE(2, G, NIB) ROWS_CASE(3, G, NIB) ROWS_CASE(4, G, NIB)              \
+        ROWS_CASE(5, G, NIB) ROWS_CASE(6, G, NIB) ROWS_CASE(7, G, NIB) ROWS_CASE(8, G, NIB)              \
+        ROWS_CASE(9, G, NIB) ROWS_CASE(10, G, NIB) ROWS_CASE(11, G, NIB) ROWS_CASE(12, G, NIB)           \
+        ROWS_CASE(13, G, NIB) ROWS_CASE(14, G, NIB) ROWS_CASE(15, G, NIB) ROWS_CASE(16, G, NIB)          \
+    }
+
+#else
+// Without AVX512-VNNI: the same arithmetic one lane at a time (integer dots are exact; the float steps are the
+// same operations in the same order, fused where the vector code fuses), so results are bit-identical, slowly.
+static inline int value_at(const uint8_t *p, int G, int NIB, int c, int kk) {
+    const int vec = kk / 4, r = kk % 4;
+    if (!NIB) return p[64 * vec + 4 * c + r];
+    const int half = G / 8;
+    return vec < half ? p[64 * vec + 4 * c + r] & 0x0F : p[64 * (vec - half) + 4 * c + r] >> 4;
+}
+
+static void tile_rows(int R, int G, int NIB, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
+                      const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum,
+                      float *y, int ldy) {
+    const int groups = k / G;
+    float acc[MAX_ROWS][TILE];
+    memset(acc, 0, sizeof(acc));
+    for (int j = 0; j < groups; j++) {
+        const uint8_t *p = q + (size_t)j * TILE * G / (NIB ? 2 : 1);
+        for (int c = 0; c < TILE; c++) {
+            const size_t at_s = (size_t)(j / S) * TILE + c, at_g = (size_t)j * TILE + c;
+            const float ws = d[at_s] * (float)sc[at_g], wm = dmin[at_s] * (float)mn[at_g];
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + (size_t)r * k + (size_t)j * G;
+                int dot = 0;
+                for (int kk = 0; kk < G; kk++) dot += value_at(p, G, NIB, c, kk) * xr[kk];
+                const size_t at = (size_t)r * groups + j;
+                acc[r][c] = fmaf((float)dot, ws * xs[at], acc[r][c]);
+                acc[r][c] = fmaf(-wm, xsum[at], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(y + (size_t)r * ldy, acc[r], sizeof(acc[r]));
+}
+#define ALL_ROWS(G, NIB) tile_rows(R, G, NIB, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);
+#endif
+
+static void tile_dispatch(int R, int G, int nib, int k, int S, const uint8_t *q, const int8_t *sc,
+                          const int8_t *mn, const float *d, const float *dmin, const int8_t *xq, const float *xs,
+                          const float *xsum, float *y, int ldy) {
+    if (G == 32 && nib) {
+        ALL_ROWS(32, 1)
+    } else if (G == 32) {
+        ALL_ROWS(32, 0)
+    } else {
+        ALL_ROWS(16, 0)
+    }
+}
+
+// y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32; 32 when nibbles).
+// Layouts, tile t = n / 16 outermost: q [t][k/g][16 * g (/ 2)], sc and mn [t][k/g][16], d and dmin
+// [t][k/(g*s)][16]. Returns 0, or -1 for a shape it does not take.
+int dw_qgemm(const int8_t *xq, const float *xs, const float *xsum, int rows, int n, int k, int g, int s,
+             int nibbles, const uint8_t *q, const int8_t *sc, const int8_t *mn, const float *d, const float *dmin,
+             float *y) {
+    if (n % TILE || (g != 16 && g != 32) || k % (g * s) || (nibbles && g != 32)) return -1;
+    const int tiles = n / TILE, groups = k / g;
+    const size_t q_tile = (size_t)groups * TILE * g / (nibbles ? 2 : 1);
+    const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / s) * TILE;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+            const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+            tile_dispatch(R, g, nibbles, k, s, q + t * q_tile, sc + t * m_tile, mn + t * m_tile, d + t * d_tile,
+                          dmin + t * d_tile, xq + (size_t)r0 * k, xs + (size_t)r0 * groups,
+                          xsum + (size_t)r0 * groups, y + (size_t)r0 * n + (size_t)t * TILE, n);
+        }
+    }
+    return 0;
+}
+
+// x [rows, k] float32 -> y [rows, n]: quantize the rows, then multiply (one call from Python, not two).
+int dw_linear(const float *x, int rows, int n, int k, int g, int s, int nibbles, const uint8_t *q, const int8_t *sc,
+              const int8_t *mn, const float *d, const float *dmin, float *y) {
+    if (k % g) return -1;
+    int8_t *xq = malloc((size_t)rows * k);
+    float *xs = malloc(sizeof(float) * (size_t)rows * (k / g)), *xsum = malloc(sizeof(float) * (size_t)rows * (k / g));
+    int status = -2;
+    if (xq && xs && xsum) {
+        dw_quantize_rows(x, rows, k, g, xq, xs, xsum);
+        status = dw_qgemm(xq, xs, xsum, rows, n, k, g, s, nibbles, q, sc, mn, d, dmin, y);
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+    return status;
+}
+
+// Attention for a few queries, each row on its own: out [B, n, H, d] from q [B, H, n, d], k and v [B, Hkv, L, d]
+// (strides in floats; the last dimension contiguous) and visible [B, n, L] (1: the query sees that key).
+// Why not a library's: their kernels block keys and queries by the call's shape, so a query's result changes
+// with how many others share the call and with the cache's length; here a query's scores, softmax and weighted
+// sum visit exactly its visible keys in key order, in fixed 16-lane partial sums, whatever the call holds.
+#define LANES 16
+static float dot_lanes(const float *a, const float *b, int d) {
+    float part[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] = fmaf(a[i + l], b[i + l], part[l]);
+    for (int l = 0; i < d; i++, l++) part[l] = fmaf(a[i], b[i], part[l]);
+    float total = 0.0f;
+    for (int l = 0; l < LANES; l++) total += part[l];
+    return total;
+}
+
+int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
+                 long vb, long vh, long vt, const uint8_t *visible, int batch, int heads, int kv_heads, int n, int keys,
+                 int d, float scale, float *out) {
+    if (heads % kv_heads) return -1;
+    const int group = heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *score = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
+        if (!score) failed = 1;
+#pragma omp for collapse(3) schedule(static)
+        for (int b = 0; b < batch; b++)
+            for (int h = 0; h < heads; h++)
+                for (int t = 0; t < n; t++) {
+                    if (!score) continue;
+                    const float *qr = q + b * qb + h * qh + t * qt;
+                    const float *kr = k + b * kb + (h / group) * kh, *vr = v + b * vb + (h / group) * vh;
+                    const uint8_t *seen = visible + ((size_t)b * n + t) * keys;
+                    float *o = out + (((size_t)b * n + t) * heads + h) * d;
+                    float top = -INFINITY;
+                    for (int j = 0; j < keys; j++)
+                        if (seen[j]) {
+                            score[j] = dot_lanes(qr, kr + j * kt, d) * scale;
+                            top = fmaxf(top, score[j]);
+                        }
+                    float total = 0.0f;
+                    for (int i = 0; i < d; i++) o[i] = 0.0f;
+                    for (int j = 0; j < keys; j++)
+                        if (seen[j]) {
+                            const float p = expf(score[j] - top);
+                            total += p;
+                            const float *vj = vr + j * vt;
+                            for (int i = 0; i < d; i++) o[i] = fmaf(p, vj[i], o[i]);
+                        }
+                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // a row that sees nothing: zeros
+                    for (int i = 0; i < d; i++) o[i] *= inv;
+                }
+        free(score);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,126 @@
+"""A transformers model whose linears run on its GGUF file's own quantized blocks (QuantLinear, qgemm.c).
+
+Everything else (embeddings, norms, attention, the cache) stays the float32 model the store converted from
+the same file, so every method that runs on the transformers route (trees, layer skipping) runs here too.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from draftwise.backends.gguf_weights import Blocks, decode, pack
+from draftwise.backends.qgemm import QuantLinear, attention
+from draftwise.errors import DraftwiseError
+from draftwise.progress import bar
+
+# GGUF tensor -> the module of a transformers decoder (Llama, Qwen2 and the families that share their names)
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+CHECKED_ROWS = 16  # rows of each weight compared with the float model: catches a wrong name or channel order
+ROW_INVARIANT = "draftwise_row_invariant"  # the attention function every layer of such a model runs
+
+
+def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature, on qgemm.c's per-query attention. Why: the integer kernel rounds
+    each activation to int8, so a last-bit difference in what attention returns (SDPA's result for a query
+    changes with the call's shape) can move a whole rounding step, and a verification pass would then disagree
+    with plain decoding. query [B, H, n, d]; key, value [B, Hkv, L, d]; attention_mask [B, 1, n, L] (bool, or
+    additive with the dtype's minimum where hidden); returns ([B, n, H, d], None)."""
+    if dropout or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "sinks", "softcap")):
+        raise DraftwiseError("the quant backend's attention has no dropout, position bias, sinks or soft cap")
+    batch, _, n, dim = query.shape
+    keys = key.shape[2]
+    if attention_mask is None:  # causal: the n queries are the last n positions
+        visible = torch.ones(n, keys, dtype=torch.bool).tril(keys - n).expand(batch, n, keys)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask[:, 0].expand(batch, n, keys)
+    else:
+        visible = (attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2).expand(batch, n, keys)
+    scale = dim ** -0.5 if scaling is None else scaling
+    out = attention(query.float(), key.float(), value.float(), visible, scale)
+    return out.to(query.dtype), None
+
+
+AttentionInterface.register(ROW_INVARIANT, row_invariant_attention)
+AttentionMaskInterface.register(ROW_INVARIANT, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
+
+
+def module_name(tensor: str, tied: bool) -> str | None:
+    """The model's module for a GGUF weight, or None for one that is not a linear (norms, embeddings)."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor)
+    if match and match.group(2) in LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[match.group(2)]}"
+    if tensor == "output.weight" or (tied and tensor == "token_embd.weight"):
+        return "lm_head"
+    return None
+
+
+def llama_order(rows: int, heads: int) -> np.ndarray:
+    """The channel order that undoes llama.cpp's conversion of a Llama q or k projection (rotary halves
+    interleaved), as transformers' GGUF loader undoes it."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
+
+
+def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) -> nn.Module:
+    """Replace model's linears, in place, by QuantLinear on the blocks of gguf_path (the file the model was
+    converted from); a float weight in the file (F32, F16) leaves its layer as it is."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    tied = "output.weight" not in tensors
+    modules = dict(model.named_modules())
+    jobs = [(t, module_name(name, tied)) for name, t in tensors.items() if module_name(name, tied) in modules]
+    if not jobs:
+        raise DraftwiseError(f"{gguf_path.name}: no weight in it matches a linear of the {arch} model")
+    for tensor, name in bar(jobs, desc="quantized weights", disable=not progress):
+        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            continue
+        linear = modules[name]
+        k, n = (int(size) for size in tensor.shape[:2])
+        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != (n, k):
+            raise DraftwiseError(f"{gguf_path.name}: {tensor.name} [{n}, {k}] does not fit the model's {name}")
+        blocks = decode(tensor.tensor_type.name, tensor.data, n, k)
+        blocks = _model_order(blocks, tensor.name, arch, model.config)
+        _check_rows(blocks, linear, tensor.name, gguf_path.name)
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
+    model.config.tie_word_embeddings = False  # the output layer is its own module now; never tie it back
+    for module in model.modules():  # every attention layer: its config says which function it calls
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ROW_INVARIANT
+    return model
+
+
+def _model_order(blocks: Blocks, tensor: str, arch: str, config) -> Blocks:
+    if arch != "llama" or not re.search(r"\.attn_[qk]\.", tensor):
+        return blocks
+    heads = config.num_attention_heads if ".attn_q." in tensor else config.num_key_value_heads
+    return blocks.rows(llama_order(len(blocks.q), heads))
+
+
+def _check_rows(blocks: Blocks, linear: nn.Linear, tensor: str, file: str) -> None:
+    ours = Blocks(*(a[:CHECKED_ROWS] for a in (blocks.q, blocks.sc, blocks.mn, blocks.d, blocks.dmin)),
+                  blocks.group, blocks.supers, blocks.nibbles).dequantize()
+    theirs = linear.weight[:CHECKED_ROWS].detach().float().numpy()
+    if not np.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(np.abs(theirs).max())):
+        raise DraftwiseError(f"{file}: {tensor} does not hold the model's weights (the model was not converted "
+                             "from this file, or its channel order is one draftwise does not know)")
+
+
+def _field(reader, key: str) -> str:
+    field = reader.fields.get(key)
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode()

@@ -1,0 +1,208 @@
+"""The quant backend: a GGUF file's own blocks (backends/gguf_weights.py) on draftwise's integer kernel
+(backends/qgemm.c), exact on its own route.
+
+Decoding is checked against the gguf package's reference dequantization, bit for bit; the kernel against a float
+matmul (within the rounding of int8 activations, with a control that must fail) and against itself: a row's
+result is bit-identical alone, in any batch, on any thread count, and on the scalar path of a CPU without
+AVX512-VNNI. Then every method's greedy tokens equal `none`'s on SmolLM2-135M's Q4_1 file, alone and batched."""
+from __future__ import annotations
+
+import functools
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from conftest import decode_together
+
+from draftwise import Engine
+from draftwise.backends import gguf_weights, qgemm
+from draftwise.backends.qgemm import QuantLinear
+from draftwise.config import GenerationConfig
+from draftwise.errors import DraftwiseError
+
+NAME = "smollm2-135m-instruct"
+PROMPT = ("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n"
+          "    left = [x for x in arr if x < pivot]\n")
+OTHER = "The cat sat on the mat and looked at the hat. The cat sat on the"
+NEW_TOKENS = 40
+
+
+def raw_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a GGUF type [rows, bytes a row], their float16 scales set to small finite values."""
+    size, values, _ = gguf_weights.DECODERS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * k // values, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.02, (len(blocks), 2)).astype(np.float16).view(np.uint8).reshape(len(blocks), 4)
+    if type_name == "Q6_K":
+        blocks[:, 208:210] = scales[:, :2]  # d last
+    else:
+        blocks[:, 0:4 if type_name in ("Q4_K", "Q4_1") else 2] = scales[:, :4 if type_name in ("Q4_K", "Q4_1") else 2]
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(gguf_weights.DECODERS))
+def test_decoding_gives_the_gguf_packages_own_values(type_name):
+    import gguf
+
+    raw = raw_blocks(type_name, 32, 512)
+    ours = gguf_weights.decode(type_name, raw, 32, 512).dequantize()
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(32, 512)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    # control: the same bytes read as another type of the same block size do not match
+    assert not np.allclose(gguf_weights.decode(type_name, raw, 32, 512).dequantize()[:, ::-1], theirs, atol=1e-4)
+
+
+def test_a_type_it_does_not_read_is_refused_by_name():
+    with pytest.raises(DraftwiseError, match="reads .*Q4_K.* not IQ2_XS"):
+        gguf_weights.decode("IQ2_XS", np.zeros((1, 1), np.uint8), 1, 256)
+
+
+def layer(type_name: str, n: int = 80, k: int = 512, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:
+    blocks = gguf_weights.decode(type_name, raw_blocks(type_name, n, k, seed), n, k)
+    return QuantLinear(gguf_weights.pack(blocks)), torch.from_numpy(blocks.dequantize())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+def test_the_kernel_computes_the_layer_within_int8_activation_rounding(type_name):
+    linear, weight = layer(type_name, n=72)  # 72: not a multiple of the 16-channel tile
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    exact = x @ weight.T
+    error = lambda y: float((y - exact).norm() / exact.norm())  # noqa: E731
+    assert error(linear(x)) < 0.02
+    # control: a weight packed with its channels in another order is far off
+    shuffled, _ = layer(type_name, n=72, seed=0)
+    shuffled.q = shuffled.q.view(-1, 16).flip(0).reshape(-1).contiguous()
+    assert error(shuffled(x)) > 0.2
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_any_thread_count(type_name):
+    linear, _ = layer(type_name, n=64, k=1024)
+    x = torch.randn(21, 1024, generator=torch.Generator().manual_seed(2))  # 21 rows: past a 16-row pass
+    together = linear(x)
+    for m in range(len(x)):
+        assert torch.equal(linear(x[m:m + 1]), together[m:m + 1]), f"row {m}"
+    assert torch.equal(linear(x[3:11]), together[3:11])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x), together)
+    finally:
+        torch.set_num_threads(threads)
+    # control: an input that differs in one row changes that row only, and does change it
+    other = x.clone()
+    other[4] += 0.5
+    changed = linear(other)
+    assert not torch.equal(changed[4], together[4]) and torch.equal(changed[5:], together[5:])
+
+
+@pytest.mark.skipif(not qgemm.vectorized(), reason="this CPU runs the scalar path already (no AVX512-VNNI)")
+def test_the_scalar_path_gives_the_vector_paths_bits(tmp_path):
+    import ctypes
+
+    scalar = tmp_path / "scalar.so"
+    flags = [f for f in qgemm.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]  # AVX2: no VNNI
+    subprocess.run([qgemm.compiler(), *flags, "-o", str(scalar), str(qgemm.SOURCE), "-lm"], check=True)
+    lib = ctypes.CDLL(str(scalar))
+    assert lib.dw_vectorized() == 0
+    for type_name in ("Q4_K", "Q6_K", "Q8_0"):
+        linear, _ = layer(type_name, n=48, k=512)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+        vector = linear(x)
+        y = torch.empty(3, 48)
+        status = lib.dw_linear(*map(ctypes.c_void_p, (x.data_ptr(),)), 3, 48, 512, linear.group, linear.supers,
+                               int(linear.nibbles), *(ctypes.c_void_p(getattr(linear, n).data_ptr())
+                                                      for n in ("q", "sc", "mn", "d", "dmin")),
+                               ctypes.c_void_p(y.data_ptr()))
+        assert status == 0 and torch.equal(y, vector), type_name
+
+
+# ---- the backend on a real file ------------------------------------------------------------------------
+
+
+def test_the_quant_backend_refuses_the_head_methods_and_other_dtypes_before_loading():
+    with pytest.raises(DraftwiseError, match="method 'head' needs .*float weights.* the quant backend does not give"):
+        Engine.from_pretrained("no-such-model", method="head", backend="quant")
+    with pytest.raises(DraftwiseError, match="computes in float32 .* --dtype bfloat16 does not apply"):
+        Engine.from_pretrained("no-such-model", method="none", backend="quant", dtype="bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def engine(method: str) -> Engine:
+    return Engine.from_pretrained(NAME, draft=NAME if method in ("draft", "hybrid", "hybrid-tree") else None,
+                                  method=method, backend="quant", progress=False)
+
+
+def ids(text: str) -> list[int]:
+    return engine("none").tokenizer(text)["input_ids"]
+
+
+@functools.lru_cache(maxsize=None)
+def baseline(prompt: str) -> tuple[int, ...]:
+    return tuple(engine("none").generate(ids(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids)
+
+
+@pytest.mark.real_model
+def test_the_models_linears_run_on_the_files_blocks():
+    model = engine("none").target.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == 30 * 7 + 1  # every projection of the 30 layers, and the output layer
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert engine("none").speed_paths["backend"] == "quant"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["lookup", "lookup-tree", "draft", "hybrid-tree", "skip"])
+def test_every_method_gives_the_tokens_of_none_alone_and_batched(method):
+    eng = engine(method)
+    for prompt in (PROMPT, OTHER):
+        for k in (1, 4):
+            got = eng.generate(ids(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=k,
+                               adaptive=False).token_ids  # (a fixed k: every round drafts)
+            assert tuple(got) == baseline(prompt), f"{method}, k={k}, alone"
+    cfg = GenerationConfig.from_options(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True, method=method)
+    seqs = decode_together(eng, [ids(PROMPT), ids(OTHER)], cfg)
+    got = [tuple(seq.context[len(ids(p)):]) for seq, p in zip(seqs, (PROMPT, OTHER))]
+    assert got == [baseline(PROMPT), baseline(OTHER)], f"{method}, batched"
+
+
+def logits_by_call_shape(backend) -> dict[str, torch.Tensor]:
+    """The logits of the same 5 positions (after a 20-token prefix) computed by one-token steps, one 5-token pass,
+    and as a row of a ragged batch beside a shorter one."""
+    text = ids(PROMPT)
+    prefix, new = text[:20], text[20:25]
+    steps, chunk, batched, other = (backend.open_slot() for _ in range(4))
+    try:
+        steps.prefill(prefix)
+        shapes = {"one-token steps": torch.cat([steps.forward([t]) for t in new])}
+        chunk.prefill(prefix)
+        shapes["one 5-token pass"] = chunk.forward(new)
+        batched.prefill(prefix)
+        other.prefill(ids(OTHER))
+        shapes["a row of a ragged batch"] = backend.forward_batch([(batched, new), (other, ids(" the dog")[:2])])[0]
+    finally:
+        for view in (steps, chunk, batched, other):
+            view.close()
+    return shapes
+
+
+@pytest.mark.real_model
+def test_a_positions_logits_do_not_depend_on_the_call_that_computed_them():
+    from draftwise.backends.quant_model import ROW_INVARIANT
+
+    backend = engine("none").target
+    shapes = logits_by_call_shape(backend)
+    first = shapes["one 5-token pass"]
+    for name, logits in shapes.items():
+        assert torch.equal(logits, first), f"{name}: max |diff| {float((logits - first).abs().max())}"
+    # control: on transformers' SDPA the same positions differ between call shapes
+    configs = {id(m.config): m.config for m in backend.model.modules() if hasattr(m, "config")}.values()
+    try:
+        for config in configs:
+            config._attn_implementation = "sdpa"
+        shapes = logits_by_call_shape(backend)
+    finally:
+        for config in configs:
+            config._attn_implementation = ROW_INVARIANT
+    assert not all(torch.equal(logits, shapes["one 5-token pass"]) for logits in shapes.values())
