@@ -38,6 +38,7 @@ FLOAT_READOUT = "the output layer's float weights"  # a feature head reads out t
 BACKENDS: dict[str, frozenset[str]] = {"hf": frozenset({TREES, INTERNALS, FLOAT_READOUT}),
                                        "quant": frozenset({TREES, INTERNALS}), "llamacpp": frozenset()}
 DEFAULT_BACKEND = "hf"
+AUTO_BACKEND = "auto"  # quant where it runs and the GGUF files are here, else hf (loading.auto_backend)
 
 BASELINE = "none"  # the target alone: what every method's speed is compared with, and first in every list
 # Prompt lookup's branches: the continuations of how many earlier matches one guess merges (more than one: a tree).

@@ -9,8 +9,8 @@ import argparse
 from draftwise.config import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TARGET,
                               DTYPES, MAX_DRAFT_TOKENS, SamplingConfig)
 from draftwise.errors import DraftwiseError
-from draftwise.methods import (BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, TRAINED_HEAD, available_methods, method_names,
-                               methods_help, methods_needing)
+from draftwise.methods import (AUTO_BACKEND, BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, TRAINED_HEAD, available_methods,
+                               method_names, methods_help, methods_needing)
 
 MODEL_FORMS = "NAME, Hugging Face folder or .gguf path"
 DEFAULT_METHOD_HELP = "draft when --draft is given, else lookup"
@@ -60,12 +60,13 @@ def add_dtype(group, *, several: bool = False, role: str = "weights dtype at loa
 def add_backend(group) -> None:
     """--backend: what runs the models (methods.BACKENDS)."""
     chains = ", ".join(available_methods("hybrid", "llamacpp"))
-    group.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
+    group.add_argument("--backend", choices=(*BACKENDS, AUTO_BACKEND), default=DEFAULT_BACKEND,
                        help="what runs the models: 'hf' (transformers, every method), 'quant' (transformers with "
                             "its linears on the GGUF file's own 4- and 6-bit blocks, draftwise's integer kernel, "
                             "compiled here on first use; float32 around it; every method but the head ones) or "
                             "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
-                            f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) "
+                            f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) or 'auto' (quant "
+                            "where this CPU has AVX512-VNNI and the models their GGUF files, else hf) "
                             "(default: %(default)s)")
 
 

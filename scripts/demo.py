@@ -1,6 +1,8 @@
 """`make demo`: the default pair, streamed with draft tokens marked, then the same prompt through the
 target alone, prompt lookup and the hybrid, to show the speed-up and that the greedy text is unchanged.
 
+`--backend auto` (the default) runs the GGUF files' own 4- and 6-bit blocks on draftwise's integer kernel where
+this CPU has AVX512-VNNI (the quant backend), and transformers' weights in --dtype elsewhere.
 `--dtype auto` (the default) is bfloat16 where the hardware computes it and float32 elsewhere. Where a
 bfloat16 text differs from the target alone, the demo shows the first differing position and the target's
 top-2 logit gap there: a rounding near-tie, not a bug (README, "What it guarantees").
@@ -15,7 +17,7 @@ import torch
 from draftwise import Engine
 from draftwise.cli import fmt_optional, stats_line, stream_to_terminal
 from draftwise.config import DTYPES
-from draftwise.loading import load_models
+from draftwise.loading import QUANT_ASSEMBLY, auto_backend, load_models
 from draftwise.tokenizers import encode_prompt
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -25,11 +27,19 @@ PROMPT, NEW_TOKENS, K = "def quicksort(arr):", 128, 4
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stream a speculative generation, then compare it with the "
                                                  "target alone, prompt lookup and the hybrid.")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: %(default)s)")
-    dtype = parser.parse_args(argv).dtype
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype on the hf backend "
+                                                                        "(default: %(default)s)")
+    parser.add_argument("--backend", choices=("auto", "hf", "quant"), default="auto",
+                        help="auto: quant where this CPU runs its kernel, else hf (default: %(default)s)")
+    args = parser.parse_args(argv)
     print(f"loading {TARGET} (target) and {DRAFT} (draft); the first run pulls them", file=sys.stderr)
-    target_model, tokenizer, draft_model = load_models(TARGET, DRAFT, dtype)
-    speculative = Engine.from_models(target_model, tokenizer, draft_model=draft_model)
+    backend = auto_backend(TARGET, DRAFT, "hybrid") if args.backend == "auto" else args.backend
+    quantized = backend == "quant"
+    options = QUANT_ASSEMBLY if quantized else {}
+    print(f"backend {backend}", file=sys.stderr)
+    target_model, tokenizer, draft_model = load_models(TARGET, DRAFT, "float32" if quantized else args.dtype,
+                                                       quantized=quantized)
+    speculative = Engine.from_models(target_model, tokenizer, draft_model=draft_model, **options)
     del target_model  # the engine runs a copy on faster kernels; the loaded original is not needed again
     print(f"\n--- method draft, k={K}, greedy; draft tokens in green on a terminal ---", file=sys.stderr)
     result = stream_to_terminal(speculative, PROMPT, color=sys.stdout.isatty(), max_new_tokens=NEW_TOKENS, num_draft_tokens=K)
@@ -39,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("draft", result)]
     for method in ("none", "lookup", "hybrid"):
         draft = draft_model if method == "hybrid" else None
-        engine = Engine.from_models(speculative.target.model, tokenizer, draft_model=draft, method=method)
+        engine = Engine.from_models(speculative.target.model, tokenizer, draft_model=draft, method=method, **options)
         rows.append((method, engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=K)))
     baseline = rows[1][1]
     print_table(rows, baseline)

@@ -210,55 +210,189 @@ int dw_linear(const float *x, int rows, int n, int k, int g, int s, int nibbles,
 // with how many others share the call and with the cache's length; here a query's scores, softmax and weighted
 // sum visit exactly its visible keys in key order, in fixed 16-lane partial sums, whatever the call holds.
 #define LANES 16
-static float dot_lanes(const float *a, const float *b, int d) {
-    float part[LANES] = {0};
+// sum of a[i] * b[i] in 16 lanes (lane i % 16 fused-multiply-adds its elements in order), then the lanes added
+// pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): the vector and scalar paths below give the same bits.
+static inline float dot_lanes(const float *a, const float *b, int d) {
+    float part[LANES];
+#if DW_VNNI
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + LANES <= d; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < d) {
+        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    _mm512_storeu_ps(part, acc);
+#else
+    for (int l = 0; l < LANES; l++) part[l] = 0.0f;
     int i = 0;
     for (; i + LANES <= d; i += LANES)
         for (int l = 0; l < LANES; l++) part[l] = fmaf(a[i + l], b[i + l], part[l]);
-    for (int l = 0; i < d; i++, l++) part[l] = fmaf(a[i], b[i], part[l]);
-    float total = 0.0f;
-    for (int l = 0; l < LANES; l++) total += part[l];
-    return total;
+    if (i < d)
+        for (int l = 0; l < LANES; l++) part[l] = i + l < d ? fmaf(a[i + l], b[i + l], part[l]) : fmaf(0.0f, 0.0f, part[l]);
+#endif
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) part[l] += part[l + w];
+    return part[0];
 }
 
+// o[i] += p * v[i], fused, for i < d.
+static inline void add_scaled(float *o, float p, const float *v, int d) {
+    int i = 0;
+#if DW_VNNI
+    const __m512 pv = _mm512_set1_ps(p);
+    for (; i + LANES <= d; i += LANES)
+        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#endif
+    for (; i < d; i++) o[i] = fmaf(p, v[i], o[i]);
+}
+
+// exp(x) by a fixed polynomial: the same bits on every path, and loops of it vectorize (libm's expf is a call).
+static inline float exp_fixed(float x) {
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float t = x * 1.44269504088896341f;
+    const float n = nearbyintf(t);
+    const float f = t - n;  // [-0.5, 0.5]: 2^f by its Taylor polynomial, 2^n by the exponent bits
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#define MAX_GROUP 32  // query heads a key/value head serves
 int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
                  long vb, long vh, long vt, const uint8_t *visible, int batch, int heads, int kv_heads, int n, int keys,
                  int d, float scale, float *out) {
-    if (heads % kv_heads) return -1;
+    if (heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
     const int group = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel
     {
-        float *score = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
+        // score [group][keys]: each query head of the group over the keys (a key's row read once for all)
+        float *score = malloc(sizeof(float) * (size_t)group * (size_t)(keys > 0 ? keys : 1));
         if (!score) failed = 1;
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < batch; b++)
-            for (int h = 0; h < heads; h++)
+            for (int kvh = 0; kvh < kv_heads; kvh++)
                 for (int t = 0; t < n; t++) {
                     if (!score) continue;
-                    const float *qr = q + b * qb + h * qh + t * qt;
-                    const float *kr = k + b * kb + (h / group) * kh, *vr = v + b * vb + (h / group) * vh;
+                    const float *kr = k + b * kb + kvh * kh, *vr = v + b * vb + kvh * vh;
                     const uint8_t *seen = visible + ((size_t)b * n + t) * keys;
-                    float *o = out + (((size_t)b * n + t) * heads + h) * d;
-                    float top = -INFINITY;
-                    for (int j = 0; j < keys; j++)
-                        if (seen[j]) {
-                            score[j] = dot_lanes(qr, kr + j * kt, d) * scale;
-                            top = fmaxf(top, score[j]);
+                    float top[MAX_GROUP], total[MAX_GROUP];
+                    for (int g = 0; g < group; g++) {
+                        const float *qr = q + b * qb + (kvh * group + g) * qh + t * qt;
+                        float *sg = score + (size_t)g * keys;
+                        top[g] = -INFINITY;
+                        for (int j = 0; j < keys; j++)
+                            if (seen[j]) {
+                                sg[j] = dot_lanes(qr, kr + j * kt, d) * scale;
+                                top[g] = fmaxf(top[g], sg[j]);
+                            }
+                        total[g] = 0.0f;
+                        for (int j = 0; j < keys; j++) {
+                            sg[j] = seen[j] ? exp_fixed(sg[j] - top[g]) : 0.0f;
+                            total[g] += sg[j];  // in key order: a hidden key adds an exact zero
                         }
-                    float total = 0.0f;
-                    for (int i = 0; i < d; i++) o[i] = 0.0f;
-                    for (int j = 0; j < keys; j++)
-                        if (seen[j]) {
-                            const float p = expf(score[j] - top);
-                            total += p;
-                            const float *vj = vr + j * vt;
-                            for (int i = 0; i < d; i++) o[i] = fmaf(p, vj[i], o[i]);
+                        float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
+                        for (int i = 0; i < d; i++) o[i] = 0.0f;
+                    }
+                    for (int j = 0; j < keys; j++) {
+                        if (!seen[j]) continue;
+                        const float *vj = vr + j * vt;
+                        for (int g = 0; g < group; g++) {
+                            const float p = score[(size_t)g * keys + j];
+                            float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
+                            add_scaled(o, p, vj, d);
                         }
-                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // a row that sees nothing: zeros
-                    for (int i = 0; i < d; i++) o[i] *= inv;
+                    }
+                    for (int g = 0; g < group; g++) {
+                        const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;  // sees nothing: zeros
+                        float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
+                        for (int i = 0; i < d; i++) o[i] *= inv;
+                    }
                 }
         free(score);
     }
     return failed ? -2 : 0;
+}
+
+// ---- a decoder layer's pieces in one call each: fewer trips through Python and PyTorch's dispatch, which at a
+// few rows cost as much as the arithmetic. Each is row by row, so batch invariance holds as above.
+
+typedef struct {  // one quantized weight, as QuantLinear keeps it
+    int n, k, g, s, nibbles;
+    const uint8_t *q;
+    const int8_t *sc, *mn;
+    const float *d, *dmin;
+} dw_weight;
+
+static int weight_rows(const dw_weight *w, const float *x, int rows, float *y) {
+    return dw_linear(x, rows, w->n, w->k, w->g, w->s, w->nibbles, w->q, w->sc, w->mn, w->d, w->dmin, y);
+}
+
+// y [rows, h] = weight * x * 1 / sqrt(mean(x^2) + eps), the sum of squares in fixed 16-lane partials.
+void dw_rmsnorm(const float *x, int rows, int h, const float *weight, float eps, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (size_t)r * h;
+        const float mean = dot_lanes(v, v, h) / (float)h;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        for (int i = 0; i < h; i++) y[(size_t)r * h + i] = weight[i] * (v[i] * inv);
+    }
+}
+
+// y [rows, hidden] = down(silu(gate(x)) * up(x)), x [rows, hidden].
+int dw_mlp(const float *x, int rows, const dw_weight *gate, const dw_weight *up, const dw_weight *down, float *y) {
+    const size_t width = (size_t)rows * gate->n;
+    float *a = malloc(sizeof(float) * width), *b = malloc(sizeof(float) * width);
+    int status = -2;
+    if (a && b && !(status = weight_rows(gate, x, rows, a)) && !(status = weight_rows(up, x, rows, b))) {
+#pragma omp parallel for schedule(static) if (width > 16384)
+        for (size_t i = 0; i < width; i++) a[i] = a[i] / (1.0f + exp_fixed(-a[i])) * b[i];
+        status = weight_rows(down, a, rows, y);
+    }
+    free(a);
+    free(b);
+    return status;
+}
+
+// Rotary embedding in place on x [rows, heads, d] (rotate-half form), cos and sin [rows, d].
+static void rope(float *x, int rows, int heads, int d, const float *cos, const float *sin) {
+    const int half = d / 2;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + ((size_t)r * heads + h) * d;
+            const float *c = cos + (size_t)r * d, *s = sin + (size_t)r * d;
+            for (int i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                const float lo = a * c[i] - b * s[i], hi = b * c[i + half] + a * s[i + half];
+                v[i] = lo;
+                v[i + half] = hi;
+            }
+        }
+}
+
+// q [rows, heads*d], k and v [rows, kv_heads*d] from x [rows, hidden]: the projections, their biases (or NULL),
+// and the rotary embedding on q and k.
+int dw_qkv(const float *x, int rows, const dw_weight *wq, const dw_weight *wk, const dw_weight *wv, const float *bq,
+           const float *bk, const float *bv, const float *cos, const float *sin, int d, float *q, float *k,
+           float *v) {
+    const dw_weight *w[3] = {wq, wk, wv};
+    const float *bias[3] = {bq, bk, bv};
+    float *out[3] = {q, k, v};
+    for (int i = 0; i < 3; i++) {
+        const int status = weight_rows(w[i], x, rows, out[i]);
+        if (status) return status;
+        if (bias[i])
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < w[i]->n; j++) out[i][(size_t)r * w[i]->n + j] += bias[i][j];
+    }
+    rope(q, rows, wq->n / d, d, cos, sin);
+    rope(k, rows, wk->n / d, d, cos, sin);
+    return 0;
 }

@@ -75,7 +75,22 @@ def library() -> ctypes.CDLL:
     lib.dw_attention.argtypes = [pointer, *[stride] * 3, pointer, *[stride] * 3, pointer, *[stride] * 3, pointer,
                                  *[number] * 6, ctypes.c_float, pointer]
     lib.dw_attention.restype = number
+    weight = ctypes.POINTER(WeightStruct)
+    lib.dw_rmsnorm.argtypes = [pointer, number, number, pointer, ctypes.c_float, pointer]
+    lib.dw_rmsnorm.restype = None
+    lib.dw_mlp.argtypes = [pointer, number, weight, weight, weight, pointer]
+    lib.dw_mlp.restype = number
+    lib.dw_qkv.argtypes = [pointer, number, weight, weight, weight, *[pointer] * 5, number, *[pointer] * 3]
+    lib.dw_qkv.restype = number
     return lib
+
+
+class WeightStruct(ctypes.Structure):
+    """qgemm.c's dw_weight: one QuantLinear's shape and buffers."""
+
+    _fields_ = [("n", ctypes.c_int), ("k", ctypes.c_int), ("g", ctypes.c_int), ("s", ctypes.c_int),
+                ("nibbles", ctypes.c_int), ("q", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("dmin", ctypes.c_void_p)]
 
 
 def vectorized() -> bool:
@@ -114,6 +129,11 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def struct(self) -> WeightStruct:
+        """The weight as qgemm.c's fused calls take it (valid while this module's buffers live)."""
+        return WeightStruct(self.padded_out, self.in_features, self.group, self.supers, int(self.nibbles),
+                            *(getattr(self, name).data_ptr() for name in ("q", "sc", "mn", "d", "dmin")))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
                 f"{'4-bit' if self.nibbles else '8-bit'} values")
@@ -122,11 +142,12 @@ class QuantLinear(nn.Module):
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scale: float) -> torch.Tensor:
     """[B, n, H, d] float32: each query attends to the keys visible marks, on its own (qgemm.c's dw_attention).
-    query [B, H, n, d]; key, value [B, Hkv, L, d] (float32, last dimension contiguous); visible [B, n, L] bool."""
+    query [B, H, n, d]; key, value [B, Hkv, L, d] (float32, last dimension contiguous); visible [B, n, L] (bool or
+    uint8)."""
     batch, heads, n, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)]
-    mask = visible.to(torch.uint8).contiguous()
+    mask = visible if visible.dtype == torch.uint8 and visible.is_contiguous() else visible.to(torch.uint8).contiguous()
     out = torch.empty(batch, n, heads, dim, dtype=torch.float32)
     strides = [s for t in tensors for s in (t.data_ptr(), *t.stride()[:3])]
     status = library().dw_attention(*strides, mask.data_ptr(), batch, heads, kv_heads, n, keys, dim, scale,

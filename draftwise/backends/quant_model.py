@@ -16,6 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from draftwise.backends.gguf_weights import Blocks, decode, pack
 from draftwise.backends.qgemm import QuantLinear, attention
+from draftwise.backends.quant_layers import fuse_layers
 from draftwise.errors import DraftwiseError
 from draftwise.progress import bar
 
@@ -52,6 +53,11 @@ def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, valu
 
 AttentionInterface.register(ROW_INVARIANT, row_invariant_attention)
 AttentionMaskInterface.register(ROW_INVARIANT, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
+
+
+def runs_on_blocks(model: nn.Module) -> bool:
+    """Whether model's linears run on GGUF blocks (on_gguf_weights made it)."""
+    return any(isinstance(module, QuantLinear) for module in model.modules())
 
 
 def module_name(tensor: str, tied: bool) -> str | None:
@@ -96,6 +102,7 @@ def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) ->
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
     model.config.tie_word_embeddings = False  # the output layer is its own module now; never tie it back
+    fuse_layers(model)
     for module in model.modules():  # every attention layer: its config says which function it calls
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):

@@ -26,6 +26,7 @@ from draftwise.bench.llamacpp_server import LLAMA_CPP_PYTHON_VERSION, LlamaServe
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
+from draftwise.loading import QUANT_ASSEMBLY
 from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
 
 OURS = (BASELINE, *(name for name in TABLE if name != BASELINE))  # the table's, the baseline first (report order)
@@ -114,7 +115,7 @@ class Runners:
             # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
             # copy has repacked.
             head = {"head": self.head} if needs(method, TRAINED_HEAD) else {}
-            quant = {"target_kernels": ("dense",), "compact_draft": False} if self.quantized else {}
+            quant = QUANT_ASSEMBLY if self.quantized else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
                                                        loaded_model=self.target_model,
                                                        lookup_max_ngram=self.lookup_ngram, **head, **quant)
