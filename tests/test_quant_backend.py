@@ -30,7 +30,7 @@ NEW_TOKENS = 40
 
 def raw_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     """Random blocks of a GGUF type [rows, bytes a row], their float16 scales set to small finite values."""
-    size, values, _ = gguf_weights.DECODERS[type_name]
+    size, values, _, _ = gguf_weights.DECODERS[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * k // values, size), dtype=np.uint8)
     scales = rng.uniform(0.001, 0.02, (len(blocks), 2)).astype(np.float16).view(np.uint8).reshape(len(blocks), 4)
@@ -106,13 +106,13 @@ def test_the_scalar_path_gives_the_vector_paths_bits(tmp_path):
     subprocess.run([qgemm.compiler(), *flags, "-o", str(scalar), str(qgemm.SOURCE), "-lm"], check=True)
     lib = ctypes.CDLL(str(scalar))
     assert lib.dw_vectorized() == 0
-    for type_name in ("Q4_K", "Q6_K", "Q8_0"):
+    for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
         linear, _ = layer(type_name, n=48, k=512)
         x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
         vector = linear(x)
         y = torch.empty(3, 48)
         status = lib.dw_linear(*map(ctypes.c_void_p, (x.data_ptr(),)), 3, 48, 512, linear.group, linear.supers,
-                               int(linear.nibbles), *(ctypes.c_void_p(getattr(linear, n).data_ptr())
+                               linear.bits, *(ctypes.c_void_p(getattr(linear, n).data_ptr())
                                                       for n in ("q", "sc", "mn", "d", "dmin")),
                                ctypes.c_void_p(y.data_ptr()))
         assert status == 0 and torch.equal(y, vector), type_name

@@ -27,7 +27,7 @@ class Blocks:
     dmin: np.ndarray
     group: int
     supers: int
-    nibbles: bool  # every q below 16: stored two to a byte
+    bits: int  # what every q fits in: 4, 6 or 8 (how qgemm.c stores them)
 
     def dequantize(self) -> np.ndarray:
         """[n, k] float32: what the blocks stand for (for checks; the kernel never forms it)."""
@@ -41,7 +41,7 @@ class Blocks:
     def rows(self, order: np.ndarray) -> "Blocks":
         """The same weight with its output channels taken in `order`."""
         return Blocks(self.q[order], self.sc[order], self.mn[order], self.d[order], self.dmin[order], self.group,
-                      self.supers, self.nibbles)
+                      self.supers, self.bits)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -103,23 +103,22 @@ def _unit_scales(blocks: int):
     return ones, ones
 
 
-# GGUF type name -> (bytes a block, values a block, decoder)
-DECODERS = {"Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k), "Q5_0": (22, 32, _q5_0), "Q8_0": (34, 32, _q8_0),
-            "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1)}
+# GGUF type name -> (bytes a block, values a block, decoder, bits a value needs)
+DECODERS = {"Q4_K": (144, 256, _q4_k, 4), "Q6_K": (210, 256, _q6_k, 6), "Q5_0": (22, 32, _q5_0, 6),
+            "Q8_0": (34, 32, _q8_0, 8), "Q4_0": (18, 32, _q4_0, 4), "Q4_1": (20, 32, _q4_1, 4)}
 
 
 def decode(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     """A tensor's raw bytes [n, k / values * bytes] -> Blocks, or an error naming the types read."""
     if type_name not in DECODERS:
         raise DraftwiseError(f"the quant backend reads {', '.join(DECODERS)} weights, not {type_name}")
-    size, values, decoder = DECODERS[type_name]
+    size, values, decoder, bits = DECODERS[type_name]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // values), size)
     q, sc, mn, d, dmin, group, supers = decoder(blocks)
     groups, super_groups = k // group, k // (group * supers)
     return Blocks(q.reshape(n, k).astype(np.uint8), sc.reshape(n, groups).astype(np.int8),
                   mn.reshape(n, groups).astype(np.int8), d.reshape(n, super_groups).astype(np.float32),
-                  dmin.reshape(n, super_groups).astype(np.float32), group, supers,
-                  nibbles=type_name in ("Q4_K", "Q4_0", "Q4_1"))
+                  dmin.reshape(n, super_groups).astype(np.float32), group, supers, bits)
 
 
 @dataclass
@@ -135,7 +134,7 @@ class Packed:
     k: int
     group: int
     supers: int
-    nibbles: bool
+    bits: int
 
     @property
     def nbytes(self) -> int:
@@ -149,13 +148,18 @@ def pack(blocks: Blocks) -> Packed:
     if padded:
         blocks = Blocks(*(np.pad(a, ((0, padded), (0, 0))) for a in (blocks.q, blocks.sc, blocks.mn, blocks.d,
                                                                       blocks.dmin)),
-                        blocks.group, blocks.supers, blocks.nibbles)
+                        blocks.group, blocks.supers, blocks.bits)
     tiles, g = (n + padded) // TILE, blocks.group
-    groups = k // g
+    groups, half = k // g, g // 8
     # [tiles, groups, vec, channel, 4]: register `vec` holds 4 consecutive values of each of the 16 channels
     q = blocks.q.reshape(tiles, TILE, groups, g // 4, 4).transpose(0, 2, 3, 1, 4)
-    if blocks.nibbles:  # register i and i + 4 share bytes: low and high nibble
-        q = q[:, :, : g // 8] | (q[:, :, g // 8:] << 4)
+    if blocks.bits < 8:  # registers i and i + half share bytes: low and high nibble
+        low = q & 0x0F
+        planes = [low[:, :, :half] | (low[:, :, half:] << 4)]
+        if blocks.bits == 6:  # then each byte holds the 2-bit high parts of four registers
+            high = (q >> 4).reshape(tiles, groups, g // 16, 4, TILE, 4)
+            planes.append(sum(high[:, :, :, b] << (2 * b) for b in range(4)).astype(np.uint8))
+        q = np.concatenate(planes, axis=2)
     by_tile = lambda a: np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1)).ravel()  # noqa: E731
     return Packed(np.ascontiguousarray(q).ravel(), by_tile(blocks.sc), by_tile(blocks.mn), by_tile(blocks.d),
-                  by_tile(blocks.dmin), n, k, g, blocks.supers, blocks.nibbles)
+                  by_tile(blocks.dmin), n, k, g, blocks.supers, blocks.bits)

@@ -6,7 +6,7 @@
 // Here each 16-channel tile of weights is unpacked once into registers and applied to every row.
 //
 // Weights (see gguf_weights.py): w[n, k] = d[n, s] * sc[n, g] * q[n, k] - dmin[n, s] * mn[n, g]
-//   q: unsigned values below 256 (below 16 when packed two to a byte), g = k / G its group, s = g / S its
+//   q: unsigned values stored in 4, 6 or 8 bits (BITS: 4 for Q4_K, 6 for Q6_K and Q5_0, 8 for Q8_0), g = k / G its group, s = g / S its
 //   super-group. Every GGUF type draftwise reads maps onto this exactly (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1).
 // Activations: each row quantized per group of G to int8 with its own scale, as llama.cpp does (Q8_K);
 //   the integer dot products then run on AVX512-VNNI (64 multiply-adds an instruction).
@@ -55,9 +55,10 @@ void dw_quantize_rows(const float *x, int rows, int k, int g, int8_t *xq, float 
 int dw_vectorized(void) { return DW_VNNI; }
 
 #if DW_VNNI
-// One tile of 16 channels over R rows. G: group size (16 or 32); NIB: values packed two to a byte.
+// One tile of 16 channels over R rows. G: group size (16 or 32); BITS: 4 (two values a byte), 6 (a nibble plane,
+// then a plane of 2-bit high parts, four registers' to a byte) or 8.
 static inline __attribute__((always_inline)) void tile_rows(
-    const int R, const int G, const int NIB, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
+    const int R, const int G, const int BITS, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
     const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y, int ldy) {
     const int groups = k / G;
     const int vecs = G / 4;  // registers of 16 channels x 4 values per group
@@ -75,12 +76,22 @@ static inline __attribute__((always_inline)) void tile_rows(
         const __m512 wm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                  _mm_loadu_si128((const __m128i *)(mn + (size_t)j * TILE)))));
         __m512i w[8];
-        if (NIB) {
-            const uint8_t *p = q + (size_t)j * TILE * G / 2;
+        if (BITS < 8) {
+            const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++) {
                 const __m512i packed = _mm512_loadu_si512(p + 64 * i);
                 w[i] = _mm512_and_si512(packed, low);
                 w[i + vecs / 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+            if (BITS == 6) {
+                const __m512i two = _mm512_set1_epi8(0x03);
+                for (int h = 0; h < vecs / 4; h++) {
+                    const __m512i high = _mm512_loadu_si512(p + 64 * (vecs / 2) + 64 * h);
+                    for (int b = 0; b < 4; b++) {
+                        const __m512i part = _mm512_and_si512(_mm512_srli_epi16(high, 2 * b), two);
+                        w[4 * h + b] = _mm512_or_si512(w[4 * h + b], _mm512_slli_epi16(part, 4));
+                    }
+                }
             }
         } else {
             const uint8_t *p = q + (size_t)j * TILE * G;
@@ -105,43 +116,45 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, acc[r]);
 }
 
-#define ROWS_CASE(R, G, NIB)                                                                             \
+#define ROWS_CASE(R, G, BITS)                                                                            \
     case R:                                                                                              \
-        tile_rows(R, G, NIB, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);                            \
+        tile_rows(R, G, BITS, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);                            \
         break;
-#define ALL_ROWS(G, NIB)                                                                                 \
+#define ALL_ROWS(G, BITS)                                                                                \
     switch (R) {                                                                                         \
-        ROWS_CASE(1, G, NIB) ROWS_CASE(2, G, NIB) ROWS_CASE(3, G, NIB) ROWS_CASE(4, G, NIB)              \
-        ROWS_CASE(5, G, NIB) ROWS_CASE(6, G, NIB) ROWS_CASE(7, G, NIB) ROWS_CASE(8, G, NIB)              \
-        ROWS_CASE(9, G, NIB) ROWS_CASE(10, G, NIB) ROWS_CASE(11, G, NIB) ROWS_CASE(12, G, NIB)           \
-        ROWS_CASE(13, G, NIB) ROWS_CASE(14, G, NIB) ROWS_CASE(15, G, NIB) ROWS_CASE(16, G, NIB)          \
+        ROWS_CASE(1, G, BITS) ROWS_CASE(2, G, BITS) ROWS_CASE(3, G, BITS) ROWS_CASE(4, G, BITS)              \
+        ROWS_CASE(5, G, BITS) ROWS_CASE(6, G, BITS) ROWS_CASE(7, G, BITS) ROWS_CASE(8, G, BITS)              \
+        ROWS_CASE(9, G, BITS) ROWS_CASE(10, G, BITS) ROWS_CASE(11, G, BITS) ROWS_CASE(12, G, BITS)           \
+        ROWS_CASE(13, G, BITS) ROWS_CASE(14, G, BITS) ROWS_CASE(15, G, BITS) ROWS_CASE(16, G, BITS)          \
     }
 
 #else
 // Without AVX512-VNNI: the same arithmetic one lane at a time (integer dots are exact; the float steps are the
 // same operations in the same order, fused where the vector code fuses), so results are bit-identical, slowly.
-static inline int value_at(const uint8_t *p, int G, int NIB, int c, int kk) {
+static inline int value_at(const uint8_t *p, int G, int BITS, int c, int kk) {
     const int vec = kk / 4, r = kk % 4;
-    if (!NIB) return p[64 * vec + 4 * c + r];
+    if (BITS == 8) return p[64 * vec + 4 * c + r];
     const int half = G / 8;
-    return vec < half ? p[64 * vec + 4 * c + r] & 0x0F : p[64 * (vec - half) + 4 * c + r] >> 4;
+    const int low = vec < half ? p[64 * vec + 4 * c + r] & 0x0F : p[64 * (vec - half) + 4 * c + r] >> 4;
+    if (BITS == 4) return low;
+    return low | ((p[64 * half + 64 * (vec / 4) + 4 * c + r] >> (2 * (vec % 4))) & 0x03) << 4;
 }
 
-static void tile_rows(int R, int G, int NIB, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
+static void tile_rows(int R, int G, int BITS, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
                       const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum,
                       float *y, int ldy) {
     const int groups = k / G;
     float acc[MAX_ROWS][TILE];
     memset(acc, 0, sizeof(acc));
     for (int j = 0; j < groups; j++) {
-        const uint8_t *p = q + (size_t)j * TILE * G / (NIB ? 2 : 1);
+        const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
         for (int c = 0; c < TILE; c++) {
             const size_t at_s = (size_t)(j / S) * TILE + c, at_g = (size_t)j * TILE + c;
             const float ws = d[at_s] * (float)sc[at_g], wm = dmin[at_s] * (float)mn[at_g];
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * k + (size_t)j * G;
                 int dot = 0;
-                for (int kk = 0; kk < G; kk++) dot += value_at(p, G, NIB, c, kk) * xr[kk];
+                for (int kk = 0; kk < G; kk++) dot += value_at(p, G, BITS, c, kk) * xr[kk];
                 const size_t at = (size_t)r * groups + j;
                 acc[r][c] = fmaf((float)dot, ws * xs[at], acc[r][c]);
                 acc[r][c] = fmaf(-wm, xsum[at], acc[r][c]);
@@ -150,36 +163,42 @@ static void tile_rows(int R, int G, int NIB, int k, int S, const uint8_t *q, con
     }
     for (int r = 0; r < R; r++) memcpy(y + (size_t)r * ldy, acc[r], sizeof(acc[r]));
 }
-#define ALL_ROWS(G, NIB) tile_rows(R, G, NIB, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);
+#define ALL_ROWS(G, BITS) tile_rows(R, G, BITS, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);
 #endif
 
-static void tile_dispatch(int R, int G, int nib, int k, int S, const uint8_t *q, const int8_t *sc,
+static void tile_dispatch(int R, int G, int bits, int k, int S, const uint8_t *q, const int8_t *sc,
                           const int8_t *mn, const float *d, const float *dmin, const int8_t *xq, const float *xs,
                           const float *xsum, float *y, int ldy) {
-    if (G == 32 && nib) {
-        ALL_ROWS(32, 1)
+    if (G == 32 && bits == 4) {
+        ALL_ROWS(32, 4)
+    } else if (G == 32 && bits == 6) {
+        ALL_ROWS(32, 6)
     } else if (G == 32) {
-        ALL_ROWS(32, 0)
+        ALL_ROWS(32, 8)
+    } else if (bits == 4) {
+        ALL_ROWS(16, 4)
+    } else if (bits == 6) {
+        ALL_ROWS(16, 6)
     } else {
-        ALL_ROWS(16, 0)
+        ALL_ROWS(16, 8)
     }
 }
 
-// y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32; 32 when nibbles).
+// y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32); bits: 4, 6 or 8.
 // Layouts, tile t = n / 16 outermost: q [t][k/g][16 * g (/ 2)], sc and mn [t][k/g][16], d and dmin
 // [t][k/(g*s)][16]. Returns 0, or -1 for a shape it does not take.
 int dw_qgemm(const int8_t *xq, const float *xs, const float *xsum, int rows, int n, int k, int g, int s,
-             int nibbles, const uint8_t *q, const int8_t *sc, const int8_t *mn, const float *d, const float *dmin,
+             int bits, const uint8_t *q, const int8_t *sc, const int8_t *mn, const float *d, const float *dmin,
              float *y) {
-    if (n % TILE || (g != 16 && g != 32) || k % (g * s) || (nibbles && g != 32)) return -1;
+    if (n % TILE || (g != 16 && g != 32) || k % (g * s) || (bits != 4 && bits != 6 && bits != 8)) return -1;
     const int tiles = n / TILE, groups = k / g;
-    const size_t q_tile = (size_t)groups * TILE * g / (nibbles ? 2 : 1);
+    const size_t q_tile = (size_t)groups * TILE * g * bits / 8;
     const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / s) * TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++) {
         for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
             const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-            tile_dispatch(R, g, nibbles, k, s, q + t * q_tile, sc + t * m_tile, mn + t * m_tile, d + t * d_tile,
+            tile_dispatch(R, g, bits, k, s, q + t * q_tile, sc + t * m_tile, mn + t * m_tile, d + t * d_tile,
                           dmin + t * d_tile, xq + (size_t)r0 * k, xs + (size_t)r0 * groups,
                           xsum + (size_t)r0 * groups, y + (size_t)r0 * n + (size_t)t * TILE, n);
         }
@@ -188,7 +207,7 @@ int dw_qgemm(const int8_t *xq, const float *xs, const float *xsum, int rows, int
 }
 
 // x [rows, k] float32 -> y [rows, n]: quantize the rows, then multiply (one call from Python, not two).
-int dw_linear(const float *x, int rows, int n, int k, int g, int s, int nibbles, const uint8_t *q, const int8_t *sc,
+int dw_linear(const float *x, int rows, int n, int k, int g, int s, int bits, const uint8_t *q, const int8_t *sc,
               const int8_t *mn, const float *d, const float *dmin, float *y) {
     if (k % g) return -1;
     int8_t *xq = malloc((size_t)rows * k);
@@ -196,7 +215,7 @@ int dw_linear(const float *x, int rows, int n, int k, int g, int s, int nibbles,
     int status = -2;
     if (xq && xs && xsum) {
         dw_quantize_rows(x, rows, k, g, xq, xs, xsum);
-        status = dw_qgemm(xq, xs, xsum, rows, n, k, g, s, nibbles, q, sc, mn, d, dmin, y);
+        status = dw_qgemm(xq, xs, xsum, rows, n, k, g, s, bits, q, sc, mn, d, dmin, y);
     }
     free(xq);
     free(xs);
@@ -326,14 +345,14 @@ int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long
 // few rows cost as much as the arithmetic. Each is row by row, so batch invariance holds as above.
 
 typedef struct {  // one quantized weight, as QuantLinear keeps it
-    int n, k, g, s, nibbles;
+    int n, k, g, s, bits;
     const uint8_t *q;
     const int8_t *sc, *mn;
     const float *d, *dmin;
 } dw_weight;
 
 static int weight_rows(const dw_weight *w, const float *x, int rows, float *y) {
-    return dw_linear(x, rows, w->n, w->k, w->g, w->s, w->nibbles, w->q, w->sc, w->mn, w->d, w->dmin, y);
+    return dw_linear(x, rows, w->n, w->k, w->g, w->s, w->bits, w->q, w->sc, w->mn, w->d, w->dmin, y);
 }
 
 // y [rows, h] = weight * x * 1 / sqrt(mean(x^2) + eps), the sum of squares in fixed 16-lane partials.

@@ -89,7 +89,7 @@ class WeightStruct(ctypes.Structure):
     """qgemm.c's dw_weight: one QuantLinear's shape and buffers."""
 
     _fields_ = [("n", ctypes.c_int), ("k", ctypes.c_int), ("g", ctypes.c_int), ("s", ctypes.c_int),
-                ("nibbles", ctypes.c_int), ("q", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
+                ("bits", ctypes.c_int), ("q", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("dmin", ctypes.c_void_p)]
 
 
@@ -107,7 +107,7 @@ class QuantLinear(nn.Module):
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = packed.k, packed.n
-        self.group, self.supers, self.nibbles = packed.group, packed.supers, packed.nibbles
+        self.group, self.supers, self.bits = packed.group, packed.supers, packed.bits
         self.padded_out = packed.n + (-packed.n % 16)
         for name in ("q", "sc", "mn", "d", "dmin"):
             self.register_buffer(name, torch.from_numpy(np.ascontiguousarray(getattr(packed, name))))
@@ -119,7 +119,7 @@ class QuantLinear(nn.Module):
         y = torch.empty(len(rows), self.padded_out, dtype=torch.float32)  # [tokens, out (padded to 16)]
         if len(rows):
             status = library().dw_linear(rows.data_ptr(), len(rows), self.padded_out, self.in_features, self.group,
-                                         self.supers, int(self.nibbles), self.q.data_ptr(), self.sc.data_ptr(),
+                                         self.supers, self.bits, self.q.data_ptr(), self.sc.data_ptr(),
                                          self.mn.data_ptr(), self.d.data_ptr(), self.dmin.data_ptr(), y.data_ptr())
             if status:
                 raise DraftwiseError(f"the quant kernel refused a [{len(rows)}, {self.in_features}] call ({status})")
@@ -131,12 +131,12 @@ class QuantLinear(nn.Module):
 
     def struct(self) -> WeightStruct:
         """The weight as qgemm.c's fused calls take it (valid while this module's buffers live)."""
-        return WeightStruct(self.padded_out, self.in_features, self.group, self.supers, int(self.nibbles),
+        return WeightStruct(self.padded_out, self.in_features, self.group, self.supers, self.bits,
                             *(getattr(self, name).data_ptr() for name in ("q", "sc", "mn", "d", "dmin")))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
-                f"{'4-bit' if self.nibbles else '8-bit'} values")
+                f"{self.bits}-bit values")
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,

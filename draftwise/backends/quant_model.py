@@ -119,7 +119,7 @@ def _model_order(blocks: Blocks, tensor: str, arch: str, config) -> Blocks:
 
 def _check_rows(blocks: Blocks, linear: nn.Linear, tensor: str, file: str) -> None:
     ours = Blocks(*(a[:CHECKED_ROWS] for a in (blocks.q, blocks.sc, blocks.mn, blocks.d, blocks.dmin)),
-                  blocks.group, blocks.supers, blocks.nibbles).dequantize()
+                  blocks.group, blocks.supers, blocks.bits).dequantize()
     theirs = linear.weight[:CHECKED_ROWS].detach().float().numpy()
     if not np.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(np.abs(theirs).max())):
         raise DraftwiseError(f"{file}: {tensor} does not hold the model's weights (the model was not converted "
