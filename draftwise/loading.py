@@ -13,7 +13,7 @@ from draftwise.hardware import check_device
 from draftwise.backends.quant_model import runs_on_blocks
 from draftwise.methods import (AUTO_BACKEND, BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD,
                                Parts, check_backend, check_method, choose_method, new_proposer)
-from draftwise.proposers.compact import KEEP_VOCAB
+from draftwise.proposers.compact import FOUR_BIT, KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.feature_head import HeadProposer, attention_window
@@ -68,9 +68,9 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
 
 
-# How an engine on the quant backend is assembled: its linears' kernel is the quantized one (nothing to time), and
-# a compact draft would cut the output layer's float weight, which it no longer has.
-QUANT_ASSEMBLY = {"target_kernels": ("dense",), "compact_draft": False}
+# How an engine on the quant backend is assembled: its linears' kernel is the quantized one (nothing to time); the
+# target's own layers (skip) stay as they are; a draft model is compacted onto a 4-bit copy of itself.
+QUANT_ASSEMBLY = {"target_kernels": ("dense",), "compact_draft": False, "draft_kernels": (FOUR_BIT,)}
 
 
 def auto_backend(target: str, draft: str | None, method: str, device: str = "cpu", progress: bool = True) -> str:
@@ -108,7 +108,7 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
                 progress: bool = True, quantized: bool = False):
     """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first.
 
-    quantized: each model's linears on its GGUF file's own blocks (the quant backend; dtype float32)."""
+    quantized: the target's linears on its GGUF file's own blocks (the quant backend; dtype float32)."""
     from draftwise.models import check_resolves, resolve  # the store pulls weights; only named models need it
 
     check_device(device)  # an instant, before a pull or a load of minutes
@@ -123,9 +123,8 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
         draft_source = resolve(draft, progress=progress)
         # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
         check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
+        # On the quant backend the draft stays float here: assemble compacts it onto a 4-bit copy.
         draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
-        if quantized:
-            draft_model = on_quant_weights(draft_model, draft_source, draft, progress)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
     if quantized:
         target_model = on_quant_weights(target_model, target_source, target, progress)
@@ -174,7 +173,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     method = choose_method(method, draft_model is not None)
     need = METHODS[method].needs
     check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
-    check_kernels("draft", draft_kernels, DRAFT_KERNELS)
+    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, FOUR_BIT))
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -217,7 +216,7 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
     """(the draft model's backend, the target id of each of its logits or None): compact unless told not to.
     Its speed paths go into paths."""
     token_ids = None
-    if compact_draft:
+    if compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
     draft = HFBackend(draft_model)
     paths["draft_kernels"] = kernel_counts(draft_model)

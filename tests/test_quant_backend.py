@@ -210,3 +210,22 @@ def test_a_positions_logits_do_not_depend_on_the_call_that_computed_them(monkeyp
     monkeypatch.setattr(quant_layers, "attention", sdpa)
     shapes = logits_by_call_shape(backend)
     assert not all(torch.equal(logits, shapes["one 5-token pass"]) for logits in shapes.values())
+
+
+def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
+    weight = torch.randn(48, 896, generator=torch.Generator().manual_seed(4)).numpy()  # 896: 28 groups, 7 a super
+    blocks = gguf_weights.quantize_4bit(weight)
+    assert blocks.bits == 4 and blocks.supers == 7 and int(blocks.q.max()) <= 15
+    error = np.abs(blocks.dequantize() - weight).mean() / np.abs(weight).mean()
+    assert error < 0.12
+    # control: the same levels with the scales of another channel are far off
+    assert np.abs(blocks.rows(np.roll(np.arange(48), 1)).dequantize() - weight).mean() / np.abs(weight).mean() > 0.5
+
+
+@pytest.mark.real_model
+def test_a_draft_beside_a_quant_target_runs_on_a_compact_4bit_copy():
+    eng = engine("draft")
+    draft = eng.proposer.backend.model
+    assert all(isinstance(m, QuantLinear) and m.bits == 4 for m in draft.modules() if isinstance(m, QuantLinear))
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
+    assert eng.speed_paths["backend"] == "quant"

@@ -163,3 +163,29 @@ def pack(blocks: Blocks) -> Packed:
     by_tile = lambda a: np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1)).ravel()  # noqa: E731
     return Packed(np.ascontiguousarray(q).ravel(), by_tile(blocks.sc), by_tile(blocks.mn), by_tile(blocks.d),
                   by_tile(blocks.dmin), n, k, g, blocks.supers, blocks.bits)
+
+
+def quantize_4bit(weight: np.ndarray, group: int = 32, most_supers: int = 8) -> Blocks:
+    """A float weight [n, k] in the Q4_K form (4-bit values, 6-bit scales and mins under a float per super-group):
+    for a draft, whose values may change (the target still checks every token; only acceptance moves).
+    Super-groups of up to most_supers groups, as many as divide k's groups (k need not be a multiple of 256)."""
+    n, k = weight.shape
+    if k % group:
+        raise DraftwiseError(f"a 4-bit draft weight needs a width that is a multiple of {group}, not {k}")
+    groups = k // group
+    supers = max(s for s in range(1, most_supers + 1) if groups % s == 0)
+    w = weight.astype(np.float32).reshape(n, groups, group)
+    low = np.maximum(-w.min(axis=2), 0.0)  # [n, groups]: w >= -low
+    step = (w.max(axis=2) + low) / 15  # [n, groups]: the 16 levels' spacing
+    per_super = lambda a: a.reshape(n, groups // supers, supers)  # noqa: E731
+    d = per_super(step).max(axis=2) / 63  # [n, super-groups]
+    dmin = per_super(low).max(axis=2) / 63
+    safe = lambda a: np.where(a > 0, a, 1.0)  # noqa: E731
+    sc = np.clip(np.rint(per_super(step) / safe(d)[..., None]), 0, 63).reshape(n, groups)
+    mn = np.clip(np.rint(per_super(low) / safe(dmin)[..., None]), 0, 63).reshape(n, groups)
+    scale = np.repeat(d, supers, axis=1) * sc  # [n, groups]: what the kernel multiplies by
+    offset = np.repeat(dmin, supers, axis=1) * mn
+    q = np.clip(np.rint((w + offset[..., None]) / safe(scale)[..., None]), 0, 15)
+    q = np.where(scale[..., None] > 0, q, 0).reshape(n, k)
+    return Blocks(q.astype(np.uint8), sc.astype(np.int8), mn.astype(np.int8), d.astype(np.float32),
+                  dmin.astype(np.float32), group, supers, 4)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from draftwise.backends.gguf_weights import Blocks, decode, pack
+from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit
 from draftwise.backends.qgemm import QuantLinear, attention
 from draftwise.backends.quant_layers import fuse_layers
 from draftwise.errors import DraftwiseError
@@ -102,11 +102,8 @@ def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) ->
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
     model.config.tie_word_embeddings = False  # the output layer is its own module now; never tie it back
+    _row_invariant_attention(model)
     fuse_layers(model)
-    for module in model.modules():  # every attention layer: its config says which function it calls
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ROW_INVARIANT
     return model
 
 
@@ -131,3 +128,25 @@ def _field(reader, key: str) -> str:
     if field is None:
         return ""
     return bytes(field.parts[field.data[0]]).decode()
+
+
+def on_4bit(model: nn.Module, progress: bool = True) -> nn.Module:
+    """Replace model's linears, in place, by QuantLinear on a 4-bit copy of their float weights (quantize_4bit): a
+    draft's, which may change values. Widths that are not a multiple of 32 stay float."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % 32 == 0]
+    modules = dict(model.named_modules())
+    for name, linear in bar(linears, desc="4-bit draft", disable=not progress):
+        blocks = quantize_4bit(linear.weight.detach().float().numpy())
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
+    model.config.tie_word_embeddings = False
+    _row_invariant_attention(model)
+    fuse_layers(model)
+    return model
+
+
+def _row_invariant_attention(model: nn.Module) -> None:
+    for module in model.modules():  # every attention layer: its config says which function it calls
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ROW_INVARIANT

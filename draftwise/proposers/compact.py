@@ -23,6 +23,7 @@ from torch import nn
 from draftwise.backends.kernels import DRAFT_KERNELS, DRAFT_WIDTHS, KernelPlan, plan_kernels, with_kernels
 
 KEEP_VOCAB = 32768
+FOUR_BIT = "q4"  # a draft's linears on a 4-bit copy (backends/quant_model.on_4bit), for the quant backend
 
 
 def compact_draft(model, special_ids=(), keep_vocab: int = KEEP_VOCAB, kernels=DRAFT_KERNELS,
@@ -30,9 +31,14 @@ def compact_draft(model, special_ids=(), keep_vocab: int = KEEP_VOCAB, kernels=D
     """(a compact copy of model, the target id of each of its logits or None, the kernel plan it runs on).
 
     The original is untouched: the bench runs transformers' own assisted generation on it.
-    kernels: the candidates timed for each linear (EXACT_KERNELS keeps the draft's values; one name forces it)."""
+    kernels: the candidates timed for each linear (EXACT_KERNELS keeps the draft's values; one name forces it);
+    (FOUR_BIT,): every linear on a 4-bit copy on qgemm.c, beside a target on the quant backend."""
     model = copy.deepcopy(model)
     token_ids = _shrink_output_layer(model, special_ids, keep_vocab)
+    if tuple(kernels) == (FOUR_BIT,):
+        from draftwise.backends.quant_model import on_4bit
+
+        return on_4bit(model, progress=False).eval(), token_ids, KernelPlan({}, {}, DRAFT_WIDTHS)
     plan = plan_kernels(model, tuple(kernels), DRAFT_WIDTHS, cache=cache)
     return with_kernels(model, plan).eval(), token_ids, plan
 
