@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 
 # Pulls the Qwen2.5-Coder 1.5B target and 0.5B draft on first use (about 5 minutes), then streams a
 # speculative generation and checks that its greedy text equals the target alone.
-# DTYPE=float32 (or bfloat16) overrides the default, auto: bfloat16 only where the CPU computes it natively.
+# --backend auto: the quant backend where the CPU has AVX512-VNNI, else transformers in --dtype auto. DTYPE=float32
+# (or bfloat16) runs the transformers backend in that dtype.
 demo: install
-	$(PY) scripts/demo.py $(if $(DTYPE),--dtype $(DTYPE))
+	$(PY) scripts/demo.py $(if $(DTYPE),--backend hf --dtype $(DTYPE))
 
 # llama.cpp's llama-server, for the bench's lcpp-* peers: built once from the llama.cpp that llama-cpp-python
 # vendors (pinned in the script) into $DRAFTWISE_HOME/llama.cpp/<version>/bin; SDIST=file.tar.gz skips the download.
