@@ -31,28 +31,50 @@
 #define PREFETCH_GROUPS 8
 #define MAX_ROWS 16  // rows per pass over a tile: one accumulator register each
 
+// One group of g values (a multiple of 16) to int8 with its scale (largest magnitude -> 127) and the float sum of
+// what it stands for. The vector and scalar forms give the same bits: a maximum does not depend on order, each
+// value is rounded on its own (to nearest even), and the integer sum is exact.
+static inline void quantize_group(const float *v, int g, int8_t *out, float *scale, float *sum) {
+    float amax = 0.0f;
+#if DW_VNNI
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < g; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+    amax = _mm512_reduce_max_ps(top);
+#else
+    for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(v[i]));
+#endif
+    const float s = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int total = 0;
+#if DW_VNNI
+    const __m512 iv = _mm512_set1_ps(inv);
+    __m512i count = _mm512_setzero_si512();
+    for (int i = 0; i < g; i += 16) {
+        const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i), iv));
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(qv));
+        count = _mm512_add_epi32(count, qv);
+    }
+    total = _mm512_reduce_add_epi32(count);
+#else
+    for (int i = 0; i < g; i++) {
+        const int qv = (int)nearbyintf(v[i] * inv);
+        out[i] = (int8_t)qv;
+        total += qv;
+    }
+#endif
+    *scale = s;
+    *sum = s * (float)total;
+}
+
 // Quantize each row of x [rows, k] to int8 per group of g: xq [rows, k], scale and float sum per group.
 void dw_quantize_rows(const float *x, int rows, int k, int g, int8_t *xq, float *scale, float *sum) {
     const int groups = k / g;
 #pragma omp parallel for schedule(static) if (rows * k > 65536)
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r++)
         for (int j = 0; j < groups; j++) {
-            const float *v = x + (size_t)r * k + (size_t)j * g;
-            int8_t *out = xq + (size_t)r * k + (size_t)j * g;
-            float amax = 0.0f;
-            for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float s = amax / 127.0f;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int total = 0;
-            for (int i = 0; i < g; i++) {
-                const int qv = (int)nearbyintf(v[i] * inv);
-                out[i] = (int8_t)qv;
-                total += qv;
-            }
-            scale[(size_t)r * groups + j] = s;
-            sum[(size_t)r * groups + j] = s * (float)total;
+            const size_t at = (size_t)r * k + (size_t)j * g;
+            quantize_group(x + at, g, xq + at, scale + (size_t)r * groups + j, sum + (size_t)r * groups + j);
         }
-    }
 }
 
 int dw_vectorized(void) { return DW_VNNI; }
