@@ -174,6 +174,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     need = METHODS[method].needs
     check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
     check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, FOUR_BIT))
+    if FOUR_BIT in draft_kernels and len(draft_kernels) > 1:
+        raise DraftwiseError(f"draft kernel {FOUR_BIT} (every linear on a 4-bit copy) is not timed against others: "
+                             f"give it alone; got {', '.join(draft_kernels)}")
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)

@@ -51,8 +51,9 @@ def add_dtype(group, *, several: bool = False, role: str = "weights dtype at loa
             "float32 gives token-for-token identity with the target alone, bfloat16 may differ at rounding near-ties")
     if several:
         group.add_argument("--dtype", default="auto", metavar="D,D,...",
-                           help=f"{role}, comma-separated, from: {', '.join(DTYPES)}; the whole bench runs once per "
-                                f"dtype; {what} (default: %(default)s)")
+                           help=f"{role}, comma-separated, from: {', '.join(DTYPES)}, or gguf (the quant backend: "
+                                "the GGUF files' own blocks on draftwise's integer kernel); the whole bench runs once "
+                                f"per entry; {what} (default: %(default)s)")
     else:
         group.add_argument("--dtype", choices=DTYPES, default="auto", help=f"{role}: {what} (default: %(default)s)")
 

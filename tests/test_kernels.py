@@ -225,9 +225,12 @@ def test_the_target_may_not_run_on_a_kernel_that_changes_its_values():
 
 
 def test_the_draft_may_run_only_on_a_kernel_the_library_has():
-    with pytest.raises(DraftwiseError, match="draft kernels must be some of dense, .*int8-dynamic; got int4"):
+    with pytest.raises(DraftwiseError, match="draft kernels must be some of dense, .*int8-dynamic, q4; got int4"):
         Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), draft_model=tiny_model("llama", seed=1),
                            draft_kernels=("int4",))
+    with pytest.raises(DraftwiseError, match="draft kernel q4 .* give it alone; got q4, int8"):
+        Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), draft_model=tiny_model("llama", seed=1),
+                           draft_kernels=("q4", "int8"))
 
 
 def test_the_stats_say_which_paths_were_taken():

@@ -229,3 +229,85 @@ def test_a_draft_beside_a_quant_target_runs_on_a_compact_4bit_copy():
     assert all(isinstance(m, QuantLinear) and m.bits == 4 for m in draft.modules() if isinstance(m, QuantLinear))
     assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
     assert eng.speed_paths["backend"] == "quant"
+
+
+# ---- sampling: the target's own distribution on this route ------------------------------------------------
+
+SAMPLED_RUNS = 800
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_quant(scale: float):
+    """A tiny random Qwen2 model (logits scaled by `scale`) on 4-bit blocks and the quant backend's layers: the same
+    modules a GGUF file's blocks run on."""
+    from conftest import tiny_model
+
+    from draftwise.backends.quant_model import on_4bit
+
+    model = tiny_model("qwen2", 0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return on_4bit(model, progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def loop_prompt(mid: bool) -> tuple[int, ...]:
+    """The quant target's own greedy continuation of a short text, which loops (lookup then finds matches);
+    mid: one token shorter, so that the hybrid's first round is a lookup round."""
+    from conftest import tiny_tokenizer
+
+    base = tiny_tokenizer()("The quick brown fox")["input_ids"]
+    ids = list(base)
+    with torch.no_grad():
+        for _ in range(30):
+            ids.append(int(tiny_quant(2.5)(torch.tensor([ids])).logits[0, -1].argmax()))
+    return tuple(ids[:-1] if mid else ids)
+
+
+@functools.lru_cache(maxsize=None)
+def exact_quant_pairs(temperature: float, mid: bool) -> dict:
+    """P(t1, t2) from the quant target's own forward passes."""
+    from draftwise.config import SamplingConfig
+    from draftwise.sampling import logits_to_probs
+
+    cfg, ids, model = SamplingConfig(temperature=temperature), list(loop_prompt(mid)), tiny_quant(2.5)
+    with torch.no_grad():
+        first = logits_to_probs(model(torch.tensor([ids])).logits[0, -1], cfg)
+        table = {}
+        for t1 in torch.nonzero(first > 1e-4).flatten().tolist():
+            second = logits_to_probs(model(torch.tensor([ids + [t1]])).logits[0, -1], cfg)
+            for t2 in torch.nonzero(second * first[t1] > 1e-4).flatten().tolist():
+                table[(t1, t2)] = float(first[t1] * second[t2])
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def quant_sampled_pairs(method: str, temperature: float, mid: bool) -> tuple[list, int, int]:
+    from conftest import tiny_model, tiny_tokenizer
+
+    from draftwise.loading import QUANT_ASSEMBLY
+
+    draft = None
+    if method in ("draft", "hybrid"):  # the target at another temperature: agrees often, not always
+        draft = tiny_model("qwen2", 0)
+        with torch.no_grad():
+            draft.lm_head.weight.mul_(1.5)
+    eng = Engine.from_models(tiny_quant(2.5), tiny_tokenizer(), draft_model=draft, method=method, **QUANT_ASSEMBLY)
+    pairs, kept, proposed = [], 0, 0
+    for seed in range(SAMPLED_RUNS):
+        result = eng.generate(list(loop_prompt(mid)), max_new_tokens=3, num_draft_tokens=2, temperature=temperature,
+                              seed=seed, ignore_eos=True)
+        pairs.append(tuple(result.token_ids[:2]))
+        kept, proposed = kept + result.stats.accepted, proposed + result.stats.proposed
+    return pairs, kept, proposed - kept
+
+
+@pytest.mark.parametrize("method,mid", [("draft", False), ("lookup", False), ("hybrid", True)])
+def test_sampled_tokens_follow_the_quant_targets_distribution(method, mid):
+    from stats_helpers import fit_pvalue
+
+    pairs, kept, rejected = quant_sampled_pairs(method, 1.0, mid)
+    assert fit_pvalue(pairs, exact_quant_pairs(1.0, mid)) > 1e-3
+    assert kept >= SAMPLED_RUNS // 8 and rejected >= SAMPLED_RUNS // 10  # both paths, many times
+    # control: the same samples are far from the distribution at another temperature
+    assert fit_pvalue(pairs, exact_quant_pairs(0.6, mid)) < 1e-6
