@@ -73,7 +73,7 @@ def print_table(rows, baseline) -> None:
             f"{1000 * s.verify_s / s.target_forwards:7.0f}  {fmt_optional(s.cost_ratio, '.3f'):5}  {fmt_optional(s.predicted_speedup, '.2f', 'x'):>9}  {r.token_ids == baseline.token_ids}",
             file=sys.stderr,
         )
-    print(f"dtype {baseline.stats.speed_paths.get('dtype')}; kernels: target {baseline.stats.speed_paths.get('target_kernels')}, "
+    print(f"backend {baseline.stats.speed_paths.get('backend')}, dtype {baseline.stats.speed_paths.get('dtype')}; kernels: target {baseline.stats.speed_paths.get('target_kernels')}, "
           f"draft {rows[0][1].stats.speed_paths.get('draft_kernels')}", file=sys.stderr)
 
 

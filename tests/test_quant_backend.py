@@ -150,6 +150,7 @@ def test_the_models_linears_run_on_the_files_blocks():
     assert len(quantized) == 30 * 7 + 1  # every projection of the 30 layers, and the output layer
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert engine("none").speed_paths["backend"] == "quant"
+    assert engine("none").speed_paths["target_kernels"] == {"q4": 210, "q8": 1}  # Q4_1 layers, Q8_0 output layer
 
 
 @pytest.mark.real_model

@@ -305,6 +305,10 @@ def _shape_key(linear: nn.Linear) -> str:
 
 
 def _kernel_name(module: nn.Module) -> str | None:
+    from draftwise.backends.qgemm import QuantLinear  # (deferred: kernels.py loads with every engine)
+
+    if isinstance(module, QuantLinear):  # the quant backend's: named by the bits its values take, e.g. "q4"
+        return f"q{module.bits}"
     return _KERNEL_NAMES.get(type(module))
 
 
