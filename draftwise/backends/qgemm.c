@@ -175,15 +175,18 @@ static void tile_rows(int R, int G, int BITS, int k, int S, const uint8_t *q, co
     const int groups = k / G;
     float acc[MAX_ROWS][TILE];
     memset(acc, 0, sizeof(acc));
+    int16_t w[TILE][32];  // the group's values, unpacked once for every row (loops over them vectorize)
     for (int j = 0; j < groups; j++) {
         const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
+        for (int c = 0; c < TILE; c++)
+            for (int kk = 0; kk < G; kk++) w[c][kk] = (int16_t)value_at(p, G, BITS, c, kk);
         for (int c = 0; c < TILE; c++) {
             const size_t at_s = (size_t)(j / S) * TILE + c, at_g = (size_t)j * TILE + c;
             const float ws = d[at_s] * (float)sc[at_g], wm = dmin[at_s] * (float)mn[at_g];
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * k + (size_t)j * G;
                 int dot = 0;
-                for (int kk = 0; kk < G; kk++) dot += value_at(p, G, BITS, c, kk) * xr[kk];
+                for (int kk = 0; kk < G; kk++) dot += w[c][kk] * xr[kk];
                 const size_t at = (size_t)r * groups + j;
                 acc[r][c] = fmaf((float)dot, ws * xs[at], acc[r][c]);
                 acc[r][c] = fmaf(-wm, xsum[at], acc[r][c]);
