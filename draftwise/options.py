@@ -47,8 +47,9 @@ def add_head(group) -> None:
 
 def add_dtype(group, *, several: bool = False, role: str = "weights dtype at load time") -> None:
     """--dtype: one of DTYPES, or (several) a comma-separated list of them."""
-    what = ("'auto' is bfloat16 where the hardware computes it (AVX-512 BF16, AMX, CUDA) and float32 elsewhere; "
-            "float32 gives token-for-token identity with the target alone, bfloat16 may differ at rounding near-ties")
+    what = ("on the hf backend, 'auto' is bfloat16 where the hardware computes it (AVX-512 BF16, AMX, CUDA) and "
+            "float32 elsewhere; float32 gives token-for-token identity with the target alone, bfloat16 may differ at "
+            "rounding near-ties (the quant backend computes in float32 around its integer kernel, and is exact)")
     if several:
         group.add_argument("--dtype", default="auto", metavar="D,D,...",
                            help=f"{role}, comma-separated, from: {', '.join(DTYPES)}, or gguf (the quant backend: "
@@ -61,14 +62,14 @@ def add_dtype(group, *, several: bool = False, role: str = "weights dtype at loa
 def add_backend(group) -> None:
     """--backend: what runs the models (methods.BACKENDS)."""
     chains = ", ".join(available_methods("hybrid", "llamacpp"))
-    group.add_argument("--backend", choices=(*BACKENDS, AUTO_BACKEND), default=DEFAULT_BACKEND,
+    group.add_argument("--backend", choices=(*BACKENDS, AUTO_BACKEND), default=AUTO_BACKEND,
                        help="what runs the models: 'hf' (transformers, every method), 'quant' (transformers with "
                             "its linears on the GGUF file's own 4- and 6-bit blocks, draftwise's integer kernel, "
                             "compiled here on first use; float32 around it; every method but the head ones) or "
                             "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
                             f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) or 'auto' (quant "
-                            "where this CPU has AVX512-VNNI and the models their GGUF files, else hf) "
-                            "(default: %(default)s)")
+                            "where this CPU has AVX512-VNNI, the models their GGUF files and --dtype is left at "
+                            "auto; hf otherwise) (default: %(default)s)")
 
 
 def add_device(group, *, what: str = "the models run") -> None:

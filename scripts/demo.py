@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: quant where this CPU runs its kernel, else hf (default: %(default)s)")
     args = parser.parse_args(argv)
     print(f"loading {TARGET} (target) and {DRAFT} (draft); the first run pulls them", file=sys.stderr)
-    backend = auto_backend(TARGET, DRAFT, "hybrid") if args.backend == "auto" else args.backend
+    backend = auto_backend(TARGET, DRAFT, "hybrid", dtype=args.dtype) if args.backend == "auto" else args.backend
     quantized = backend == "quant"
     options = QUANT_ASSEMBLY if quantized else {}
     print(f"backend {backend}", file=sys.stderr)

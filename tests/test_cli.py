@@ -289,9 +289,12 @@ def test_load_engine_passes_the_options_to_from_pretrained(capsys, monkeypatch):
                                   "--device", "cuda:1", "--lookup-ngram", "5", "--quiet"))
     assert code == 0
     assert seen == {"target": "tiny", "draft": "tiny-draft", "method": "draft", "dtype": "bfloat16",
-                    "device": "cuda:1", "progress": False, "lookup_max_ngram": 5}
+                    "device": "cuda:1", "progress": False, "lookup_max_ngram": 5, "backend": "auto"}
     code, _, _ = run(capsys, *gen("--backend", "llamacpp", "--method", "none", "--quiet"))
     assert code == 0 and seen["backend"] == "llamacpp"
+    seen.clear()
+    code, _, _ = run(capsys, *gen("--backend", "hf", "--method", "none", "--quiet"))
+    assert code == 0 and "backend" not in seen  # Python's own default
 
 
 def test_ignored_draft_is_mentioned(capsys, loads):

@@ -324,3 +324,28 @@ def test_sampled_tokens_follow_the_quant_targets_distribution(method, mid):
     assert kept >= SAMPLED_RUNS // 8 and rejected >= SAMPLED_RUNS // 10  # both paths, many times
     # control: the same samples are far from the distribution at another temperature
     assert fit_pvalue(pairs, exact_quant_pairs(0.6, mid)) < 1e-6
+
+
+def test_auto_picks_quant_only_where_it_runs_fast_and_exact(monkeypatch, tmp_path):
+    from draftwise.loading import auto_backend
+
+    monkeypatch.setattr(qgemm, "fast_here", lambda: True)
+    # refused before any model is resolved: another device, an explicit dtype, a method reading float weights
+    assert auto_backend("no-such-model", None, "none", device="cuda") == "hf"
+    assert auto_backend("no-such-model", None, "none", dtype="bfloat16") == "hf"
+    assert auto_backend("no-such-model", None, "head") == "hf"
+    monkeypatch.setattr(qgemm, "fast_here", lambda: False)
+    assert auto_backend("no-such-model", None, "none") == "hf"  # (no AVX512-VNNI here, or no compiler)
+    monkeypatch.setattr(qgemm, "fast_here", lambda: True)
+    with pytest.raises(DraftwiseError, match="no-such-model"):  # a typo is still an error, not a silent hf
+        auto_backend("no-such-model", None, "none")
+
+
+@pytest.mark.real_model
+def test_auto_picks_quant_for_a_model_whose_gguf_is_in_the_store(monkeypatch):
+    from draftwise.loading import auto_backend
+
+    monkeypatch.setattr(qgemm, "fast_here", lambda: True)
+    assert auto_backend(NAME, NAME, "hybrid") == "quant"
+    monkeypatch.setattr(qgemm, "fast_here", lambda: False)
+    assert auto_backend(NAME, NAME, "hybrid") == "hf"

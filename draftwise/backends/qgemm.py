@@ -40,6 +40,12 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
+def fast_here() -> bool:
+    """Whether this machine would run the kernel's vector path (AVX512-VNNI and a C compiler), without compiling it."""
+    flags = _cpu_flags().split()
+    return "avx512_vnni" in flags and "avx512bw" in flags and bool(shutil.which("cc") or shutil.which("gcc"))
+
+
 def compiler() -> str:
     """The C compiler that builds the kernel, or an error that says what to install."""
     found = shutil.which("cc") or shutil.which("gcc")
