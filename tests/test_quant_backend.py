@@ -75,6 +75,8 @@ def layer(type_name: str, n: int = 80, k: int = 512, seed: int = 0) -> tuple[Qua
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
 def test_the_kernel_computes_the_layer_within_int8_activation_rounding(type_name):
     linear, weight = layer(type_name, n=72)  # 72: not a multiple of the 16-channel tile
+    # where the minimum's integer is the scale's (Q6_K; the unit scales of Q5_0 and Q8_0) one buffer is read once
+    assert (linear.mn.data_ptr() == linear.sc.data_ptr()) == (type_name in ("Q6_K", "Q5_0", "Q8_0"))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     exact = x @ weight.T
     error = lambda y: float((y - exact).norm() / exact.norm())  # noqa: E731

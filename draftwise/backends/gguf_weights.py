@@ -40,8 +40,9 @@ class Blocks:
 
     def rows(self, order: np.ndarray) -> "Blocks":
         """The same weight with its output channels taken in `order`."""
-        return Blocks(self.q[order], self.sc[order], self.mn[order], self.d[order], self.dmin[order], self.group,
-                      self.supers, self.bits)
+        scales = self.sc[order]
+        return Blocks(self.q[order], scales, scales if self.mn is self.sc else self.mn[order], self.d[order],
+                      self.dmin[order], self.group, self.supers, self.bits)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -116,8 +117,9 @@ def decode(type_name: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // values), size)
     q, sc, mn, d, dmin, group, supers = decoder(blocks)
     groups, super_groups = k // group, k // (group * supers)
-    return Blocks(q.reshape(n, k).astype(np.uint8), sc.reshape(n, groups).astype(np.int8),
-                  mn.reshape(n, groups).astype(np.int8), d.reshape(n, super_groups).astype(np.float32),
+    scales = sc.reshape(n, groups).astype(np.int8)
+    mins = scales if mn is sc else mn.reshape(n, groups).astype(np.int8)  # Q6_K: one array, read once
+    return Blocks(q.reshape(n, k).astype(np.uint8), scales, mins, d.reshape(n, super_groups).astype(np.float32),
                   dmin.reshape(n, super_groups).astype(np.float32), group, supers, bits)
 
 
@@ -146,9 +148,10 @@ def pack(blocks: Blocks) -> Packed:
     n, k = blocks.q.shape
     padded = -n % TILE
     if padded:
-        blocks = Blocks(*(np.pad(a, ((0, padded), (0, 0))) for a in (blocks.q, blocks.sc, blocks.mn, blocks.d,
-                                                                      blocks.dmin)),
-                        blocks.group, blocks.supers, blocks.bits)
+        pad = lambda a: np.pad(a, ((0, padded), (0, 0)))  # noqa: E731
+        scales = pad(blocks.sc)
+        blocks = Blocks(pad(blocks.q), scales, scales if blocks.mn is blocks.sc else pad(blocks.mn), pad(blocks.d),
+                        pad(blocks.dmin), blocks.group, blocks.supers, blocks.bits)
     tiles, g = (n + padded) // TILE, blocks.group
     groups, half = k // g, g // 8
     # [tiles, groups, vec, channel, 4]: register `vec` holds 4 consecutive values of each of the 16 channels
@@ -161,8 +164,10 @@ def pack(blocks: Blocks) -> Packed:
             planes.append(sum(high[:, :, :, b] << (2 * b) for b in range(4)).astype(np.uint8))
         q = np.concatenate(planes, axis=2)
     by_tile = lambda a: np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1)).ravel()  # noqa: E731
-    return Packed(np.ascontiguousarray(q).ravel(), by_tile(blocks.sc), by_tile(blocks.mn), by_tile(blocks.d),
-                  by_tile(blocks.dmin), n, k, g, blocks.supers, blocks.bits)
+    scales = by_tile(blocks.sc)
+    mins = scales if blocks.mn is blocks.sc else by_tile(blocks.mn)  # shared: the kernel reads the same bytes
+    return Packed(np.ascontiguousarray(q).ravel(), scales, mins, by_tile(blocks.d), by_tile(blocks.dmin), n, k, g,
+                  blocks.supers, blocks.bits)
 
 
 def quantize_4bit(weight: np.ndarray, group: int = 32, most_supers: int = 8) -> Blocks:

@@ -115,8 +115,11 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = packed.k, packed.n
         self.group, self.supers, self.bits = packed.group, packed.supers, packed.bits
         self.padded_out = packed.n + (-packed.n % 16)
-        for name in ("q", "sc", "mn", "d", "dmin"):
+        for name in ("q", "sc", "d", "dmin"):
             self.register_buffer(name, torch.from_numpy(np.ascontiguousarray(getattr(packed, name))))
+        # Q6_K's minimum is its scale: one buffer under both names, so a pass reads those bytes once
+        shared = packed.mn is packed.sc
+        self.register_buffer("mn", self.sc if shared else torch.from_numpy(np.ascontiguousarray(packed.mn)))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         library()  # compiled now, not in the first forward
 
