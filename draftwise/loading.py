@@ -133,11 +133,7 @@ def on_quant_weights(model, source, name: str, progress: bool):
     """model with its linears on the blocks of the GGUF file it came from, or an error that says how to get one."""
     from draftwise.backends.quant_model import on_gguf_weights
 
-    gguf = source.gguf_path
-    if gguf is None:
-        raise DraftwiseError(f"the quant backend reads the model's GGUF file; {name!r} has none here (pull it by name "
-                             "with `draftwise models pull`, or pass a .gguf file)")
-    return on_gguf_weights(model, gguf, progress)
+    return on_gguf_weights(model, source.published_gguf(name, "the quant backend"), progress)
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,

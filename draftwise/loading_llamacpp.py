@@ -3,7 +3,6 @@ tokenizer as on the transformers route, so the text path is the same."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from draftwise.backends.hf import load_tokenizer
 from draftwise.backends.llamacpp import LlamaBackend
@@ -11,6 +10,9 @@ from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.methods import DRAFT_MODEL, METHODS, Parts, new_proposer
 from draftwise.tokenizers import check_draft_reads_every_token, check_same_tokenizer, eos_ids, readable_ids
+
+
+BACKEND = "the llama.cpp backend"  # as messages name it
 
 
 def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method: str, progress: bool = True,
@@ -25,12 +27,12 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
         if name is not None:
             check_resolves(name)
     target_source = resolve(target, progress=progress)
-    target_file = _gguf(target_source, target)
+    target_file = target_source.published_gguf(target, BACKEND)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
     draft_file = None
     if draft is not None and METHODS[method].needs == DRAFT_MODEL:
         draft_source = resolve(draft, progress=progress)
-        draft_file = _gguf(draft_source, draft)
+        draft_file = draft_source.published_gguf(draft, BACKEND)
         check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
     options = {} if slots is None else {"slots": slots}
     backend = LlamaBackend(str(target_file), **options)
@@ -50,18 +52,6 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
                       on_draft_model=lambda cls: cls(draft_backend, target_vocab_size=backend.vocab_size))
     proposer = new_proposer(method, parts)
     return engine_cls(backend, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
-
-
-def _gguf(source, name: str) -> Path:
-    """The model's GGUF file as published, or an error that says how to get one."""
-    path = source.gguf_path
-    if path is not None:
-        return path
-    if source.gguf_file is None and (source.path / "draftwise.json").is_file():
-        raise DraftwiseError(f"{name} was pulled before the store kept its GGUF file; `draftwise models pull {name} "
-                             "--force` fetches it again with the file")
-    raise DraftwiseError(f"the llama.cpp backend runs GGUF files; {name} is a Hugging Face folder: give a model "
-                         "name or a .gguf path")
 
 
 def check_vocabulary(backend: LlamaBackend, tokenizer, source, name: str) -> None:

@@ -29,12 +29,17 @@ def check_same_tokenizer(target, draft) -> None:
             f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}; "
             "a draft must share the target's tokenizer"
         )
+    theirs, ours = _special_tokens(target), _special_tokens(draft)
     for name in _SPECIAL:
-        if getattr(target, name) != getattr(draft, name):
+        if theirs[name] != ours[name]:
             raise DraftwiseError(
-                f"the draft's tokenizer differs from the target's: {name} is {getattr(target, name)} in the target "
-                f"but {getattr(draft, name)} in the draft"
+                f"the draft's tokenizer differs from the target's: {name} is {theirs[name]} in the target "
+                f"but {ours[name]} in the draft"
             )
+
+
+def _special_tokens(tokenizer) -> dict:
+    return {name: getattr(tokenizer, name) for name in _SPECIAL}
 
 
 def readable_ids(tokenizer, embedding_rows: int) -> int:

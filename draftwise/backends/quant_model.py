@@ -16,7 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit
 from draftwise.backends.qgemm import QuantLinear, attention
-from draftwise.backends.quant_layers import fuse_layers
+from draftwise.backends.quant_layers import fuse_layers, visible_keys
 from draftwise.errors import DraftwiseError
 from draftwise.progress import bar
 
@@ -39,13 +39,7 @@ def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "sinks", "softcap")):
         raise DraftwiseError("the quant backend's attention has no dropout, position bias, sinks or soft cap")
     batch, _, n, dim = query.shape
-    keys = key.shape[2]
-    if attention_mask is None:  # causal: the n queries are the last n positions
-        visible = torch.ones(n, keys, dtype=torch.bool).tril(keys - n).expand(batch, n, keys)
-    elif attention_mask.dtype == torch.bool:
-        visible = attention_mask[:, 0].expand(batch, n, keys)
-    else:
-        visible = (attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2).expand(batch, n, keys)
+    visible = visible_keys(attention_mask, batch, n, key.shape[2])
     scale = dim ** -0.5 if scaling is None else scaling
     out = attention(query.float(), key.float(), value.float(), visible, scale)
     return out.to(query.dtype), None
@@ -99,10 +93,23 @@ def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) ->
         blocks = decode(tensor.tensor_type.name, tensor.data, n, k)
         blocks = _model_order(blocks, tensor.name, arch, model.config)
         _check_rows(blocks, linear, tensor.name, gguf_path.name)
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
+        _replace(model, modules, name, QuantLinear(pack(blocks), linear.bias))
+    return _on_quant_layers(model)
+
+
+def _replace(model: nn.Module, modules: dict, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(modules[parent] if parent else model, child, module)
+
+
+def _on_quant_layers(model: nn.Module) -> nn.Module:
+    """What a model whose linears run on QuantLinear needs besides: its output layer untied, row-invariant attention
+    in every layer, and the fused calls where the layer's shape allows."""
     model.config.tie_word_embeddings = False  # the output layer is its own module now; never tie it back
-    _row_invariant_attention(model)
+    for module in model.modules():  # every attention layer: its config says which function it calls
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ROW_INVARIANT
     fuse_layers(model)
     return model
 
@@ -115,8 +122,7 @@ def _model_order(blocks: Blocks, tensor: str, arch: str, config) -> Blocks:
 
 
 def _check_rows(blocks: Blocks, linear: nn.Linear, tensor: str, file: str) -> None:
-    ours = Blocks(*(a[:CHECKED_ROWS] for a in (blocks.q, blocks.sc, blocks.mn, blocks.d, blocks.dmin)),
-                  blocks.group, blocks.supers, blocks.bits).dequantize()
+    ours = blocks.rows(np.arange(min(CHECKED_ROWS, len(blocks.q)))).dequantize()
     theirs = linear.weight[:CHECKED_ROWS].detach().float().numpy()
     if not np.allclose(ours, theirs, rtol=1e-5, atol=1e-6 * float(np.abs(theirs).max())):
         raise DraftwiseError(f"{file}: {tensor} does not hold the model's weights (the model was not converted "
@@ -137,16 +143,5 @@ def on_4bit(model: nn.Module, progress: bool = True) -> nn.Module:
     modules = dict(model.named_modules())
     for name, linear in bar(linears, desc="4-bit draft", disable=not progress):
         blocks = quantize_4bit(linear.weight.detach().float().numpy())
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent] if parent else model, child, QuantLinear(pack(blocks), linear.bias))
-    model.config.tie_word_embeddings = False
-    _row_invariant_attention(model)
-    fuse_layers(model)
-    return model
-
-
-def _row_invariant_attention(model: nn.Module) -> None:
-    for module in model.modules():  # every attention layer: its config says which function it calls
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ROW_INVARIANT
+        _replace(model, modules, name, QuantLinear(pack(blocks), linear.bias))
+    return _on_quant_layers(model)

@@ -60,6 +60,17 @@ class ModelSource:
             return self.path / self.gguf_file
         return kept_gguf(self.path)
 
+    def published_gguf(self, name: str, backend: str) -> Path:
+        """gguf_path, or an error that says how to get one: `backend` (as a message names it) reads the file."""
+        path = self.gguf_path
+        if path is not None:
+            return path
+        if self.gguf_file is None and (self.path / MANIFEST).is_file():
+            raise ModelStoreError(f"{name} was pulled before the store kept its GGUF file; `draftwise models pull "
+                                  f"{name} --force` fetches it again with the file")
+        raise ModelStoreError(f"{backend} runs GGUF files; {name} is a Hugging Face folder: give a model name or a "
+                              ".gguf path")
+
 
 @dataclass(frozen=True)
 class PullSteps:
