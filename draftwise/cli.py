@@ -99,6 +99,7 @@ def _add_generate(commands) -> None:
     options.add_head(models)
     options.add_dtype(models)
     options.add_backend(models)
+    options.add_batch_invariant(models)
     options.add_device(models)
     options.add_lookup_ngram(models)
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 from torch import nn
 
 from draftwise.backends.hf import HFBackend, embedding_rows, load_model, load_tokenizer
-from draftwise.backends.kernels import DRAFT_KERNELS, EXACT_KERNELS, kernel_counts, on_timed_kernels
+from draftwise.backends.kernels import (DRAFT_KERNELS, EXACT_KERNELS, INVARIANT, TARGET_KERNELS, NoInvariantKernel,
+                                       kernel_counts, on_timed_kernels)
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
@@ -139,8 +140,8 @@ def on_quant_weights(model, source, name: str, progress: bool):
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
              draft_tokenizer=None, lookup_max_ngram: int = DEFAULT_LOOKUP_NGRAM,
              lookup_min_ngram: int | None = None, compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
-             target_kernels: tuple[str, ...] = EXACT_KERNELS, draft_kernels: tuple[str, ...] = DRAFT_KERNELS,
-             head: str | None = None, loaded_model=None):
+             target_kernels: tuple[str, ...] | None = None, draft_kernels: tuple[str, ...] | None = None,
+             head: str | None = None, loaded_model=None, batch_invariant: bool | None = None):
     """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
     own tokenizer as draft_tokenizer to have that checked.
 
@@ -156,9 +157,15 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     hybrid-skip, the same cut applies to the layers the draft runs (layer_skip.cheaper_stack); False shares the
     target's own.
 
+    batch_invariant: every computation of the target (and of a draft model) gives a row the same bits whatever else
+    its call holds (kernels.py's invariant kernel, attention.py's row_invariant_attention), so every method and
+    every batch gives none's tokens alone, in bfloat16 too. None: on for a CPU model unless target_kernels names
+    other kernels (see resolve_invariance).
+
     target_kernels: the kernels timed for the target's linears, the fastest here kept (backends/kernels.py:
     same values, a flatter cost per verified token); ("dense",) keeps the model as loaded. The model passed
     in is left as it is. draft_kernels: the same for the compact draft, which may also change values (int8).
+    Both default to the invariant kernel where batch_invariant holds, else to the timed sets.
 
     head: for the methods head and hybrid-head, the folder of a head trained for this target (`draftwise train-head`);
     loaded_model: the target as loaded, when target_model was already repacked on kernels (the bench shares one
@@ -166,11 +173,12 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     copies are made from its plain linears."""
     method = choose_method(method, draft_model is not None)
     need = METHODS[method].needs
-    check_kernels("target", target_kernels, EXACT_KERNELS, " (the target's own values)")
-    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, FOUR_BIT))
-    if FOUR_BIT in draft_kernels and len(draft_kernels) > 1:
-        raise DraftwiseError(f"draft kernel {FOUR_BIT} (every linear on a 4-bit copy) is not timed against others: "
-                             f"give it alone; got {', '.join(draft_kernels)}")
+    running, invariant, draft_kernels = on_target_kernels(target_model, batch_invariant, target_kernels, draft_kernels)
+    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, INVARIANT, FOUR_BIT))
+    for alone in (FOUR_BIT, INVARIANT):
+        if alone in draft_kernels and len(draft_kernels) > 1:
+            raise DraftwiseError(f"draft kernel {alone} (every linear on it) is not timed against others: give it "
+                                 f"alone; got {', '.join(draft_kernels)}")
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -181,14 +189,14 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
     loaded = loaded_model or target_model  # plain linears, for the head's readout and skip's copies
     drafter = head_proposer(loaded, head) if need == TRAINED_HEAD else None
-    target_model = on_timed_kernels(target_model, target_kernels)
+    target_model = running
     target = HFBackend(target_model)
     if runs_on_blocks(target_model):
         target.backend_name = "quant"
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     keep = [*tokenizer.all_special_ids, *eos]  # the tokens a compact output layer must keep
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model),
-             "backend": target.backend_name}
+             "backend": target.backend_name, "batch_invariant": invariant or target.backend_name == "quant"}
     parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     max_context = target.max_context
     if need == OWN_LAYERS:
@@ -215,6 +223,8 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
     token_ids = None
     if compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
+    elif draft_kernels == (INVARIANT,):
+        draft_model = on_timed_kernels(draft_model, draft_kernels)
     draft = HFBackend(draft_model)
     paths["draft_kernels"] = kernel_counts(draft_model)
     paths["draft_vocab"] = draft.vocab_size
@@ -234,6 +244,58 @@ def skip_drafter(target: HFBackend, tokenizer, loaded, target_model, keep: list[
     paths["skip_agreement"], paths["skip_cost"] = plan.agreement, plan.cost
     paths["skip_kernels"], paths["skip_vocab"] = skipping.stack.layer_kernels(), skipping.vocab_size
     return LayerSkipProposer(skipping, target_vocab_size=target.vocab_size)
+
+
+def on_target_kernels(target_model, batch_invariant: bool | None, target_kernels: tuple[str, ...] | None,
+                      draft_kernels: tuple[str, ...] | None):
+    """(the target as the engine runs it, whether it is batch-invariant, the draft's kernels): resolve_invariance's
+    answer, or, where it was the default and no kernel here is batch-invariant after all, the timed kernels."""
+    invariant, kernels, drafts = resolve_invariance(batch_invariant, target_model, target_kernels, draft_kernels)
+    check_kernels("target", kernels, TARGET_KERNELS, " (the target's own values)")
+    try:
+        return on_timed_kernels(target_model, kernels), invariant, drafts
+    except NoInvariantKernel:
+        if batch_invariant:
+            raise
+    invariant, kernels, drafts = resolve_invariance(False, target_model, target_kernels, draft_kernels)
+    return on_timed_kernels(target_model, kernels), invariant, drafts
+
+
+def resolve_invariance(batch_invariant: bool | None, target_model, target_kernels: tuple[str, ...] | None,
+                       draft_kernels: tuple[str, ...] | None) -> tuple[bool, tuple[str, ...], tuple[str, ...]]:
+    """(whether the engine is batch-invariant, the target's kernels, the draft's kernels).
+
+    None asks for the default: batch-invariant for a model on the CPU (its kernels are CPU kernels) where the
+    attention kernel can be compiled, unless target_kernels names others. A model already on the quant backend's
+    blocks is batch-invariant by construction, and its kernels are what QUANT_ASSEMBLY says."""
+    if runs_on_blocks(target_model):
+        if batch_invariant is False:
+            raise DraftwiseError("the quant backend is batch-invariant by construction: it has no other path "
+                                 "(use --backend hf for one)")
+        return True, target_kernels or ("dense",), draft_kernels or DRAFT_KERNELS
+    explicit = target_kernels is not None and INVARIANT not in target_kernels
+    if batch_invariant is None:
+        batch_invariant = not explicit and invariance_available(target_model)
+    elif batch_invariant:
+        if explicit:
+            raise DraftwiseError(f"batch invariance runs the target on the {INVARIANT} kernel; target kernels "
+                                 f"{', '.join(target_kernels)} are not (leave them out, or batch_invariant=False)")
+        if next(target_model.parameters()).device.type != "cpu":
+            raise DraftwiseError("batch-invariant kernels are CPU kernels here; on another device load with "
+                                 "batch_invariant=False (--no-batch-invariant)")
+        from draftwise.backends.qgemm import compiler
+
+        compiler()  # its attention kernel is compiled C: an error that says what to install
+    if batch_invariant:
+        return True, (INVARIANT,), draft_kernels or (INVARIANT,)
+    return False, target_kernels or EXACT_KERNELS, draft_kernels or DRAFT_KERNELS
+
+
+def invariance_available(model) -> bool:
+    """Whether batch invariance can run model here: on the CPU, with a C compiler for its attention kernel."""
+    from draftwise.backends.qgemm import find_compiler
+
+    return next(model.parameters()).device.type == "cpu" and find_compiler() is not None
 
 
 def check_kernels(model: str, kernels: tuple[str, ...], allowed: tuple[str, ...], why: str = "") -> None:

@@ -72,6 +72,16 @@ def add_backend(group) -> None:
                             "auto; hf otherwise) (default: %(default)s)")
 
 
+def add_batch_invariant(group) -> None:
+    """--batch-invariant/--no-batch-invariant: a row's logits the same bits in any call (loading.resolve_invariance)."""
+    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="compute every row the same way whatever else its call holds (a plain step, a "
+                            "verification pass, a tree, a prefill chunk, a batch), so that every method and every "
+                            "batch gives the target's own tokens bit for bit, in bfloat16 too; --no-batch-invariant "
+                            "gives that up for kernels timed fastest here (default: on for the cpu, where draftwise "
+                            "has the kernels; the quant backend is always)")
+
+
 def add_device(group, *, what: str = "the models run") -> None:
     group.add_argument("--device", default="cpu", metavar="DEV",
                        help=f"where {what}: cpu, or cuda (cuda:N) on a machine with an NVIDIA GPU and a CUDA build of "
@@ -122,4 +132,5 @@ def engine_options(args: argparse.Namespace) -> dict:
     the default)."""
     return dict(dtype=args.dtype, device=args.device, lookup_max_ngram=args.lookup_ngram,
                 **({"head": args.head} if args.head else {}),
+                **({"batch_invariant": args.batch_invariant} if args.batch_invariant is not None else {}),
                 **({"backend": args.backend} if args.backend != DEFAULT_BACKEND else {}))

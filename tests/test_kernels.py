@@ -220,12 +220,12 @@ def test_fast_kernels_never_change_the_greedy_output_at_float32(method, k, kerne
 
 
 def test_the_target_may_not_run_on_a_kernel_that_changes_its_values():
-    with pytest.raises(DraftwiseError, match="target kernels must be some of dense, onednn, split, padded .* got int8"):
+    with pytest.raises(DraftwiseError, match="target kernels must be some of dense, onednn, split, padded, invariant .* got int8"):
         Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), method="none", target_kernels=("int8",))
 
 
 def test_the_draft_may_run_only_on_a_kernel_the_library_has():
-    with pytest.raises(DraftwiseError, match="draft kernels must be some of dense, .*int8-dynamic, q4; got int4"):
+    with pytest.raises(DraftwiseError, match="draft kernels must be some of dense, .*int8-dynamic, invariant, q4; got int4"):
         Engine.from_models(tiny_model("llama", seed=0), tiny_tokenizer(), draft_model=tiny_model("llama", seed=1),
                            draft_kernels=("int4",))
     with pytest.raises(DraftwiseError, match="draft kernel q4 .* give it alone; got q4, int8"):
@@ -233,15 +233,18 @@ def test_the_draft_may_run_only_on_a_kernel_the_library_has():
                            draft_kernels=("q4", "int8"))
 
 
-def test_the_stats_say_which_paths_were_taken():
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_stats_say_which_paths_were_taken(invariant):
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
-    engine = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1), draft_vocab=100)
+    engine = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1), draft_vocab=100,
+                                batch_invariant=invariant)
     paths = engine.generate(PROMPT, max_new_tokens=8).stats.to_dict()["speed_paths"]
     assert paths["dtype"] == "float32"
+    assert paths["batch_invariant"] is invariant
     assert sum(paths["target_kernels"].values()) == 15
-    assert set(paths["target_kernels"]) <= set(EXACT_KERNELS)
+    assert set(paths["target_kernels"]) <= ({kernels.INVARIANT} if invariant else set(EXACT_KERNELS))
     assert sum(paths["draft_kernels"].values()) == 15
-    assert set(paths["draft_kernels"]) <= set(kernels.DRAFT_KERNELS)
+    assert set(paths["draft_kernels"]) <= ({kernels.INVARIANT} if invariant else set(kernels.DRAFT_KERNELS))
     assert paths["draft_vocab"] == len(engine.proposer.token_ids) == 100  # the specials are among the first 100
 
 

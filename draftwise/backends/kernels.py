@@ -20,6 +20,12 @@ Kernels:
   over four, weights streamed from memory as in a real pass; padded, a plain step pays the four-row path's time,
   so the padding costs less than it saves where that holds (the timing decides). Same values as onednn's four-row
   path, so a row's result no longer depends on how many rows share its call below PAD_ROWS;
+- `invariant`: padded's oneDNN calls, and wider ones cut into tiles of at most TILE_ROWS rows, so that a row's result
+  is the same bits in any call: a plain step, a verification pass, a tree, a prefill chunk, a row of a batch.
+  oneDNN takes other paths (other orders of the sums over the inner dimension) for a single row and for wide calls,
+  and in bfloat16 their last bits change tokens. That the widths from PAD_ROWS to TILE_ROWS agree is not assumed:
+  proven_tile checks it for each shape on this machine at first load (cached) and, where they do not, every call
+  is exactly PAD_ROWS rows. Batch-invariant models (batch_invariant, the default on a CPU) run it everywhere;
 - `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
   the target still verifies every token, so only acceptance can move;
 - `int8-dynamic`: int8 weights (one scale per output row) and int8 activations quantized on each call, in torch's
@@ -41,18 +47,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftwise.backends.attention import groups_queries, use_grouped_attention
+from draftwise.backends.attention import groups_queries, use_grouped_attention, use_row_invariant_attention
 from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
 
-EXACT_KERNELS = ("dense", "onednn", "split", "padded")  # what the target may use: the model's own values
-DRAFT_KERNELS = ("dense", "onednn", "split", "padded", "int8", "int8-dynamic")
+EXACT_KERNELS = ("dense", "onednn", "split", "padded")  # timed for the target: the model's own values
+INVARIANT = "invariant"  # the model's own values too, a row's the same in any call: a batch-invariant model's kernel
+TARGET_KERNELS = (*EXACT_KERNELS, INVARIANT)  # what the target may use
+DRAFT_KERNELS = ("dense", "onednn", "split", "padded", "int8", "int8-dynamic")  # timed for a draft
 VALUE_CHANGING = ("int8", "int8-dynamic")  # draft-only: every other kernel computes the model's own values
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
 DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
 ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
 PAD_ROWS = 4  # the padded kernel's narrowest call (where padding pays, 2 and 3 rows cost more than 4, as 1 does)
 DYNAMIC_MAX_ROWS = 8  # int8-dynamic's widest call: a draft step or a tree's depth, never a prefill
+TILE_ROWS = 64  # the widest call of the invariant kernel: a prefill chunk re-reads the weight once per 64 rows
 MIN_GAIN = 0.05  # another kernel must beat dense by this much: timings jitter, and dense is the known path
 REPEATS = 7
 RULE_VERSION = 4  # part of every cache key: a changed rule or timing method measures again
@@ -86,6 +95,121 @@ class PaddedLinear(OneDNNLinear):
             return super()._packed_rows(rows)
         padded = F.pad(rows, (0, 0, 0, missing))  # [PAD_ROWS, in]: the call's rows, then zeros
         return super()._packed_rows(padded)[: len(rows)]  # [tokens, out]
+
+
+class InvariantLinear(nn.Module):
+    """nn.Linear computed so that a row's result does not depend on the call: every call is at least PAD_ROWS rows
+    (padded with zeros) and at most `tile` (wider ones are cut into tiles of that many).
+
+    run: the kernel under it, "onednn" (a packed weight) or "dense" (torch's own linear: faster for small shapes,
+    and the one left where oneDNN cannot pack this dtype here); tile: TILE_ROWS where that kernel gives every width
+    from PAD_ROWS to TILE_ROWS the same bits on this machine, else PAD_ROWS (every call then has the one shape).
+    Both are chosen by invariant_plan, measured once per shape and machine."""
+
+    def __init__(self, linear: nn.Linear | None = None, cache: bool = True, *, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, run: str | None = None, tile: int | None = None):
+        """From linear (its run and tile planned here), or from weight [out, in] and bias [out] with both given."""
+        super().__init__()
+        if linear is not None:
+            weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+            run, tile = invariant_plan(weight, bias, _shape_key(linear), cache)
+        self.out_features, self.in_features = weight.shape
+        self.run, self.tile = run, tile
+        self.register_buffer("bias", bias)  # the model's own tensors, not copies (but a packed weight)
+        self.register_buffer("weight", weight if run == "dense" else None)
+        self.register_buffer("packed", _pack(weight) if run == "onednn" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [tokens, in]
+        n = len(rows)
+        if PAD_ROWS <= n <= self.tile:
+            out = self.call(rows.contiguous())
+        elif 0 < n < PAD_ROWS:
+            out = self.call(F.pad(rows, (0, 0, 0, PAD_ROWS - n)))[:n]  # zeros below: a PAD_ROWS-row call
+        else:
+            return self._tiled(rows).reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
+        if not len(rows):
+            return rows.new_empty(0, self.out_features)
+        return torch.cat([self(part) for part in rows.split(self.tile)])  # [tokens, out]
+
+    def call(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, out]: one call of the kernel over exactly these rows [n, in] (contiguous)."""
+        if self.packed is None:
+            return F.linear(rows, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, run={self.run}, tile={self.tile}"
+
+
+class NoInvariantKernel(DraftwiseError):
+    """No kernel here gives a linear's rows the same bits in every call."""
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
+
+
+def invariant_plan(weight: torch.Tensor, bias: torch.Tensor | None, key: str, cache: bool = True) -> tuple[str, int]:
+    """(run, tile) for InvariantLinear on this shape: of the kernels whose rows keep their bits at least in calls of
+    PAD_ROWS rows, the faster over a plain step and a 16-row pass, each in its own widest proven call.
+    NoInvariantKernel where there is none. Cached per machine."""
+    store = CalibrationCache(cache)
+    entry_key = f"v{RULE_VERSION}|invariant|{key}"
+    entry = store.get(entry_key)
+    if entry is not None and entry.get("run") in ("onednn", "dense") and entry.get("tile") in (PAD_ROWS, TILE_ROWS):
+        return entry["run"], entry["tile"]
+    proven, ms = {}, {}
+    for run in ("dense", "onednn"):
+        try:
+            module = InvariantLinear(weight=weight, bias=bias, run=run, tile=PAD_ROWS)
+        except RuntimeError:  # oneDNN refusing bfloat16 without AVX-512
+            continue
+        if _rows_agree(module, (PAD_ROWS,)):
+            module.tile = TILE_ROWS if _rows_agree(module, range(PAD_ROWS + 1, TILE_ROWS + 1)) else PAD_ROWS
+            proven[run], ms[run] = module.tile, _time(module)
+    if not proven:
+        raise NoInvariantKernel(f"a {key} linear's rows change with their place in a {PAD_ROWS}-row call on this "
+                                "machine: no batch-invariant kernel here; load with batch_invariant=False "
+                                "(--no-batch-invariant)")
+    run = min(ms, key=ms.get)
+    store.put(entry_key, {"run": run, "tile": proven[run], "ms": ms})
+    store.save()
+    return run, proven[run]
+
+
+@torch.inference_mode()
+def _rows_agree(linear: InvariantLinear, widths) -> bool:
+    """Whether rows computed in calls of each width (from other places in the call) are the bits they are in calls
+    of PAD_ROWS rows."""
+    dtype = linear.packed.dtype if linear.packed is not None else linear.weight.dtype
+    x = torch.randn(TILE_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    reference = torch.cat([linear.call(part) for part in x.split(PAD_ROWS)])  # [TILE_ROWS, out]
+    for width in widths:
+        start = (3 * width + 1) % (TILE_ROWS - width + 1)  # rows at other places than in the reference
+        if not torch.equal(linear.call(x[start:start + width]), reference[start:start + width]):
+            return False
+    return True
+
+
+@torch.inference_mode()
+def _time(linear: InvariantLinear, widths=(1, 16)) -> float:
+    """ms: the fastest of REPEATS runs of each width, summed."""
+    dtype = linear.packed.dtype if linear.packed is not None else linear.weight.dtype
+    total = 0.0
+    for width in widths:
+        x = torch.randn(width, linear.in_features).to(dtype)
+        linear(x)
+        samples = []
+        for _ in range(REPEATS):
+            started = time.perf_counter()
+            linear(x)
+            samples.append(1000 * (time.perf_counter() - started))
+        total += min(samples)
+    return total
 
 
 class SplitLinear(OneDNNLinear):
@@ -166,7 +290,7 @@ def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
 
 
 _BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "padded": PaddedLinear,
-             "int8": Int8Linear, "int8-dynamic": Int8DynamicLinear}
+             INVARIANT: InvariantLinear, "int8": Int8Linear, "int8-dynamic": Int8DynamicLinear}
 # The same table read backwards: what kernel a module of the loaded model runs.
 _KERNEL_NAMES = {nn.Linear: "dense", **{built: name for name, built in _BUILDERS.items() if isinstance(built, type)}}
 
@@ -193,6 +317,8 @@ def plan_kernels(model: nn.Module, kernels=EXACT_KERNELS, widths=TARGET_WIDTHS, 
     device = next(model.parameters()).device
     if device.type != "cpu" or kernels == ("dense",):
         return KernelPlan({key: "dense" for key in linears}, {}, tuple(widths))
+    if kernels == (INVARIANT,):  # nothing to choose: batch invariance asks for it everywhere
+        return KernelPlan({key: INVARIANT for key in linears}, {}, tuple(widths))
     store = CalibrationCache(cache)
     choices, timings = {}, {}
     for key, linear in linears.items():
@@ -218,7 +344,10 @@ def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
                 kernel = plan.choices.get(_shape_key(child), "dense")
                 if kernel != "dense":
                     setattr(parent, name, _BUILDERS[kernel](child))
-    use_grouped_attention(fast)
+    if INVARIANT in plan.choices.values():  # a batch-invariant model: its attention must be too
+        use_row_invariant_attention(fast)
+    else:
+        use_grouped_attention(fast)
     return fast.eval()
 
 

@@ -43,16 +43,16 @@ def _cpu_flags() -> str:
 def fast_here() -> bool:
     """Whether this machine would run the kernel's vector path (AVX512-VNNI and a C compiler), without compiling it."""
     flags = _cpu_flags().split()
-    return "avx512_vnni" in flags and "avx512bw" in flags and _find_compiler() is not None
+    return "avx512_vnni" in flags and "avx512bw" in flags and find_compiler() is not None
 
 
-def _find_compiler() -> str | None:
+def find_compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
 def compiler() -> str:
     """The C compiler that builds the kernel, or an error that says what to install."""
-    found = _find_compiler()
+    found = find_compiler()
     if found is None:
         raise DraftwiseError("the quant backend compiles its kernel (draftwise/backends/qgemm.c) on first use and "
                              "needs a C compiler: install gcc (apt install gcc), or use --backend hf")

@@ -12,6 +12,7 @@ import ctypes
 import torch
 from torch import nn
 
+from draftwise.backends.attention import visible_keys
 from draftwise.backends.qgemm import QuantLinear, attention, library
 from draftwise.errors import DraftwiseError
 
@@ -95,25 +96,6 @@ class QuantAttention(nn.Module):
         out = attention(q.transpose(1, 2), keys.float(), values.float(), visible_keys(attention_mask, batch, n,
                                                                                       keys.shape[2]), self.scaling)
         return self.o_proj(out.reshape(batch, n, -1)), None
-
-
-_last_mask: list = [None, None]  # (transformers' mask, its visible keys): every layer of a pass gets the same one
-
-
-def visible_keys(mask: torch.Tensor | None, batch: int, n: int, keys: int) -> torch.Tensor:
-    """[B, n, L] uint8: which keys each query sees, from transformers' mask [B, 1, n, L] (bool, or additive with
-    the dtype's minimum where hidden); causal over the last n positions when there is none. Made once a pass."""
-    if mask is not None and _last_mask[0] is mask:
-        return _last_mask[1]
-    if mask is None:
-        seen = torch.ones(n, keys, dtype=torch.bool).tril(keys - n).expand(batch, n, keys)
-    elif mask.dtype == torch.bool:
-        seen = mask[:, 0].expand(batch, n, keys)
-    else:
-        seen = mask[:, 0] > torch.finfo(mask.dtype).min / 2
-    seen = seen.expand(batch, n, keys).to(torch.uint8).contiguous()
-    _last_mask[:] = [mask, seen]
-    return seen
 
 
 def fuse_layers(model: nn.Module) -> int:

@@ -9,14 +9,12 @@ import re
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit
-from draftwise.backends.qgemm import QuantLinear, attention
-from draftwise.backends.quant_layers import fuse_layers, visible_keys
+from draftwise.backends.attention import use_row_invariant_attention
+from draftwise.backends.qgemm import QuantLinear
+from draftwise.backends.quant_layers import fuse_layers
 from draftwise.errors import DraftwiseError
 from draftwise.progress import bar
 
@@ -25,30 +23,6 @@ LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 CHECKED_ROWS = 16  # rows of each weight compared with the float model: catches a wrong name or channel order
-ROW_INVARIANT = "draftwise_row_invariant"  # the attention function every layer of such a model runs
-
-
-def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature, on qgemm.c's per-query attention. Why: the integer kernel rounds
-    each activation to int8, so a last-bit difference in what attention returns (SDPA's result for a query
-    changes with the call's shape) can move a whole rounding step, and a verification pass would then disagree
-    with plain decoding. query [B, H, n, d]; key, value [B, Hkv, L, d]; attention_mask [B, 1, n, L] (bool, or
-    additive with the dtype's minimum where hidden); returns ([B, n, H, d], None)."""
-    if dropout or any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "sinks", "softcap")):
-        raise DraftwiseError("the quant backend's attention has no dropout, position bias, sinks or soft cap")
-    batch, _, n, dim = query.shape
-    visible = visible_keys(attention_mask, batch, n, key.shape[2])
-    scale = dim ** -0.5 if scaling is None else scaling
-    out = attention(query.float(), key.float(), value.float(), visible, scale)
-    return out.to(query.dtype), None
-
-
-AttentionInterface.register(ROW_INVARIANT, row_invariant_attention)
-AttentionMaskInterface.register(ROW_INVARIANT, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
-
-
 def runs_on_blocks(model: nn.Module) -> bool:
     """Whether model's linears run on GGUF blocks (on_gguf_weights made it)."""
     return any(isinstance(module, QuantLinear) for module in model.modules())
@@ -106,10 +80,7 @@ def _on_quant_layers(model: nn.Module) -> nn.Module:
     """What a model whose linears run on QuantLinear needs besides: its output layer untied, row-invariant attention
     in every layer, and the fused calls where the layer's shape allows."""
     model.config.tie_word_embeddings = False  # the output layer is its own module now; never tie it back
-    for module in model.modules():  # every attention layer: its config says which function it calls
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ROW_INVARIANT
+    use_row_invariant_attention(model)
     fuse_layers(model)
     return model
 

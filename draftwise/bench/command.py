@@ -53,6 +53,7 @@ def add_bench(commands, formatter) -> None:
     options.add_head(models)
     options.add_dtype(models, several=True)
     options.add_device(models)
+    options.add_batch_invariant(models)
     options.add_lookup_ngram(models)
     models.add_argument("--target-gguf", metavar="FILE",
                         help="the GGUF file the lcpp-* methods run (default: the target's own: a .gguf, or the "
@@ -103,6 +104,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         lookup_ngram=args.lookup_ngram, fixed_k=args.fixed_k,
         out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
         resume=args.resume, device=args.device, target_gguf=args.target_gguf, draft_gguf=args.draft_gguf,
+        batch_invariant=args.batch_invariant,
     )
     return per_dtype(cfg, split_list(args.dtype))
 

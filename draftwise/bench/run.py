@@ -66,6 +66,7 @@ class BenchConfig:
     resume: bool = False  # keep the finished prompts of an earlier bench of these settings under out
     target_gguf: str | None = None  # the GGUF files llama.cpp runs (lcpp-*); None: the target's and draft's own
     draft_gguf: str | None = None
+    batch_invariant: bool | None = None  # ours on batch-invariant kernels; None: the default (loading.resolve_invariance)
 
     @property
     def head_folder(self) -> str:
@@ -158,7 +159,7 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
                       lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp,
-                      quantized=cfg.dtype == GGUF_PASS)
+                      quantized=cfg.dtype == GGUF_PASS, batch_invariant=cfg.batch_invariant)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     try:  # llama.cpp's servers are processes of their own: stopped whatever happens

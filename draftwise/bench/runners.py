@@ -21,12 +21,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
-from draftwise.backends.kernels import on_timed_kernels
 from draftwise.bench.llamacpp_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer, ServerSpec
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
-from draftwise.loading import QUANT_ASSEMBLY
+from draftwise.loading import QUANT_ASSEMBLY, on_target_kernels
 from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
 
 OURS = (BASELINE, *(name for name in TABLE if name != BASELINE))  # the table's, the baseline first (report order)
@@ -65,18 +64,19 @@ class Runners:
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
-                 lcpp: LlamaCppPeers | None = None, quantized: bool = False):
+                 lcpp: LlamaCppPeers | None = None, quantized: bool = False, batch_invariant: bool | None = None):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
         n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
         lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close()). quantized: the models' linears are
-        on their GGUF blocks (the quant backend): no kernels to time, no compact draft."""
+        on their GGUF blocks (the quant backend): no kernels to time, no compact draft. batch_invariant: ours on
+        batch-invariant kernels (None: the default, loading.resolve_invariance)."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
         self.lookup_ngram, self.adaptive = lookup_ngram, adaptive
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
         self.quantized = quantized
-        self.fast_target = target_model if quantized else on_timed_kernels(target_model)
+        self.fast_target, self.batch_invariant, _ = on_target_kernels(target_model, batch_invariant, None, None)
         self.tokenizer = tokenizer
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
@@ -92,7 +92,8 @@ class Runners:
         """{method: the engine and kernels it ran on}, for the report."""
         import transformers
 
-        ours = f"draftwise on PyTorch {torch.__version__}, {dtype} weights, kernels timed and chosen at load"
+        ours = f"draftwise on PyTorch {torch.__version__}, {dtype} weights, " + (
+            "batch-invariant kernels" if self.batch_invariant else "kernels timed and chosen at load")
         if self.quantized:
             ours = (f"draftwise on PyTorch {torch.__version__}, the GGUF files' own blocks on draftwise's integer "
                     "kernel (qgemm.c), float32 elsewhere")
@@ -118,7 +119,8 @@ class Runners:
             quant = QUANT_ASSEMBLY if self.quantized else {}
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
                                                        loaded_model=self.target_model,
-                                                       lookup_max_ngram=self.lookup_ngram, **head, **quant)
+                                                       lookup_max_ngram=self.lookup_ngram,
+                                                       batch_invariant=self.batch_invariant, **head, **quant)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:

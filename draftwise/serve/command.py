@@ -54,6 +54,7 @@ def add_serve(commands, formatter) -> None:
     options.add_head(m)
     options.add_dtype(m)
     options.add_backend(m)
+    options.add_batch_invariant(m)
     options.add_device(m)
     options.add_lookup_ngram(m)
     m.add_argument("--model-id", help="the model name clients send (default: --target)")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from draftwise import Engine
 
-ENGINE_OPTIONS = ("head",)  # per-arm options that build an engine of their own; the rest go to generate()
+ENGINE_OPTIONS = ("head", "batch_invariant")  # per-arm options that build an engine of their own; the rest go to generate()
 
 
 def parse_arm(text: str) -> tuple[str, str, dict, dict]:
@@ -95,6 +95,7 @@ def main() -> int:
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--pairs", default="", metavar="A/B,...", help="also print these arms' ratios, A against B")
     args = p.parse_args()
 
     arms = [parse_arm(a) for a in args.arms]
@@ -130,10 +131,11 @@ def main() -> int:
         same = sum(texts[(n, i)] == texts[(names[0], i)] for i in range(len(prompts)))
         print(f"{n}: kept {kept} of {offered} offered, {sum(s.new_tokens for s in stats) / max(1, passes):.2f} "
               f"tokens a target pass; same tokens as {names[0]} on {same} of {len(prompts)} prompts")
-    for n in names[1:]:
-        ratios = [med(n, i) / med(names[0], i) for i in range(len(prompts))]
+    pairs = [(n, names[0]) for n in names[1:]] + [tuple(pair.split("/")) for pair in args.pairs.split(",") if pair]
+    for n, base in pairs:
+        ratios = [med(n, i) / med(base, i) for i in range(len(prompts))]
         low, high = interval(ratios)
-        print(f"{n} / {names[0]}: geometric mean {statistics.geometric_mean(ratios):.3f} "
+        print(f"{n} / {base}: geometric mean {statistics.geometric_mean(ratios):.3f} "
               f"(95% interval {low:.3f}-{high:.3f}), below 0.99 on {sum(r < 0.99 for r in ratios)} of {len(ratios)}")
     return 0
 
