@@ -6,8 +6,8 @@ from dataclasses import replace
 from torch import nn
 
 from draftwise.backends.hf import HFBackend, embedding_rows, load_model, load_tokenizer
-from draftwise.backends.kernels import (DRAFT_KERNELS, EXACT_KERNELS, INVARIANT, TARGET_KERNELS, NoInvariantKernel,
-                                       kernel_counts, on_timed_kernels)
+from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, EXACT_KERNELS, INVARIANT, INVARIANT_KERNELS,
+                                       TARGET_KERNELS, NoInvariantKernel, kernel_counts, on_timed_kernels)
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
@@ -174,11 +174,13 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     method = choose_method(method, draft_model is not None)
     need = METHODS[method].needs
     running, invariant, draft_kernels = on_target_kernels(target_model, batch_invariant, target_kernels, draft_kernels)
-    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, INVARIANT, FOUR_BIT))
-    for alone in (FOUR_BIT, INVARIANT):
-        if alone in draft_kernels and len(draft_kernels) > 1:
-            raise DraftwiseError(f"draft kernel {alone} (every linear on it) is not timed against others: give it "
-                                 f"alone; got {', '.join(draft_kernels)}")
+    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, *INVARIANT_KERNELS, FOUR_BIT))
+    if FOUR_BIT in draft_kernels and len(draft_kernels) > 1:
+        raise DraftwiseError(f"draft kernel {FOUR_BIT} (every linear on a 4-bit copy) is not timed against others: "
+                             f"give it alone; got {', '.join(draft_kernels)}")
+    if {*draft_kernels} & {*INVARIANT_KERNELS} and not {*draft_kernels} <= {*INVARIANT_KERNELS}:
+        raise DraftwiseError(f"draft kernels {', '.join(INVARIANT_KERNELS)} (batch-invariant) are not timed against "
+                             f"others; got {', '.join(draft_kernels)}")
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -223,8 +225,8 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
     token_ids = None
     if compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
-    elif draft_kernels == (INVARIANT,):
-        draft_model = on_timed_kernels(draft_model, draft_kernels)
+    elif {*draft_kernels} <= {*INVARIANT_KERNELS}:
+        draft_model = on_timed_kernels(draft_model, draft_kernels, DRAFT_WIDTHS)
     draft = HFBackend(draft_model)
     paths["draft_kernels"] = kernel_counts(draft_model)
     paths["draft_vocab"] = draft.vocab_size
@@ -287,7 +289,7 @@ def resolve_invariance(batch_invariant: bool | None, target_model, target_kernel
 
         compiler()  # its attention kernel is compiled C: an error that says what to install
     if batch_invariant:
-        return True, (INVARIANT,), draft_kernels or (INVARIANT,)
+        return True, (INVARIANT,), draft_kernels or INVARIANT_KERNELS
     return False, target_kernels or EXACT_KERNELS, draft_kernels or DRAFT_KERNELS
 
 

@@ -28,11 +28,17 @@ NEW_TOKENS = 24
 # -- the linear kernel ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(96, 64), (200, 136)])
-def test_a_rows_result_is_the_same_bits_in_calls_of_any_width(dtype, shape):
+@pytest.mark.parametrize("shape", [(96, 64), (200, 136), (1536, 1536)])
+@pytest.mark.parametrize("runs", [("dense", "onednn"), ("dense",), ("onednn",), ("int8",)], ids="+".join)
+def test_a_rows_result_is_the_same_bits_in_calls_of_any_width(dtype, shape, runs):
     torch.manual_seed(0)
     linear = torch.nn.Linear(shape[1], shape[0], bias=True).to(dtype)
-    invariant = InvariantLinear(linear, cache=False)
+    if runs == ("int8",) and shape[1] % 16:
+        with pytest.raises(NoInvariantKernel):  # torch's int8 kernel takes widths of 16s only: refused, no crash
+            InvariantLinear(linear, cache=False, runs=runs)
+        return
+    invariant = InvariantLinear(linear, cache=False, runs=runs)
+    assert invariant.run in runs
     x = torch.randn(TILE_ROWS * 2 + 7, shape[1]).to(dtype)  # wider than a tile: cut, the last tile padded
     with torch.inference_mode():
         alone = torch.cat([invariant(row[None]) for row in x])  # [rows, out]: one call per row
@@ -41,9 +47,9 @@ def test_a_rows_result_is_the_same_bits_in_calls_of_any_width(dtype, shape):
                 rows = x[start:start + width]
                 assert torch.equal(invariant(rows), alone[start:start + width]), f"width {width} from {start}"
         assert torch.equal(invariant(x.reshape(3, -1, shape[1])).reshape(len(x), -1), alone)  # any leading shape
-        # and the model's own values: within the dtype's rounding of torch's linear
-        assert torch.allclose(alone.float(), linear(x).float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
-                              atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+        # and the model's own values: within the dtype's rounding of torch's linear (int8's: its weights' rounding)
+        tolerance = 5e-2 if runs == ("int8",) else 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(alone.float(), linear(x).float(), rtol=tolerance, atol=tolerance)
 
 
 def test_where_widths_disagree_every_call_is_the_one_shape(monkeypatch):
@@ -235,7 +241,8 @@ def test_on_a_real_model_in_bfloat16_every_method_gives_nones_tokens():
     """SmolLM2-135M in bfloat16 (its own twin as the draft): every method gives none's tokens, and a position's
     logits are the same bits in a step and in a pass; the control, without invariance, sees them change."""
     name = "smollm2-135m-instruct"
-    texts = ["Write a Python function that merges two sorted lists.", "Summarize the plot of Hamlet in three sentences.",
+    texts = ["Write a Python function that merges two sorted lists.",
+             "Summarize the plot of Hamlet in three sentences.",
              "Explain how a hash map handles collisions, with an example."]
 
     def load(method: str, invariant: bool = True) -> Engine:
@@ -255,7 +262,8 @@ def test_on_a_real_model_in_bfloat16_every_method_gives_nones_tokens():
 
 
 def real_logits_by_call(eng: Engine) -> dict[str, torch.Tensor]:
-    text = eng.tokenizer("def merge(a, b):\n    out = []\n    while a and b:\n        if a[0] < b[0]:\n" * 4)["input_ids"]
+    code = "def merge(a, b):\n    out = []\n    while a and b:\n        if a[0] < b[0]:\n"
+    text = eng.tokenizer(code * 4)["input_ids"]
     prefix, new = text[:60], text[60:65]
     steps, chunk = eng.target.open_slot(), eng.target.open_slot()
     try:

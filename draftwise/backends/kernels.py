@@ -26,6 +26,7 @@ Kernels:
   and in bfloat16 their last bits change tokens. That the widths from PAD_ROWS to TILE_ROWS agree is not assumed:
   proven_tile checks it for each shape on this machine at first load (cached) and, where they do not, every call
   is exactly PAD_ROWS rows. Batch-invariant models (batch_invariant, the default on a CPU) run it everywhere;
+- `invariant-int8`: int8's weights and values in invariant's calls, for a batch-invariant draft (value-changing);
 - `int8`: weight-only int8, one scale per output row. It changes the values, so only a draft may use it:
   the target still verifies every token, so only acceptance can move;
 - `int8-dynamic`: int8 weights (one scale per output row) and int8 activations quantized on each call, in torch's
@@ -53,9 +54,13 @@ from draftwise.files import write_whole
 
 EXACT_KERNELS = ("dense", "onednn", "split", "padded")  # timed for the target: the model's own values
 INVARIANT = "invariant"  # the model's own values too, a row's the same in any call: a batch-invariant model's kernel
+INVARIANT_INT8 = "invariant-int8"  # int8's values in invariant's calls: a batch-invariant draft's
+INVARIANT_KERNELS = (INVARIANT, INVARIANT_INT8)
 TARGET_KERNELS = (*EXACT_KERNELS, INVARIANT)  # what the target may use
+EXACT_RUNS = ("dense", "onednn")  # what runs under invariant; invariant-int8 runs "int8"
 DRAFT_KERNELS = ("dense", "onednn", "split", "padded", "int8", "int8-dynamic")  # timed for a draft
-VALUE_CHANGING = ("int8", "int8-dynamic")  # draft-only: every other kernel computes the model's own values
+# draft-only: every other kernel computes the model's own values
+VALUE_CHANGING = ("int8", "int8-dynamic", INVARIANT_INT8)
 TARGET_WIDTHS = (1, 2, 4, 8)  # a plain step, and verification passes of k + 1 tokens
 DRAFT_WIDTHS = (1, 2)  # a draft step, and the catch-up after a fully accepted round
 ONEDNN_PACK_ROWS = 8  # the row count oneDNN's layout is tuned for
@@ -102,22 +107,31 @@ class InvariantLinear(nn.Module):
     (padded with zeros) and at most `tile` (wider ones are cut into tiles of that many).
 
     run: the kernel under it, "onednn" (a packed weight) or "dense" (torch's own linear: faster for small shapes,
-    and the one left where oneDNN cannot pack this dtype here); tile: TILE_ROWS where that kernel gives every width
-    from PAD_ROWS to TILE_ROWS the same bits on this machine, else PAD_ROWS (every call then has the one shape).
-    Both are chosen by invariant_plan, measured once per shape and machine."""
+    and the one left where oneDNN cannot pack this dtype here), or for a draft "int8" (Int8Linear's weights).
+    tile: TILE_ROWS where that kernel gives every width from PAD_ROWS to TILE_ROWS the same bits on this machine,
+    else PAD_ROWS (every call then has the one shape). Both are chosen by invariant_plan, measured once per shape
+    and machine."""
 
-    def __init__(self, linear: nn.Linear | None = None, cache: bool = True, *, weight: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, run: str | None = None, tile: int | None = None):
-        """From linear (its run and tile planned here), or from weight [out, in] and bias [out] with both given."""
+    def __init__(self, linear: nn.Linear | None = None, cache: bool = True, *, runs: tuple[str, ...] = EXACT_RUNS,
+                 weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, run: str | None = None,
+                 tile: int | None = None):
+        """From linear (its run, among runs, and its tile planned here), or from weight [out, in] and bias [out]
+        with run and tile given."""
         super().__init__()
         if linear is not None:
             weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
-            run, tile = invariant_plan(weight, bias, _shape_key(linear), cache)
+            run, tile = invariant_plan(weight, bias, _shape_key(linear), cache, runs)
         self.out_features, self.in_features = weight.shape
-        self.run, self.tile = run, tile
-        self.register_buffer("bias", bias)  # the model's own tensors, not copies (but a packed weight)
-        self.register_buffer("weight", weight if run == "dense" else None)
+        self.run, self.tile, self.dtype = run, tile, weight.dtype
+        self.register_buffer("bias", bias)  # the model's own tensors, not copies (but a packed or int8 weight)
         self.register_buffer("packed", _pack(weight) if run == "onednn" else None)
+        self.register_buffer("scale", None)
+        if run == "int8":
+            check_int8_width(self.in_features)
+            scale = _int8_row_scales(weight.float())  # [out]
+            weight = (weight.float() / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+            self.scale = scale.to(self.dtype)
+        self.register_buffer("weight", None if run == "onednn" else weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [tokens, in]
@@ -137,9 +151,12 @@ class InvariantLinear(nn.Module):
 
     def call(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, out]: one call of the kernel over exactly these rows [n, in] (contiguous)."""
-        if self.packed is None:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.scale is None:
             return F.linear(rows, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)  # [n, out]
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, run={self.run}, tile={self.tile}"
@@ -153,20 +170,21 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
 
 
-def invariant_plan(weight: torch.Tensor, bias: torch.Tensor | None, key: str, cache: bool = True) -> tuple[str, int]:
-    """(run, tile) for InvariantLinear on this shape: of the kernels whose rows keep their bits at least in calls of
+def invariant_plan(weight: torch.Tensor, bias: torch.Tensor | None, key: str, cache: bool = True,
+                   runs: tuple[str, ...] = EXACT_RUNS) -> tuple[str, int]:
+    """(run, tile) for InvariantLinear on this shape: of the runs whose rows keep their bits at least in calls of
     PAD_ROWS rows, the faster over a plain step and a 16-row pass, each in its own widest proven call.
     NoInvariantKernel where there is none. Cached per machine."""
     store = CalibrationCache(cache)
-    entry_key = f"v{RULE_VERSION}|invariant|{key}"
+    entry_key = f"v{RULE_VERSION}|invariant|{','.join(runs)}|{key}"
     entry = store.get(entry_key)
-    if entry is not None and entry.get("run") in ("onednn", "dense") and entry.get("tile") in (PAD_ROWS, TILE_ROWS):
+    if entry is not None and entry.get("run") in runs and entry.get("tile") in (PAD_ROWS, TILE_ROWS):
         return entry["run"], entry["tile"]
     proven, ms = {}, {}
-    for run in ("dense", "onednn"):
+    for run in runs:
         try:
             module = InvariantLinear(weight=weight, bias=bias, run=run, tile=PAD_ROWS)
-        except RuntimeError:  # oneDNN refusing bfloat16 without AVX-512
+        except (RuntimeError, NotImplementedError):  # oneDNN refusing bfloat16 without AVX-512, a torch without int8
             continue
         if _rows_agree(module, (PAD_ROWS,)):
             module.tile = TILE_ROWS if _rows_agree(module, range(PAD_ROWS + 1, TILE_ROWS + 1)) else PAD_ROWS
@@ -185,7 +203,7 @@ def invariant_plan(weight: torch.Tensor, bias: torch.Tensor | None, key: str, ca
 def _rows_agree(linear: InvariantLinear, widths) -> bool:
     """Whether rows computed in calls of each width (from other places in the call) are the bits they are in calls
     of PAD_ROWS rows."""
-    dtype = linear.packed.dtype if linear.packed is not None else linear.weight.dtype
+    dtype = linear.dtype
     x = torch.randn(TILE_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     reference = torch.cat([linear.call(part) for part in x.split(PAD_ROWS)])  # [TILE_ROWS, out]
     for width in widths:
@@ -198,7 +216,7 @@ def _rows_agree(linear: InvariantLinear, widths) -> bool:
 @torch.inference_mode()
 def _time(linear: InvariantLinear, widths=(1, 16)) -> float:
     """ms: the fastest of REPEATS runs of each width, summed."""
-    dtype = linear.packed.dtype if linear.packed is not None else linear.weight.dtype
+    dtype = linear.dtype
     total = 0.0
     for width in widths:
         x = torch.randn(width, linear.in_features).to(dtype)
@@ -231,6 +249,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        check_int8_width(self.in_features)
         weight = linear.weight.detach().float()  # [out, in]
         scale = _int8_row_scales(weight)  # [out]
         self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
@@ -284,13 +303,23 @@ class Int8DynamicLinear(nn.Module):
         return torch.ops.quantized.linear_dynamic(rows.float(), self.packed, True)  # [rows, out] (True: 7 bits)
 
 
+INT8_WIDTH = 16  # torch's weight-only int8 kernel reads the input 16 channels at a time (and crashes on a rest)
+
+
+def check_int8_width(in_features: int) -> None:
+    """A RuntimeError (the kernel cannot be built, as the timing expects) for a width the int8 kernel cannot run."""
+    if in_features % INT8_WIDTH:
+        raise RuntimeError(f"the int8 kernel needs input widths a multiple of {INT8_WIDTH}, not {in_features}")
+
+
 def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
     """[out]: one scale per output row of a float weight [out, in], mapping its largest magnitude to 127."""
     return weight.abs().amax(dim=1).clamp(min=1e-12) / 127
 
 
 _BUILDERS = {"dense": lambda linear: linear, "onednn": OneDNNLinear, "split": SplitLinear, "padded": PaddedLinear,
-             INVARIANT: InvariantLinear, "int8": Int8Linear, "int8-dynamic": Int8DynamicLinear}
+             INVARIANT: InvariantLinear, INVARIANT_INT8: lambda linear: InvariantLinear(linear, runs=("int8",)),
+             "int8": Int8Linear, "int8-dynamic": Int8DynamicLinear}
 # The same table read backwards: what kernel a module of the loaded model runs.
 _KERNEL_NAMES = {nn.Linear: "dense", **{built: name for name, built in _BUILDERS.items() if isinstance(built, type)}}
 
@@ -344,7 +373,7 @@ def with_kernels(model: nn.Module, plan: KernelPlan) -> nn.Module:
                 kernel = plan.choices.get(_shape_key(child), "dense")
                 if kernel != "dense":
                     setattr(parent, name, _BUILDERS[kernel](child))
-    if INVARIANT in plan.choices.values():  # a batch-invariant model: its attention must be too
+    if set(plan.choices.values()) & set(INVARIANT_KERNELS):  # a batch-invariant model: its attention must be too
         use_row_invariant_attention(fast)
     else:
         use_grouped_attention(fast)
@@ -438,6 +467,8 @@ def _kernel_name(module: nn.Module) -> str | None:
 
     if isinstance(module, QuantLinear):  # the quant backend's: named by the bits its values take, e.g. "q4"
         return f"q{module.bits}"
+    if isinstance(module, InvariantLinear):
+        return INVARIANT_INT8 if module.run == "int8" else INVARIANT
     return _KERNEL_NAMES.get(type(module))
 
 
