@@ -44,7 +44,7 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
     method = choose_method(method, draft is not None)
     if backend == AUTO_BACKEND:
         backend = auto_backend(target, draft if METHODS[method].needs == DRAFT_MODEL else None, method, device,
-                               progress, dtype)
+                               progress, dtype, lookup.get("batch_invariant"))
     check_backend(backend)
     check_backend(backend, method)
     if backend == "llamacpp":
@@ -75,18 +75,19 @@ QUANT_ASSEMBLY = {"target_kernels": ("dense",), "compact_draft": False, "draft_k
 
 
 def auto_backend(target: str, draft: str | None, method: str, device: str = "cpu", progress: bool = True,
-                 dtype: str = "auto") -> str:
+                 dtype: str = "auto", batch_invariant: bool | None = None) -> str:
     """What --backend auto runs: the quant backend on a CPU with AVX512-VNNI and a C compiler, for a method it
-    serves, with dtype left at auto, when the target (and the draft the method uses) have their GGUF files here;
-    otherwise hf (an explicit dtype asks for transformers' weights in it).
+    serves, with dtype left at auto and batch invariance not declined, when the target (and the draft the method
+    uses) have their GGUF files here; otherwise hf (an explicit dtype asks for transformers' weights in it,
+    batch_invariant=False for its timed kernels, which only hf has).
 
     Why quant first: decoding on a CPU is bound by the bytes read a token, and it reads the GGUF's 4- and 6-bit
     blocks where hf reads 16-bit weights; and every piece of it is batch-invariant, so its output is exact."""
     from draftwise.backends import qgemm
     from draftwise.models import check_resolves, resolve
 
-    if device != "cpu" or dtype != "auto" or not check_method(method).asks <= BACKENDS["quant"] \
-            or not qgemm.fast_here():
+    if device != "cpu" or dtype != "auto" or batch_invariant is False \
+            or not check_method(method).asks <= BACKENDS["quant"] or not qgemm.fast_here():
         return DEFAULT_BACKEND
     for name in (target, draft):
         if name is not None:

@@ -68,8 +68,8 @@ def add_backend(group) -> None:
                             "compiled here on first use; float32 around it; every method but the head ones) or "
                             "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
                             f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) or 'auto' (quant "
-                            "where this CPU has AVX512-VNNI, the models their GGUF files and --dtype is left at "
-                            "auto; hf otherwise) (default: %(default)s)")
+                            "where this CPU has AVX512-VNNI, the models their GGUF files, --dtype is left at auto "
+                            "and --no-batch-invariant not given; hf otherwise) (default: %(default)s)")
 
 
 def add_batch_invariant(group) -> None:

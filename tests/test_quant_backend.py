@@ -336,6 +336,7 @@ def test_auto_picks_quant_only_where_it_runs_fast_and_exact(monkeypatch, tmp_pat
     assert auto_backend("no-such-model", None, "none", device="cuda") == "hf"
     assert auto_backend("no-such-model", None, "none", dtype="bfloat16") == "hf"
     assert auto_backend("no-such-model", None, "head") == "hf"
+    assert auto_backend("no-such-model", None, "none", batch_invariant=False) == "hf"  # timed kernels: hf's only
     monkeypatch.setattr(qgemm, "fast_here", lambda: False)
     assert auto_backend("no-such-model", None, "none") == "hf"  # (no AVX512-VNNI here, or no compiler)
     monkeypatch.setattr(qgemm, "fast_here", lambda: True)
