@@ -174,14 +174,15 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     copies are made from its plain linears."""
     method = choose_method(method, draft_model is not None)
     need = METHODS[method].needs
-    running, invariant, draft_kernels = on_target_kernels(target_model, batch_invariant, target_kernels, draft_kernels)
-    check_kernels("draft", draft_kernels, (*DRAFT_KERNELS, *INVARIANT_KERNELS, FOUR_BIT))
-    if FOUR_BIT in draft_kernels and len(draft_kernels) > 1:
+    # the kernels as resolved, to check them before minutes of work; the target is put on them below
+    _, _, drafts = resolve_invariance(batch_invariant, target_model, target_kernels, draft_kernels)
+    check_kernels("draft", drafts, (*DRAFT_KERNELS, *INVARIANT_KERNELS, FOUR_BIT))
+    if FOUR_BIT in drafts and len(drafts) > 1:
         raise DraftwiseError(f"draft kernel {FOUR_BIT} (every linear on a 4-bit copy) is not timed against others: "
-                             f"give it alone; got {', '.join(draft_kernels)}")
-    if {*draft_kernels} & {*INVARIANT_KERNELS} and not {*draft_kernels} <= {*INVARIANT_KERNELS}:
+                             f"give it alone; got {', '.join(drafts)}")
+    if {*drafts} & {*INVARIANT_KERNELS} and not {*drafts} <= {*INVARIANT_KERNELS}:
         raise DraftwiseError(f"draft kernels {', '.join(INVARIANT_KERNELS)} (batch-invariant) are not timed against "
-                             f"others; got {', '.join(draft_kernels)}")
+                             f"others; got {', '.join(drafts)}")
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
         if draft_tokenizer is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -192,14 +193,15 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
     loaded = loaded_model or target_model  # plain linears, for the head's readout and skip's copies
     drafter = head_proposer(loaded, head) if need == TRAINED_HEAD else None
-    target_model = running
+    target_model, invariant, draft_kernels = on_target_kernels(target_model, batch_invariant, target_kernels,
+                                                               draft_kernels)
     target = HFBackend(target_model)
     if runs_on_blocks(target_model):
         target.backend_name = "quant"
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     keep = [*tokenizer.all_special_ids, *eos]  # the tokens a compact output layer must keep
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model),
-             "backend": target.backend_name, "batch_invariant": invariant or target.backend_name == "quant"}
+             "backend": target.backend_name, "batch_invariant": invariant}
     parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     max_context = target.max_context
     if need == OWN_LAYERS:

@@ -128,9 +128,7 @@ class InvariantLinear(nn.Module):
         self.register_buffer("scale", None)
         if run == "int8":
             check_int8_width(self.in_features)
-            scale = _int8_row_scales(weight.float())  # [out]
-            weight = (weight.float() / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
-            self.scale = scale.to(self.dtype)
+            weight, self.scale = int8_weight(weight)
         self.register_buffer("weight", None if run == "onednn" else weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,10 +248,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         check_int8_width(self.in_features)
-        weight = linear.weight.detach().float()  # [out, in]
-        scale = _int8_row_scales(weight)  # [out]
-        self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        weight, scale = int8_weight(linear.weight.detach())
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,6 +307,12 @@ def check_int8_width(in_features: int) -> None:
     """A RuntimeError (the kernel cannot be built, as the timing expects) for a width the int8 kernel cannot run."""
     if in_features % INT8_WIDTH:
         raise RuntimeError(f"the int8 kernel needs input widths a multiple of {INT8_WIDTH}, not {in_features}")
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], scales [out] in weight's dtype) of a float weight [out, in]: one scale per output row."""
+    scale = _int8_row_scales(weight.float())  # [out]
+    return (weight.float() / scale[:, None]).round().clamp(-128, 127).to(torch.int8), scale.to(weight.dtype)
 
 
 def _int8_row_scales(weight: torch.Tensor) -> torch.Tensor:
