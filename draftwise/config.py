@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from draftwise.errors import DraftwiseError
+
+if TYPE_CHECKING:  # (grammar.py imports the engine's types, which need nothing of this module)
+    from draftwise.grammar import Grammar
 
 # The defaults every surface shares (the CLI's commands, the server, Engine.stream, the bench): each is set here only.
 DEFAULT_DRAFT_TOKENS = 4  # k: the most draft tokens a round proposes
@@ -53,17 +57,18 @@ class GenerationConfig:
     adaptive: bool = True  # num_draft_tokens is the most per round; the engine picks k from measured cost and acceptance
     # How this sequence speculates (methods.py; the engine checks the name); None: the engine's own, "none": not at all
     method: str | None = None
+    grammar: Grammar | None = None  # what the output must match (grammar.py); None: any text
 
     @classmethod
     def from_options(
         cls, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
         top_p: float = SamplingConfig.top_p, seed: int | None = None, stop=(),
-        ignore_eos: bool = False, adaptive: bool = True, method: str | None = None,
+        ignore_eos: bool = False, adaptive: bool = True, method: str | None = None, grammar: Grammar | None = None,
     ) -> "GenerationConfig":
         """The one request config: the keyword options of Engine.stream, the CLI and the server, checked."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive, method)
+        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive, method, grammar)
         cfg.check()
         return cfg
 
@@ -77,5 +82,8 @@ class GenerationConfig:
             raise DraftwiseError(
                 f"num_draft_tokens (k) must be between 1 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}"
             )
+        if self.grammar is not None and self.ignore_eos:
+            raise DraftwiseError("ignore_eos cannot be combined with a grammar: a text that completes the grammar "
+                                 "ends there")
         if any(not s for s in self.stop):
             raise DraftwiseError("stop strings must be non-empty")

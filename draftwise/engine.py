@@ -24,6 +24,7 @@ from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.grammar import GrammarCompiler
 from draftwise.methods import Parts, available_methods, check_method, new_proposer
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
@@ -77,6 +78,8 @@ class Engine:
         self.eos = eos
         self.max_context = max_context or target.max_context  # the smallest context of the models involved
         self.readable_ids = readable_ids(tokenizer, target.embedding_rows)  # the ids a prompt of token ids may hold
+        # Structured output's matchers (llguidance's view of the tokenizer is built at the first grammar).
+        self.grammars = GrammarCompiler(tokenizer, max(target.embedding_rows, len(tokenizer)), eos)
         self.speed_paths = dict(speed_paths or {})
         self._default_in_use = False
         self.last_step = StepTimes()
@@ -144,7 +147,7 @@ class Engine:
 
         options: those of GenerationConfig.from_options (max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
         num_draft_tokens=DEFAULT_DRAFT_TOKENS, both in config.py; temperature=0, top_k=0, top_p=1, seed, stop,
-        ignore_eos, adaptive=True, method). adaptive: num_draft_tokens is the most
+        ignore_eos, adaptive=True, method, grammar: a grammar.Grammar the text must match). adaptive: num_draft_tokens is the most
         per round, and each round drafts the number that the measured acceptance and costs say pays best (none
         when speculation does not pay); False drafts it every round.
         """
@@ -176,6 +179,7 @@ class Engine:
     def open_sequence(self, prompt_ids: list[int], cfg: GenerationConfig) -> Sequence:
         """A live sequence with its own cache slots and proposer; checked before anything is allocated."""
         method = self.check_open(prompt_ids, cfg)
+        constraint = None if cfg.grammar is None else self.grammars.constraint(cfg.grammar)
         if not self._default_in_use and method == self.method:
             self._default_in_use = True
             target, proposer = self.target.default, self.proposer
@@ -205,7 +209,8 @@ class Engine:
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                        acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop, prompt_ids[-TEXT_CONTEXT:]),
-                       stats=stats, generator=generator, context=list(prompt_ids), prefilled=reused)
+                       stats=stats, generator=generator, context=list(prompt_ids), prefilled=reused,
+                       constraint=constraint)
         if acceptance is not None:
             pooled = self._carried.get((method, cfg.sampling.greedy), {})
             _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
@@ -222,6 +227,8 @@ class Engine:
         if any(not 0 <= t < self.readable_ids for t in prompt_ids):
             raise DraftwiseError(f"token ids in the prompt must be in [0, {self.readable_ids}): the ids the "
                                  "tokenizer and the target's embedding share")
+        if cfg.grammar is not None:
+            self.grammars.check(cfg.grammar)
         return method
 
     # -- the prompt cache --------------------------------------------------------------------------------
@@ -384,8 +391,11 @@ class Engine:
         sequence's events; a sequence that ended gets its final event, and one whose round failed ends with finish
         "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
-        ks = self._draft_lengths(seqs)  # how much each drafts: what the measured costs and acceptance say pays
+        forced = _forced_drafts(seqs, self.max_context)  # {i: Draft}: tokens a grammar forces, drafted for free
+        ks = self._draft_lengths(seqs, forced)  # how much each drafts: what the measured costs and acceptance say pays
         drafts = self._propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
+        for i, draft in forced.items():
+            drafts[i] = draft
         proposed = time.perf_counter()
         too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
@@ -436,6 +446,8 @@ class Engine:
         for i, seq in enumerate(seqs):  # a tree may be wider than k: the pass writes a position per node
             if isinstance(drafts[i], Draft):
                 drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
+                if seq.constraint is not None:  # a guess the grammar forbids is not worth the target's pass
+                    drafts[i] = seq.constraint.cut(drafts[i])
         return drafts
 
     def _observe_costs(self, seqs: list[Sequence], drafts: list, ks: list[int], live: list[int],
@@ -466,29 +478,31 @@ class Engine:
         seq.proposer, seq.acceptance = None, None
         seq.stats.fallback = f"{type(err).__name__}: {err}"
 
-    def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
+    def _draft_lengths(self, seqs: list[Sequence], forced: dict[int, Draft]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
         the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Prompt lookup's
         methods judge each round after their free guess (_judges_rounds, _free_round), first: their nodes widen the
-        pass the shared k is priced by."""
+        pass the shared k is priced by, as do the tokens a grammar forces (`forced`, by index: those sequences'
+        proposers sit the round out)."""
         depths = [_free_depth(seq) for seq in seqs]
-        judged = {seq: _free_round(seq, depth, len(seqs)) for seq, depth in zip(seqs, depths) if _judges_rounds(seq)}
-        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and seq not in judged]
-        fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
+        drafting = [seq for i, seq in enumerate(seqs) if seq.proposer is not None and i not in forced]
+        judged = {seq: _free_round(seq, depths[seqs.index(seq)], len(seqs)) for seq in drafting if _judges_rounds(seq)}
+        adaptive = [seq for seq in drafting if seq.acceptance and seq not in judged]
+        fixed = [seq.cfg.num_draft_tokens for seq in drafting if not seq.acceptance]
+        free = [seq.proposer.armed_nodes for seq in judged] + [len(draft) for draft in forced.values()]
         shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
-                                          fixed, [seq.spread.side_nodes for seq in adaptive],
-                                          [seq.proposer.armed_nodes for seq in judged]) if adaptive else 0
+                                          fixed, [seq.spread.side_nodes for seq in adaptive], free) if adaptive else 0
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
-        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
+        ks = [0 if seq not in drafting or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
-            if seq.proposer is not None:
+            if seq in drafting:
                 seq.proposer.allow_free_depth(depth)
-        return [judged[seq] if seq in judged else k or _free_round(seq, depth, len(seqs))
+        return [judged[seq] if seq in judged else k or (_free_round(seq, depth, len(seqs)) if seq in drafting else 0)
                 for seq, k, depth in zip(seqs, ks, depths)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
@@ -502,6 +516,9 @@ class Engine:
         hidden = any(_reads_features(seqs[i].proposer) for i in live)
         out = self.target.forward_batch(rows, trees=trees, hidden=hidden)
         per_row, features = out if hidden else (out, [])
+        # A grammar's mask on p at every position the row scores: the verdict is then the constrained target's.
+        per_row = [row if seqs[i].constraint is None else seqs[i].constraint.mask(row, drafts[i])
+                   for i, row in zip(live, per_row)]
         batch = DraftBatch.of([drafts[i] for i in live])
         found = verify_batch(batch, torch.cat(per_row),  # [T + B, vocab]
                              [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
@@ -561,6 +578,8 @@ class Engine:
             return [Event(token_id=None, text="", finish_reason="error", stats=seq.stats, error=seq.error)]
         seq.stats.draft_s += times.draft_s
         seq.stats.verify_s += times.verify_s
+        if draft.forced:  # the grammar's tokens, drafted by no model: nothing to learn of the proposer from them
+            return self._emit_tokens(seq, draft, verdict)
         if self.round_observer is not None and draft.token_ids:
             try:
                 self.round_observer(seq, draft, verdict, times)
@@ -570,6 +589,11 @@ class Engine:
             seq.acceptance.observe(draft.depth, verdict.num_accepted)
             if not seq.proposer.drafted_free:  # a lookup guess is not what the shared k prices
                 seq.spread.observe(len(draft), draft.depth)
+        return self._emit_tokens(seq, draft, verdict)
+
+    def _emit_tokens(self, seq: Sequence, draft: Draft, verdict: Verdict) -> list[Event]:
+        """The text grows by the kept draft tokens and the target's next token, up to an end; the stats count them
+        (a grammar's forced tokens apart from drafted ones) and the grammar advances by them."""
         events = []
         for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
             seq.context.append(token)
@@ -581,8 +605,14 @@ class Engine:
             events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted))
             if seq.finish is not None:
                 break
+        if seq.constraint is not None:
+            seq.constraint.advance([event.token_id for event in events])
         # Draft tokens cut off by an end (EOS, stop, length) were never kept.
-        seq.stats.observe_draft(draft.depth, min(verdict.num_accepted, len(events)), nodes=len(draft))
+        kept = min(verdict.num_accepted, len(events))
+        if draft.forced:
+            seq.stats.observe_forced(kept)
+        else:
+            seq.stats.observe_draft(draft.depth, kept, nodes=len(draft))
         if seq.finish is not None:
             events.append(Event(token_id=None, text="", finish_reason=seq.finish, stats=seq.stats))
         return events
@@ -595,6 +625,25 @@ class Engine:
         if seq.stats.new_tokens >= seq.cfg.max_new_tokens:
             return "length"
         return None
+
+
+MAX_FORCED_TOKENS = 32  # the most forced tokens one round drafts (a long fixed frame takes several rounds)
+
+
+def _forced_drafts(seqs: list[Sequence], max_context: int) -> dict[int, Draft]:
+    """By index, the rounds whose draft is what a grammar forces: for each speculating sequence under a grammar
+    that allows one continuation only from here, llguidance's tokens for it (as far as the sequence may still emit
+    and the context holds), verified as any guess (grammar.py says why). A sequence that does not speculate
+    (`none`) steps alone."""
+    forced = {}
+    for i, seq in enumerate(seqs):
+        if seq.constraint is None or seq.proposer is None:
+            continue
+        room = min(MAX_FORCED_TOKENS, seq.remaining - 1, max_context - len(seq.context))
+        tokens = seq.constraint.forced()[: max(room, 0)]
+        if tokens:
+            forced[i] = Draft(tuple(tokens), forced=True)
+    return forced
 
 
 def _reads_features(proposer: Proposer | None) -> bool:

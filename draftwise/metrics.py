@@ -27,6 +27,7 @@ class Stats:
     speed_paths: dict = field(default_factory=dict)  # what load chose: dtype, kernels per model, draft vocabulary
     prompt_cached: int = 0  # prompt tokens restored from the prompt cache instead of prefilled
     fallback: str | None = None  # why the proposer was dropped mid-request (the server's fallback), if it was
+    forced_tokens: int = 0  # tokens a grammar forced, drafted by no model and kept (not in proposed/accepted)
 
     def observe_draft(self, num_draft: int, num_accepted: int, nodes: int | None = None) -> None:
         """Count one verification round: num_draft tokens offered, the first num_accepted kept. A tree offers
@@ -43,6 +44,12 @@ class Stats:
         for i in range(num_draft):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < num_accepted
+
+    def observe_forced(self, num_kept: int) -> None:
+        """Count one round whose draft a grammar forced (grammar.py): a target pass, no proposer's guess."""
+        self.rounds += 1
+        self.target_forwards += 1
+        self.forced_tokens += num_kept
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -102,6 +109,7 @@ class Stats:
             "speed_paths": self.speed_paths,
             "prompt_cached": self.prompt_cached,
             "fallback": self.fallback,
+            "forced_tokens": self.forced_tokens,
         }
 
 

@@ -11,6 +11,7 @@ import torch
 
 from draftwise.config import GenerationConfig
 from draftwise.estimates import Acceptance, TreeSpread
+from draftwise.grammar import Constraint
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.text import TextStream
@@ -33,6 +34,7 @@ class Sequence:
     finish: str | None = None  # set once the sequence has ended
     error: str | None = None  # why, when it ended in an error
     exception: BaseException | None = None  # the error itself
+    constraint: Constraint | None = None  # its place in the grammar its text must match (grammar.py)
     _prefilled_all: bool = field(default=False, repr=False)  # prefill_done, once it has been
 
     @property

@@ -23,6 +23,7 @@ class Draft:
     token_ids: tuple[int, ...]
     q: torch.Tensor | None = None  # [n, vocab] float32, or None for one-hot guesses
     parents: tuple[int, ...] | None = None  # a tree's shape; None for a chain
+    forced: bool = False  # a chain of the tokens a grammar forces (grammar.py): made by no model
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -42,7 +43,7 @@ class Draft:
         if n >= len(self):
             return self
         parents = None if self.parents is None else self.parents[:n]
-        return Draft(self.token_ids[:n], None if self.q is None else self.q[:n], parents)
+        return Draft(self.token_ids[:n], None if self.q is None else self.q[:n], parents, self.forced)
 
     def as_chain(self, verdict: "Verdict") -> tuple[int, ...]:
         """The guesses along the verdict's path: a chain's tokens; for a tree its kept path, then the first

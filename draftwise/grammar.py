@@ -1,0 +1,215 @@
+"""Constrained decoding: a request's output held to a grammar (a JSON schema, any JSON object, a Lark grammar),
+with speculation kept exact.
+
+The grammar engine is llguidance (what llama.cpp uses): a matcher per sequence that says which tokens may come
+next (a bitmask over the vocabulary, about 15 us for Qwen's 151,936 ids here), consumes tokens, rolls back, and
+names the tokens the grammar forces. Three things make speculation under a grammar exact and cheap:
+
+- **The mask is on p.** At every position the target scores (a chain's every draft token and the one after, a
+  tree's every node), the logits of tokens the grammar forbids there become -inf before the verifier reads them.
+  Greedy then keeps exactly what the target alone picks under the same grammar; sampling draws from the masked,
+  renormalized p, so the output follows the constrained distribution whatever the proposer guessed.
+- **A forbidden guess is cut before the target scores it.** A chain ends at its first forbidden token (greedy or
+  a one-hot guess: that token would be rejected for certain and the residual is the masked p itself). A sampled
+  draft with its own q keeps that one token, so that the verifier draws from norm(max(0, p - q)) as the proof
+  needs, and loses the rest, which could not be reached. Trees are masked, not cut: a forbidden node is never kept.
+- **Forced tokens are free.** Where the grammar allows one continuation only (a schema's keys, braces, quotes, a
+  tool call's frame), its text is known without any model, and llguidance's tokens for it are the round's draft
+  (SGLang's jump-forward). They are verified like any guess, not committed: the mask also allows other
+  tokenizations of the same text (`{` then `"` where the forced draft says `{"`), and the target alone might pick
+  one of those, so committing the forced tokens unverified would change its tokens, if not its text.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.errors import DraftwiseError
+from draftwise.types import Draft
+
+JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object mode: any JSON object
+_BITS = torch.arange(32, dtype=torch.int32)  # [32]: a mask word's bits, lowest first (llguidance's order)
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as err:  # (a dependency; only a broken install lacks it)
+        raise DraftwiseError("structured output needs llguidance: pip install llguidance") from err
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a sequence's output must match, as llguidance's grammar text. Build one with json_schema, json_object
+    or lark. jump_forward: a speculating sequence drafts the tokens the grammar forces, for free (a sequence
+    that does not speculate, `none`, steps one token at a time: the target alone)."""
+
+    source: str
+    kind: str  # what it was made from ("json_schema", "json_object", "lark"): named in errors
+    jump_forward: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, jump_forward: bool = True) -> "Grammar":
+        """Output that is one JSON value valid under the schema (a dict or its JSON text)."""
+        llg = _llguidance()
+        try:
+            source = llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        except ValueError as err:
+            raise DraftwiseError(f"the JSON schema is not a JSON object: {err}") from err
+        return cls(source, "json_schema", jump_forward)
+
+    @classmethod
+    def json_object(cls, jump_forward: bool = True) -> "Grammar":
+        """Output that is any one JSON object."""
+        return cls(cls.json_schema(JSON_OBJECT_SCHEMA).source, "json_object", jump_forward)
+
+    @classmethod
+    def lark(cls, text: str, jump_forward: bool = True) -> "Grammar":
+        """Output in the language of a Lark grammar (llguidance's dialect: `%json {schema}` embeds a schema)."""
+        return cls(_llguidance().LLMatcher.grammar_from_lark(text), "lark", jump_forward)
+
+    def with_jump_forward(self, on: bool) -> "Grammar":
+        return Grammar(self.source, self.kind, on)
+
+
+class GrammarCompiler:
+    """One engine's llguidance view of its tokenizer (built on first use: about a second) and the matchers made on
+    it. vocab: the width of the target's logits (Qwen's pads past the tokenizer); eos: the ids that end a text,
+    which the grammar allows once it is complete."""
+
+    def __init__(self, tokenizer, vocab: int, eos: frozenset[int]):
+        self._tokenizer, self.vocab, self._eos = tokenizer, vocab, sorted(eos)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()  # the server checks grammars on its intake thread, steps on another
+
+    def _tokenizer_view(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = _llguidance()
+                try:
+                    self._ll_tokenizer = llg.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab,
+                                                               eos_token=self._eos or None)
+                except ValueError as err:  # a slow (Python) tokenizer
+                    raise DraftwiseError(f"structured output needs a fast tokenizer: {err}") from err
+            return self._ll_tokenizer
+
+    def check(self, grammar: Grammar) -> None:
+        """Raise DraftwiseError, saying why, for a grammar llguidance cannot compile (an unknown type in a schema,
+        a Lark syntax error): before any work starts."""
+        self.constraint(grammar)
+
+    def constraint(self, grammar: Grammar) -> "Constraint":
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self._tokenizer_view(), grammar.source, log_level=0)
+        if matcher.is_error():
+            raise DraftwiseError(f"the {grammar.kind.replace('_', ' ')} cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab, frozenset(self._eos), grammar.jump_forward)
+
+
+class Constraint:
+    """One sequence's place in its grammar: what it may emit next, which the engine masks the target's logits
+    with, cuts drafts by and advances by the tokens it emits."""
+
+    def __init__(self, matcher, vocab: int, eos: frozenset[int], jump_forward: bool):
+        self._matcher, self.vocab, self._eos, self.jump_forward = matcher, vocab, eos, jump_forward
+        self._words = (vocab + 31) // 32
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone from here, in order (empty where it leaves a choice)."""
+        return list(self._matcher.compute_ff_tokens()) if self.jump_forward else []
+
+    def allowed_prefix(self, token_ids) -> int:
+        """How many of token_ids, from the first, the grammar allows in turn from here: by its masks, which are
+        what the target may emit (llguidance's validation alone is looser: it takes `c` where the mask, and so the
+        target, may only write `co`)."""
+        token_ids = list(token_ids)
+        return self._walk_chain(self._rows(len(token_ids) + 1), token_ids)
+
+    def cut(self, draft: Draft) -> Draft:
+        """A chain up to its first forbidden token: without it where it is one-hot or greedy (q None), with it
+        where the draft has its own q (the verifier's residual needs that token's q); a tree as it is."""
+        if draft.parents is not None or not draft.token_ids:
+            return draft
+        allowed = self.allowed_prefix(draft.token_ids)
+        return draft.prefix(allowed if draft.q is None else allowed + 1)
+
+    def mask(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """logits: [n + 1, vocab], the target's rows for the draft's positions (the text's last token first).
+        Returns them with every token the grammar forbids at each reachable position at -inf; positions past a
+        forbidden guess are never read, and keep theirs."""
+        words = self._rows(len(draft) + 1)  # [n + 1, words]
+        if draft.parents is None:
+            self._walk_chain(words, draft.token_ids)
+        else:
+            self._walk_tree(words, draft)
+        allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(len(words), -1)  # [n + 1, words * 32]
+        width = logits.shape[-1]
+        if width > allowed.shape[1]:  # (ids past the grammar's vocabulary are never allowed)
+            allowed = torch.cat([allowed, allowed.new_zeros(len(allowed), width - allowed.shape[1])], dim=1)
+        return logits.masked_fill(~allowed[:, :width], float("-inf"))
+
+    def _rows(self, n: int) -> torch.Tensor:
+        return torch.full((n, self._words), -1, dtype=torch.int32)  # [n, words]: all allowed until filled
+
+    def _walk_chain(self, words: torch.Tensor, token_ids) -> int:
+        """Fill words[i] with the mask at each position of the chain while its tokens are allowed; returns how
+        many were. The matcher ends where it began."""
+        taken = allowed = 0
+        for i in range(len(token_ids) + 1):
+            _fill(self._matcher, words, i)
+            if i == len(token_ids) or not _allows(words[i], token_ids[i]):
+                break
+            taken += self._step(token_ids[i])
+            allowed += 1
+        self._matcher.rollback(taken)
+        return allowed
+
+    def _walk_tree(self, words: torch.Tensor, draft: Draft) -> None:
+        children = draft.layout.children
+
+        def visit(at: int) -> None:  # the matcher stands at pass position `at`
+            _fill(self._matcher, words, at)
+            for child in children[at]:
+                token = draft.token_ids[child - 1]
+                if _allows(words[at], token):
+                    taken = self._step(token)
+                    visit(child)
+                    self._matcher.rollback(taken)
+
+        visit(0)
+
+    def advance(self, token_ids: list[int]) -> None:
+        """The sequence emitted these tokens (each allowed: they came from masked logits)."""
+        for token in token_ids:
+            self._step(token)
+
+    def _step(self, token: int) -> int:
+        """Consume one allowed token; returns how many the matcher took (0 for the end of text after a complete
+        sentence, which the stopped matcher does not take)."""
+        if self._matcher.is_stopped() and token in self._eos:
+            return 0
+        if not self._matcher.consume_token(token):
+            raise DraftwiseError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        return 1
+
+    @property
+    def complete(self) -> bool:
+        """The text is a whole sentence of the grammar (it may still go on where the grammar allows)."""
+        return self._matcher.is_accepting()
+
+
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether a mask row ([words] int32) allows the token."""
+    return token < 32 * len(row) and bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _fill(matcher, words: torch.Tensor, row: int) -> None:
+    """The matcher's mask of allowed next tokens into words[row] ([words] int32, one bit per token id)."""
+    target = words[row]
+    matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())

@@ -1,0 +1,249 @@
+"""Speculation under a grammar (grammar.py): the mask on p at every verified position, drafts cut at a forbidden
+guess, forced tokens drafted for free. Greedy output is the target alone under the same grammar, token for token,
+for every method, alone and batched; sampled output follows the masked distribution."""
+from __future__ import annotations
+
+import functools
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import input_batch, near_model, tiny_model, tiny_tokenizer, transformers_greedy
+from draftwise import Engine
+from draftwise.config import GenerationConfig, SamplingConfig
+from draftwise.errors import DraftwiseError
+from draftwise.grammar import Grammar
+from draftwise.sampling import logits_to_probs
+from draftwise.types import Draft
+from stats_helpers import fit_pvalue
+
+PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
+NEW_TOKENS = 40
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+# The schema's language without free whitespace: a random model ends it in a few tokens (under the JSON schema it
+# may write whitespace for ever), and its frame is forced text.
+COMPACT = 'start: "{\\"color\\": \\"" COLOR "\\", \\"n\\": " DIGIT "}"\nCOLOR: "red" | "green" | "blue"\nDIGIT: /[0-9]/'
+GRAMMARS = {"schema": lambda: Grammar.json_schema(SCHEMA), "compact": lambda: Grammar.lark(COMPACT)}
+# (method, draft): a draft that is the target's twin, one near it, and the methods with no second model.
+CASES = [("none", None), ("draft", "same"), ("draft", "near"), ("draft-tree", "near"), ("lookup", None),
+         ("lookup-tree", None), ("hybrid", "near"), ("hybrid-tree", "near"), ("skip", None)]
+
+
+@functools.lru_cache(maxsize=None)
+def model(seed=0):
+    return tiny_model("qwen2", seed)
+
+
+@functools.lru_cache(maxsize=None)
+def engine(method, draft=None):
+    drafts = {"same": lambda: model(0), "near": lambda: near_model("qwen2"), None: lambda: None}
+    return Engine.from_models(model(), tiny_tokenizer(), draft_model=drafts[draft](), method=method,
+                              compact_draft=False)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(grammar_name):
+    """The target alone under the grammar: `none`, one token per pass."""
+    return engine("none").generate(PROMPT, max_new_tokens=NEW_TOKENS, grammar=GRAMMARS[grammar_name]()).token_ids
+
+
+def allowed_prefix(grammar: Grammar, token_ids: list[int]) -> int:
+    return engine("none").grammars.constraint(grammar).allowed_prefix(token_ids)
+
+
+@pytest.mark.parametrize("grammar_name", GRAMMARS)
+def test_the_reference_is_constrained_and_differs_from_free_text(grammar_name):
+    """The control for everything below: the grammar changes what the target writes, and what it writes obeys it."""
+    ids = reference(grammar_name)
+    free = transformers_greedy(model(), tiny_tokenizer()(PROMPT)["input_ids"], len(ids))
+    assert ids != free[: len(ids)]
+    assert allowed_prefix(GRAMMARS[grammar_name](), ids) == len(ids)
+    assert allowed_prefix(GRAMMARS[grammar_name](), free) < len(free)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False], ids=["forced", "no-forced"])
+@pytest.mark.parametrize("grammar_name", GRAMMARS)
+@pytest.mark.parametrize("method,draft", CASES, ids=[f"{m}-{d}" if d else m for m, d in CASES])
+def test_greedy_under_a_grammar_is_the_target_alone_under_it(method, draft, grammar_name, jump_forward):
+    grammar = GRAMMARS[grammar_name]().with_jump_forward(jump_forward)
+    result = engine(method, draft).generate(PROMPT, max_new_tokens=NEW_TOKENS, grammar=grammar)
+    assert result.token_ids == reference(grammar_name)
+    if grammar_name == "compact":  # a whole sentence of the grammar, ended by EOS
+        assert result.finish_reason == "eos"
+        value = json.loads(result.text)
+        jsonschema.validate(value, SCHEMA)
+    if method != "none" and jump_forward and grammar_name == "compact":
+        assert result.stats.forced_tokens > 0  # the frame came as free drafts, and the target kept them
+    if not jump_forward or method == "none":
+        assert result.stats.forced_tokens == 0
+
+
+def offered_rounds(eng, grammar: Grammar) -> list[tuple[list[int], tuple[int, ...]]]:
+    """Each verified round's (text emitted before it, draft offered) for a fixed-k generation under the grammar."""
+    rounds = []
+    prompt_len = len(tiny_tokenizer()(PROMPT)["input_ids"])
+    eng.round_observer = lambda seq, draft, verdict, times: rounds.append((seq.context[prompt_len:], draft.token_ids))
+    try:
+        eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, grammar=grammar, adaptive=False, num_draft_tokens=4)
+    finally:
+        eng.round_observer = None
+    return rounds
+
+
+def all_allowed(eng, grammar: Grammar, rounds) -> bool:
+    for before, offered in rounds:
+        constraint = eng.grammars.constraint(grammar)
+        constraint.advance(before)
+        if constraint.allowed_prefix(offered) < len(offered):
+            return False
+    return True
+
+
+def test_a_draft_reaches_the_target_only_as_far_as_the_grammar_allows_it(monkeypatch):
+    eng = engine("draft", "same")
+    grammar = GRAMMARS["schema"]().with_jump_forward(False)
+    assert all_allowed(eng, grammar, offered_rounds(eng, grammar))
+    # The control: uncut, the twin's free-running guesses break the grammar (and are rejected by the mask).
+    monkeypatch.setattr("draftwise.grammar.Constraint.cut", lambda self, draft: draft)
+    assert not all_allowed(eng, grammar, offered_rounds(eng, grammar))
+
+
+@pytest.mark.parametrize("method,draft", [("draft", "near"), ("hybrid-tree", "near"), ("lookup", None)])
+def test_a_batch_under_different_grammars_gives_each_the_target_alone(method, draft):
+    eng = engine(method, draft)
+    prompts = [PROMPT, "The quick brown fox", PROMPT + "    pivot", "for i in range(10):"]
+    names = ["compact", "schema", None, "compact"]
+    cfgs = [GenerationConfig.from_options(max_new_tokens=24 + 3 * i, grammar=GRAMMARS[n]() if n else None,
+                                          method=["none", method][i % 2]) for i, n in enumerate(names)]
+    seqs = [eng.open_sequence(tiny_tokenizer()(p)["input_ids"], cfg) for p, cfg in zip(prompts, cfgs)]
+    running = list(seqs)
+    while running:
+        for seq in running:
+            while not seq.prefill_done:
+                eng.prefill(seq)
+        eng.step(running)
+        for seq in [s for s in running if s.finish is not None]:
+            eng.close_sequence(seq)
+            running.remove(seq)
+    alone = engine("none")
+    for prompt, cfg, seq in zip(prompts, cfgs, seqs):
+        want = alone.generate(prompt, max_new_tokens=cfg.max_new_tokens, grammar=cfg.grammar).token_ids
+        assert seq.context[len(seq.prompt_ids):] == want
+
+
+def test_masks_for_a_chain_and_a_tree_are_the_grammars_at_each_node():
+    """Constraint.mask against an oracle that walks a fresh matcher down to each position."""
+    eng = engine("none")
+    grammar = Grammar.lark(COMPACT)
+    frame = eng.grammars.constraint(grammar).forced()  # '{"color": "' in tokens
+    tok = tiny_tokenizer()
+    red, green, bad = tok("red")["input_ids"][0], tok("green")["input_ids"][0], tok("}")["input_ids"][0]
+    chain = Draft(tuple(frame) + (red,))
+    # A tree: the frame, then three children of its last node (two allowed, one not), one grandchild.
+    parents = tuple(range(-1, len(frame) - 1)) + (len(frame) - 1,) * 3 + (len(frame),)
+    tree = Draft(tuple(frame) + (red, green, bad, bad), parents=parents)
+    vocab = eng.grammars.vocab
+    for draft in (chain, tree):
+        masked = eng.grammars.constraint(grammar).mask(torch.zeros(len(draft) + 1, vocab), draft)
+        for at in range(len(draft) + 1):
+            path = _path_to(draft, at)
+            oracle = eng.grammars.constraint(grammar)
+            if oracle.allowed_prefix(path) < len(path):
+                continue  # under a forbidden guess: never read
+            oracle.advance(path)
+            allowed = {t for t in range(vocab) if oracle.allowed_prefix([t])}
+            assert {t for t in range(vocab) if masked[at, t] == 0} == allowed, at
+    assert len({t for t in range(vocab) if masked[len(frame) + 1, t] == 0}) < vocab  # (the mask does bite)
+
+
+def _path_to(draft: Draft, at: int) -> list[int]:
+    """The tokens from the root to pass position `at` (0: the root)."""
+    if draft.parents is None:
+        return list(draft.token_ids[:at])
+    path, node = [], at - 1
+    while node >= 0:
+        path.append(draft.token_ids[node])
+        node = draft.parents[node]
+    return path[::-1]
+
+
+def test_a_sampled_draft_keeps_its_first_forbidden_guess_and_a_greedy_one_drops_it():
+    eng = engine("none")
+    constraint = eng.grammars.constraint(Grammar.lark(COMPACT))
+    frame = constraint.forced()
+    wrong = tiny_tokenizer()("}")["input_ids"][0]
+    guess = tuple(frame[:2]) + (wrong, frame[2] if len(frame) > 2 else wrong)
+    assert constraint.cut(Draft(guess)).token_ids == guess[:2]
+    q = torch.full((len(guess), eng.grammars.vocab), 1.0 / eng.grammars.vocab)
+    assert constraint.cut(Draft(guess, q=q)).token_ids == guess[:3]
+
+
+def test_a_grammar_that_cannot_compile_is_refused_before_work():
+    eng = engine("draft", "near")
+    bad = Grammar.json_schema({"type": "object", "properties": {"a": {"type": "frobnicate"}}})
+    with pytest.raises(DraftwiseError, match="frobnicate"):
+        eng.generate(PROMPT, max_new_tokens=4, grammar=bad)
+    with pytest.raises(DraftwiseError, match="ignore_eos"):
+        eng.generate(PROMPT, max_new_tokens=4, grammar=GRAMMARS["compact"](), ignore_eos=True)
+    assert eng.target.open_slots == 1  # nothing was left open
+
+
+# -- sampling: the masked distribution ----------------------------------------------------------------------------
+RUNS = 600
+LETTERS = "start: /[a-z ]+/"  # forbids most of what the sharpened model wants after the prompt (digits, symbols)
+
+
+@functools.lru_cache(maxsize=None)
+def sharp():
+    target = tiny_model("qwen2", 0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.5)  # mass on a few hundred pairs: a few hundred runs can test it
+    return target
+
+
+def masked_pairs(cfg: SamplingConfig, masked: bool = True) -> dict:
+    """P(t1, t2) under the grammar: each step's logits masked (masked=False: the control, the target's own p)."""
+    eng = engine("none")
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    table = {}
+    with torch.no_grad():
+        constraint = eng.grammars.constraint(Grammar.lark(LETTERS))
+        first_logits = sharp()(input_batch(ids)).logits[0, -1:]
+        first = logits_to_probs(constraint.mask(first_logits, Draft(())) if masked else first_logits, cfg)[0]
+        for t1 in torch.nonzero(first > 1e-4).flatten().tolist():
+            logits = sharp()(input_batch(ids + [t1])).logits[0, -1:]
+            if masked:
+                after = eng.grammars.constraint(Grammar.lark(LETTERS))
+                after.advance([t1])
+                logits = after.mask(logits, Draft(()))
+            second = logits_to_probs(logits, cfg)[0]
+            for t2 in torch.nonzero(second * first[t1] > 1e-4).flatten().tolist():
+                table[(t1, t2)] = float(first[t1] * second[t2])
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def sharp_engine(method):
+    draft = None if method in ("none", "lookup") else near_model("qwen2", noise=0.03)
+    if draft is not None:
+        with torch.no_grad():
+            draft.lm_head.weight.mul_(2.5)
+    return Engine.from_models(sharp(), tiny_tokenizer(), draft_model=draft, method=method, compact_draft=False)
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "draft-tree", "lookup"])
+def test_sampled_pairs_follow_the_masked_distribution(method):
+    cfg = SamplingConfig(temperature=1.0)
+    eng = sharp_engine(method)
+    grammar = Grammar.lark(LETTERS)
+    pairs = []
+    for seed in range(RUNS):
+        out = eng.generate(PROMPT, max_new_tokens=2, temperature=1.0, seed=seed, grammar=grammar,
+                           num_draft_tokens=2, adaptive=False)
+        pairs.append(tuple(out.token_ids[:2]))
+    assert fit_pvalue(pairs, masked_pairs(cfg)) > 1e-3
+    assert fit_pvalue(pairs, masked_pairs(cfg, masked=False)) < 1e-6  # control: the unmasked p is not what ran
