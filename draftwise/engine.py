@@ -391,11 +391,8 @@ class Engine:
         sequence's events; a sequence that ended gets its final event, and one whose round failed ends with finish
         "error" (seq.exception holds why) while the others go on."""
         started = time.perf_counter()
-        forced = _forced_drafts(seqs, self.max_context)  # {i: Draft}: tokens a grammar forces, drafted for free
-        ks = self._draft_lengths(seqs, forced)  # how much each drafts: what the measured costs and acceptance say pays
+        ks = self._draft_lengths(seqs)  # how much each drafts: what the measured costs and acceptance say pays
         drafts = self._propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
-        for i, draft in forced.items():
-            drafts[i] = draft
         proposed = time.perf_counter()
         too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
@@ -416,7 +413,7 @@ class Engine:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
                 try:
-                    self._commit_caches(seq, ks[i], verdicts.get(i), features.get(i))
+                    self._commit_caches(seq, ks[i], drafts[i], verdicts.get(i), features.get(i))
                 except Exception as err:  # this sequence's alone: it ends with it, its target holding the text
                     seq.target.trim(len(seq.context) - 1)
                     failed[i] = err
@@ -446,8 +443,9 @@ class Engine:
         for i, seq in enumerate(seqs):  # a tree may be wider than k: the pass writes a position per node
             if isinstance(drafts[i], Draft):
                 drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
-                if seq.constraint is not None:  # a guess the grammar forbids is not worth the target's pass
-                    drafts[i] = seq.constraint.cut(drafts[i])
+                if seq.constraint is not None and seq.proposer is not None:  # (`none` steps alone)
+                    room = min(seq.remaining - 1, self.max_context - len(seq.context))
+                    drafts[i] = seq.constraint.shape(drafts[i], room)
         return drafts
 
     def _observe_costs(self, seqs: list[Sequence], drafts: list, ks: list[int], live: list[int],
@@ -478,31 +476,29 @@ class Engine:
         seq.proposer, seq.acceptance = None, None
         seq.stats.fallback = f"{type(err).__name__}: {err}"
 
-    def _draft_lengths(self, seqs: list[Sequence], forced: dict[int, Draft]) -> list[int]:
+    def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
         the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Prompt lookup's
         methods judge each round after their free guess (_judges_rounds, _free_round), first: their nodes widen the
-        pass the shared k is priced by, as do the tokens a grammar forces (`forced`, by index: those sequences'
-        proposers sit the round out)."""
+        pass the shared k is priced by."""
         depths = [_free_depth(seq) for seq in seqs]
-        drafting = [seq for i, seq in enumerate(seqs) if seq.proposer is not None and i not in forced]
-        judged = {seq: _free_round(seq, depths[seqs.index(seq)], len(seqs)) for seq in drafting if _judges_rounds(seq)}
-        adaptive = [seq for seq in drafting if seq.acceptance and seq not in judged]
-        fixed = [seq.cfg.num_draft_tokens for seq in drafting if not seq.acceptance]
-        free = [seq.proposer.armed_nodes for seq in judged] + [len(draft) for draft in forced.values()]
+        judged = {seq: _free_round(seq, depth, len(seqs)) for seq, depth in zip(seqs, depths) if _judges_rounds(seq)}
+        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and seq not in judged]
+        fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
         shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
                                           max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
-                                          fixed, [seq.spread.side_nodes for seq in adaptive], free) if adaptive else 0
+                                          fixed, [seq.spread.side_nodes for seq in adaptive],
+                                          [seq.proposer.armed_nodes for seq in judged]) if adaptive else 0
         if adaptive:
             self.draft_wanted = self.draft_policy.wants_drafting
         # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
-        ks = [0 if seq not in drafting or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
+        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
-            if seq in drafting:
+            if seq.proposer is not None:
                 seq.proposer.allow_free_depth(depth)
-        return [judged[seq] if seq in judged else k or (_free_round(seq, depth, len(seqs)) if seq in drafting else 0)
+        return [judged[seq] if seq in judged else k or _free_round(seq, depth, len(seqs))
                 for seq, k, depth in zip(seqs, ks, depths)]
 
     def _verify(self, seqs: list[Sequence], drafts: list,
@@ -548,9 +544,11 @@ class Engine:
         return verdicts, features
 
     @staticmethod
-    def _commit_caches(seq: Sequence, k: int, verdict: Verdict | None, features: torch.Tensor | None = None) -> None:
+    def _commit_caches(seq: Sequence, k: int, draft, verdict: Verdict | None,
+                       features: torch.Tensor | None = None) -> None:
         """Both caches hold exactly the accepted text, even when the round failed. A proposer that reads the
-        target's features gets those of the kept positions (the text's last token and the accepted drafts)."""
+        target's features gets those of the kept positions (the text's last token and the accepted drafts). The
+        proposer hears of its own tokens only: what a grammar forced after them is text it catches up on."""
         base = len(seq.context) - 1
         kept = verdict.num_accepted if verdict else 0
         path = list(range(kept)) if verdict is None or verdict.path is None else list(verdict.path)
@@ -560,9 +558,10 @@ class Engine:
         if verdict is not None and features is not None and _reads_features(seq.proposer):
             seq.proposer.add_features(base, features[[0, *(1 + node for node in path)]])  # [kept + 1, H]
         if k > 0:
+            own = len(draft) - draft.forced if isinstance(draft, Draft) else kept
             if verdict is not None:  # (a tree drafted in the proposer's own cache keeps its path there)
-                seq.proposer.keep_path(path)
-            seq.proposer.observe(kept)
+                seq.proposer.keep_path(path[:own])
+            seq.proposer.observe(min(kept, own))
 
     def _emit_alone(self, seq: Sequence, draft, verdict: Verdict | None, k: int, times: StepTimes) -> list[Event]:
         """_emit, where what fails ends this sequence alone (with its error), not the batch's step."""
@@ -578,8 +577,7 @@ class Engine:
             return [Event(token_id=None, text="", finish_reason="error", stats=seq.stats, error=seq.error)]
         seq.stats.draft_s += times.draft_s
         seq.stats.verify_s += times.verify_s
-        if draft.forced:  # the grammar's tokens, drafted by no model: nothing to learn of the proposer from them
-            return self._emit_tokens(seq, draft, verdict)
+        draft, verdict, forced = _proposers_part(draft, verdict)  # (a grammar's forced tail apart)
         if self.round_observer is not None and draft.token_ids:
             try:
                 self.round_observer(seq, draft, verdict, times)
@@ -589,30 +587,22 @@ class Engine:
             seq.acceptance.observe(draft.depth, verdict.num_accepted)
             if not seq.proposer.drafted_free:  # a lookup guess is not what the shared k prices
                 seq.spread.observe(len(draft), draft.depth)
-        return self._emit_tokens(seq, draft, verdict)
-
-    def _emit_tokens(self, seq: Sequence, draft: Draft, verdict: Verdict) -> list[Event]:
-        """The text grows by the kept draft tokens and the target's next token, up to an end; the stats count them
-        (a grammar's forced tokens apart from drafted ones) and the grammar advances by them."""
         events = []
-        for i, token in enumerate([*draft.accepted(verdict), verdict.next_token]):
+        for i, token in enumerate([*draft.accepted(verdict), *forced, verdict.next_token]):
             seq.context.append(token)
             seq.stats.new_tokens += 1
             piece = seq.text.add(token)
             seq.finish = self._finish_reason(token, seq)
             if seq.finish is not None:
                 piece += seq.text.finish()
-            events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted))
+            events.append(Event(token_id=token, text=piece, from_draft=i < verdict.num_accepted + len(forced)))
             if seq.finish is not None:
                 break
         if seq.constraint is not None:
             seq.constraint.advance([event.token_id for event in events])
         # Draft tokens cut off by an end (EOS, stop, length) were never kept.
-        kept = min(verdict.num_accepted, len(events))
-        if draft.forced:
-            seq.stats.observe_forced(kept)
-        else:
-            seq.stats.observe_draft(draft.depth, kept, nodes=len(draft))
+        seq.stats.observe_draft(draft.depth, min(verdict.num_accepted, len(events)), nodes=len(draft))
+        seq.stats.forced_tokens += max(0, min(len(forced), len(events) - verdict.num_accepted))
         if seq.finish is not None:
             events.append(Event(token_id=None, text="", finish_reason=seq.finish, stats=seq.stats))
         return events
@@ -627,23 +617,16 @@ class Engine:
         return None
 
 
-MAX_FORCED_TOKENS = 32  # the most forced tokens one round drafts (a long fixed frame takes several rounds)
-
-
-def _forced_drafts(seqs: list[Sequence], max_context: int) -> dict[int, Draft]:
-    """By index, the rounds whose draft is what a grammar forces: for each speculating sequence under a grammar
-    that allows one continuation only from here, llguidance's tokens for it (as far as the sequence may still emit
-    and the context holds), verified as any guess (grammar.py says why). A sequence that does not speculate
-    (`none`) steps alone."""
-    forced = {}
-    for i, seq in enumerate(seqs):
-        if seq.constraint is None or seq.proposer is None:
-            continue
-        room = min(MAX_FORCED_TOKENS, seq.remaining - 1, max_context - len(seq.context))
-        tokens = seq.constraint.forced()[: max(room, 0)]
-        if tokens:
-            forced[i] = Draft(tuple(tokens), forced=True)
-    return forced
+def _proposers_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict, list[int]]:
+    """A round's draft and verdict as the proposer made and earned them, and the kept tokens that a grammar forced
+    after its guesses (grammar.py: Constraint.shape); these only join the text (after the proposer's kept ones)."""
+    if not draft.forced:
+        return draft, verdict, []
+    own = len(draft) - draft.forced
+    if verdict.num_accepted <= own:
+        return draft.prefix(own), verdict, []
+    forced = list(draft.token_ids[own: verdict.num_accepted])
+    return draft.prefix(own), Verdict(own, verdict.next_token, verdict.path), forced
 
 
 def _reads_features(proposer: Proposer | None) -> bool:

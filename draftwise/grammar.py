@@ -9,13 +9,13 @@ names the tokens the grammar forces. Three things make speculation under a gramm
   tree's every node), the logits of tokens the grammar forbids there become -inf before the verifier reads them.
   Greedy then keeps exactly what the target alone picks under the same grammar; sampling draws from the masked,
   renormalized p, so the output follows the constrained distribution whatever the proposer guessed.
-- **A forbidden guess is cut before the target scores it.** A chain ends at its first forbidden token (greedy or
+- **A forbidden guess is cut before the target scores it** (Constraint.shape). A chain ends at its first forbidden token (greedy or
   a one-hot guess: that token would be rejected for certain and the residual is the masked p itself). A sampled
   draft with its own q keeps that one token, so that the verifier draws from norm(max(0, p - q)) as the proof
   needs, and loses the rest, which could not be reached. Trees are masked, not cut: a forbidden node is never kept.
 - **Forced tokens are free.** Where the grammar allows one continuation only (a schema's keys, braces, quotes, a
-  tool call's frame), its text is known without any model, and llguidance's tokens for it are the round's draft
-  (SGLang's jump-forward). They are verified like any guess, not committed: the mask also allows other
+  tool call's frame), its text is known without any model, and llguidance's tokens for it follow the proposer's
+  kept guesses in the round's draft (SGLang's jump-forward; a round the proposer sits out drafts them alone). They are verified like any guess, not committed: the mask also allows other
   tokenizations of the same text (`{` then `"` where the forced draft says `{"`), and the target alone might pick
   one of those, so committing the forced tokens unverified would change its tokens, if not its text.
 """
@@ -31,6 +31,9 @@ from draftwise.errors import DraftwiseError
 from draftwise.types import Draft
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object mode: any JSON object
+# Between JSON tokens: nothing, one space, or a newline and up to 20 columns of indentation (llama.cpp's JSON schema
+# grammars allow the same). Free whitespace would let a model write newlines until its token limit, and never close.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]: a mask word's bits, lowest first (llguidance's order)
 
 
@@ -59,7 +62,8 @@ class Grammar:
         """Output that is one JSON value valid under the schema (a dict or its JSON text)."""
         llg = _llguidance()
         try:
-            source = llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+            source = llg.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                                            defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as err:
             raise DraftwiseError(f"the JSON schema is not a JSON object: {err}") from err
         return cls(source, "json_schema", jump_forward)
@@ -131,13 +135,28 @@ class Constraint:
         token_ids = list(token_ids)
         return self._walk_chain(self._rows(len(token_ids) + 1), token_ids)
 
-    def cut(self, draft: Draft) -> Draft:
-        """A chain up to its first forbidden token: without it where it is one-hot or greedy (q None), with it
-        where the draft has its own q (the verifier's residual needs that token's q); a tree as it is."""
-        if draft.parents is not None or not draft.token_ids:
+    def shape(self, draft: Draft, room: int) -> Draft:
+        """The draft the target scores: a chain up to its first forbidden guess (without it where the guess is
+        one-hot or greedy, q None; with it where the draft has its own q, which the verifier's residual needs),
+        then, where the grammar forces what follows the kept guesses, those tokens (jump_forward; the whole draft
+        at most `room` long). A tree as it is: its forbidden nodes are masked, never kept."""
+        if draft.parents is not None:
             return draft
         allowed = self.allowed_prefix(draft.token_ids)
-        return draft.prefix(allowed if draft.q is None else allowed + 1)
+        if allowed < len(draft) and draft.q is not None:
+            return draft.prefix(allowed + 1)
+        draft = draft.prefix(allowed)
+        return draft.extended(self.forced_after(draft.token_ids)[: max(0, room - len(draft))])
+
+    def forced_after(self, token_ids) -> list[int]:
+        """forced() once token_ids (allowed) have come."""
+        if not self.jump_forward:
+            return []
+        taken = sum(self._step(token) for token in token_ids)
+        try:
+            return self.forced()
+        finally:
+            self._matcher.rollback(taken)
 
     def mask(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """logits: [n + 1, vocab], the target's rows for the draft's positions (the text's last token first).

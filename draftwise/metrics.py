@@ -45,12 +45,6 @@ class Stats:
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < num_accepted
 
-    def observe_forced(self, num_kept: int) -> None:
-        """Count one round whose draft a grammar forced (grammar.py): a target pass, no proposer's guess."""
-        self.rounds += 1
-        self.target_forwards += 1
-        self.forced_tokens += num_kept
-
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None

@@ -23,7 +23,7 @@ class Draft:
     token_ids: tuple[int, ...]
     q: torch.Tensor | None = None  # [n, vocab] float32, or None for one-hot guesses
     parents: tuple[int, ...] | None = None  # a tree's shape; None for a chain
-    forced: bool = False  # a chain of the tokens a grammar forces (grammar.py): made by no model
+    forced: int = 0  # a chain's last `forced` tokens are what a grammar forces after the proposer's (grammar.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -43,7 +43,17 @@ class Draft:
         if n >= len(self):
             return self
         parents = None if self.parents is None else self.parents[:n]
-        return Draft(self.token_ids[:n], None if self.q is None else self.q[:n], parents, self.forced)
+        forced = max(0, self.forced - (len(self) - n))
+        return Draft(self.token_ids[:n], None if self.q is None else self.q[:n], parents, forced)
+
+    def extended(self, forced: list[int]) -> "Draft":
+        """A chain with a grammar's forced tokens after it: one-hot guesses (q rows of one-hot where q is kept)."""
+        if not forced:
+            return self
+        q = self.q
+        if q is not None:
+            q = torch.cat([q, torch.nn.functional.one_hot(torch.tensor(forced), q.shape[-1]).to(q.dtype)])
+        return Draft(self.token_ids + tuple(forced), q, None, self.forced + len(forced))
 
     def as_chain(self, verdict: "Verdict") -> tuple[int, ...]:
         """The guesses along the verdict's path: a chain's tokens; for a tree its kept path, then the first

@@ -108,7 +108,7 @@ def test_a_draft_reaches_the_target_only_as_far_as_the_grammar_allows_it(monkeyp
     grammar = GRAMMARS["schema"]().with_jump_forward(False)
     assert all_allowed(eng, grammar, offered_rounds(eng, grammar))
     # The control: uncut, the twin's free-running guesses break the grammar (and are rejected by the mask).
-    monkeypatch.setattr("draftwise.grammar.Constraint.cut", lambda self, draft: draft)
+    monkeypatch.setattr("draftwise.grammar.Constraint.shape", lambda self, draft, room: draft)
     assert not all_allowed(eng, grammar, offered_rounds(eng, grammar))
 
 
@@ -171,15 +171,24 @@ def _path_to(draft: Draft, at: int) -> list[int]:
     return path[::-1]
 
 
-def test_a_sampled_draft_keeps_its_first_forbidden_guess_and_a_greedy_one_drops_it():
+def test_a_draft_is_cut_at_its_first_forbidden_guess_and_the_forced_text_follows():
     eng = engine("none")
     constraint = eng.grammars.constraint(Grammar.lark(COMPACT))
-    frame = constraint.forced()
+    frame = constraint.forced()  # '{"color": "' in tokens
     wrong = tiny_tokenizer()("}")["input_ids"][0]
-    guess = tuple(frame[:2]) + (wrong, frame[2] if len(frame) > 2 else wrong)
-    assert constraint.cut(Draft(guess)).token_ids == guess[:2]
+    guess = (frame[0], frame[1], wrong, frame[2])
+    assert constraint.shape(Draft(guess), room=2).token_ids == guess[:2]  # no room for more
+    shaped = constraint.shape(Draft(guess), room=16)  # greedy: the forbidden guess goes, the frame's rest comes
+    assert shaped.token_ids == tuple(frame) and shaped.forced == len(frame) - 2
+    # Sampled, with the draft's own q: the forbidden guess stays (the residual needs it), nothing after it.
     q = torch.full((len(guess), eng.grammars.vocab), 1.0 / eng.grammars.vocab)
-    assert constraint.cut(Draft(guess, q=q)).token_ids == guess[:3]
+    sampled = constraint.shape(Draft(guess, q=q), room=16)
+    assert sampled.token_ids == guess[:3] and sampled.forced == 0
+    # Allowed throughout: the forced text after it, with one-hot q rows for the verifier.
+    whole = constraint.shape(Draft(guess[:2], q=q[:2]), room=16)
+    assert whole.token_ids == tuple(frame) and torch.equal(whole.q[2:].argmax(-1), torch.tensor(frame[2:]))
+    off = eng.grammars.constraint(Grammar.lark(COMPACT).with_jump_forward(False))
+    assert off.shape(Draft(guess), room=16).token_ids == guess[:2]
 
 
 def test_a_grammar_that_cannot_compile_is_refused_before_work():
