@@ -47,7 +47,7 @@ def timed_runs(monkeypatch):
     calls, real_run = [], Runners.run
     state = {"fail_after": None}
 
-    def run(self, method, prompt_ids, max_new_tokens):
+    def run(self, method, prompt_ids, max_new_tokens, schema=None):
         if max_new_tokens == N:  # not the warm-up
             if state["fail_after"] is not None and len(calls) == state["fail_after"]:
                 raise Interrupted

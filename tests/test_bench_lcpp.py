@@ -107,6 +107,13 @@ def test_request_sends_token_ids_greedy_with_eos_ignored():
     assert body["return_tokens"] is True and body["cache_prompt"] is False and body["stream"] is False
 
 
+def test_a_schema_goes_to_llama_cpps_own_grammar_and_ends_at_eos():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = completion_request([1, 2, 3], 16, schema)
+    assert body["json_schema"] == schema and body["ignore_eos"] is False and body["n_predict"] == 16
+    assert "json_schema" not in completion_request([1, 2, 3], 16)
+
+
 def test_timings_parsed_with_and_without_drafts():
     plain = parse_completion({"tokens": [5, 6, 7], "timings": {"predicted_n": 3, "predicted_ms": 40.0,
                                                                 "predicted_per_second": 50.0, "prompt_ms": 9.0}})

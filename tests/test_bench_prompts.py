@@ -178,3 +178,13 @@ def test_select_counts_must_be_positive(kwargs):
 def test_select_no_categories_given():
     with pytest.raises(DraftwiseError, match="no categories given; use 'all' or some of: a"):
         select_prompts(_prompts({"a": 1}), " , ")
+
+
+def test_a_prompt_may_carry_a_json_schema(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    line = json.dumps({"question_id": 1, "category": "json", "turns": ["give a"], "schema": schema})
+    assert load_prompts(_write(tmp_path, [line, _row(2, "json", "plain")])) == [
+        BenchPrompt(1, "json", "give a", schema), BenchPrompt(2, "json", "plain")]
+    bad = json.dumps({"question_id": 1, "category": "json", "turns": ["x"], "schema": "not an object"})
+    with pytest.raises(DraftwiseError, match=r"p.jsonl:1: schema must be a JSON schema object"):
+        load_prompts(_write(tmp_path, [bad]))

@@ -15,6 +15,7 @@ from draftwise import cli
 from draftwise.bench import command
 from draftwise.bench import runners as runner_module
 from draftwise.bench.run import DEFAULT_METHODS, BenchConfig, run_bench
+from draftwise.errors import DraftwiseError
 from draftwise.bench.runners import Runners, StepMark, _peer_record
 from draftwise.bench.summary import summarize
 from draftwise.config import DTYPES
@@ -336,3 +337,21 @@ def test_the_code_is_named_by_its_commit_in_a_checkout_and_by_its_digest_elsewhe
     assert journal.code_version() == commit
     (package / "engine.py").write_text("x = 2\n")
     assert journal.code_version() == f"{commit} with local changes to draftwise/"
+
+
+def test_ours_run_a_prompt_with_a_schema_under_it_and_transformers_refuse_it():
+    target, tokenizer, draft = _models(draft_seed=1)
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    prompt = tokenizer("The quick brown fox")["input_ids"]
+    outputs = {}
+    for jump_forward in (True, False):
+        runners = Runners(target, tokenizer, draft, jump_forward=jump_forward)
+        for method in ("none", "draft"):
+            record, outputs[method, jump_forward] = runners.run(method, prompt, 60, schema)
+            assert record["new_tokens"] == len(outputs[method, jump_forward])
+    assert len(set(map(tuple, outputs.values()))) == 1  # the target alone under the schema, whichever ran
+    text = tokenizer.decode(outputs["none", True], skip_special_tokens=True)
+    assert json.loads(text)["n"] in (1, 2, 3)  # ended at the schema's end, not at 60 tokens
+    with pytest.raises(DraftwiseError, match="hf-plain cannot run a prompt with a schema"):
+        runners.run("hf-plain", prompt, 8, schema)

@@ -71,7 +71,11 @@ def add_bench(commands, formatter) -> None:
                       help="first N prompts of each category (default: %(default)s)")
     work.add_argument("--limit", type=int, metavar="N", help="at most N prompts in all, spread over categories")
     work.add_argument("--prompts", metavar="FILE",
-                      help="a JSONL file of {question_id, category, turns} instead of the built-in set")
+                      help="a JSONL file of {question_id, category, turns[, schema]} instead of the built-in set; "
+                           "a prompt with a JSON schema runs under it (structured output: the output ends at EOS)")
+    work.add_argument("--no-jump-forward", action="store_true",
+                      help="under a prompt's \"schema\", ours draft only their proposers' guesses, not the tokens "
+                           "the schema forces")
     options.add_max_new_tokens(work, role="tokens every method generates per prompt")
     work.add_argument("--repeats", type=int, default=3, metavar="N",
                       help="timed runs per prompt and method; the median counts (default: %(default)s)")
@@ -104,7 +108,7 @@ def configs_from_args(args: argparse.Namespace) -> list:
         lookup_ngram=args.lookup_ngram, fixed_k=args.fixed_k,
         out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
         resume=args.resume, device=args.device, target_gguf=args.target_gguf, draft_gguf=args.draft_gguf,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, jump_forward=not args.no_jump_forward,
     )
     return per_dtype(cfg, split_list(args.dtype))
 

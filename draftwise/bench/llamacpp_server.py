@@ -126,14 +126,18 @@ class Completion:
     draft_accepted: int | None
 
 
-def completion_request(prompt_ids: list[int], n_predict: int) -> dict:
+def completion_request(prompt_ids: list[int], n_predict: int, schema: dict | None = None) -> dict:
     """The /completion body: the prompt as token ids (so llama.cpp scores exactly what draftwise encoded, chat
-    template and all), greedy, EOS ignored, exactly n_predict tokens, their ids returned."""
-    return {
-        "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": True,
+    template and all), greedy, EOS ignored, exactly n_predict tokens, their ids returned. Under a JSON schema
+    (llama.cpp's own grammar support), the output ends where the schema's JSON does (EOS), at most n_predict."""
+    body = {
+        "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": schema is None,
         "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],  # argmax, no other sampler in the chain
         "cache_prompt": False, "return_tokens": True, "stream": False,
     }
+    if schema is not None:
+        body["json_schema"] = schema
+    return body
 
 
 def parse_completion(body: dict) -> Completion:
@@ -216,9 +220,9 @@ class LlamaServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def complete(self, prompt_ids: list[int], n_predict: int) -> Completion:
-        """One greedy generation of n_predict tokens after prompt_ids."""
-        body = self._request("/completion", completion_request(prompt_ids, n_predict))
+    def complete(self, prompt_ids: list[int], n_predict: int, schema: dict | None = None) -> Completion:
+        """One greedy generation of n_predict tokens after prompt_ids (under a JSON schema: to its end)."""
+        body = self._request("/completion", completion_request(prompt_ids, n_predict, schema))
         return parse_completion(body)
 
     def props(self) -> dict:

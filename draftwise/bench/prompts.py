@@ -14,6 +14,7 @@ from draftwise.files import read_prompt_file
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
 REQUIRED_KEYS = ("question_id", "category", "turns")
 LINE_FORMAT = '{"question_id": 1, "category": "qa", "turns": ["first user turn", ...]}'
+# An optional "schema" (a JSON schema object): the prompt's output must be JSON valid under it (structured output).
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class BenchPrompt:
     question_id: int | str
     category: str
     text: str
+    schema: dict | None = None  # the JSON schema its output must match (every method runs under that grammar)
 
 
 def default_prompts() -> list[BenchPrompt]:
@@ -30,7 +32,7 @@ def default_prompts() -> list[BenchPrompt]:
     data = files("draftwise.bench") / "data"
     spec_bench = _parse_jsonl(data.joinpath("spec_bench.jsonl").read_text(encoding="utf-8"), "spec_bench.jsonl")
     code = _parse_jsonl(data.joinpath("code.jsonl").read_text(encoding="utf-8"), "code.jsonl")
-    merged = [BenchPrompt(p.question_id, _spec_bench_category(p.category), p.text) for p in spec_bench]
+    merged = [BenchPrompt(p.question_id, _spec_bench_category(p.category), p.text, p.schema) for p in spec_bench]
     return merged + code
 
 
@@ -99,7 +101,10 @@ def _parse_line(line: str, where: str) -> BenchPrompt:
         raise DraftwiseError(f"{where}: category must be a non-empty string, got {category!r}")
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         raise DraftwiseError(f"{where}: turns must be a non-empty list of strings, got {_short(turns)}")
-    return BenchPrompt(question_id=qid, category=category, text=turns[0])
+    schema = row.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise DraftwiseError(f"{where}: schema must be a JSON schema object, got {_short(schema)}")
+    return BenchPrompt(question_id=qid, category=category, text=turns[0], schema=schema)
 
 
 def _parse_categories(categories: str | list[str], available: list[str]) -> list[str]:

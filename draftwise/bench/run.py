@@ -67,6 +67,7 @@ class BenchConfig:
     target_gguf: str | None = None  # the GGUF files llama.cpp runs (lcpp-*); None: the target's and draft's own
     draft_gguf: str | None = None
     batch_invariant: bool | None = None  # ours on batch-invariant kernels; None: the default (loading.resolve_invariance)
+    jump_forward: bool = True  # under a prompt's schema, ours draft the tokens it forces (grammar.py)
 
     @property
     def head_folder(self) -> str:
@@ -159,7 +160,8 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
                       lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp,
-                      quantized=cfg.dtype == GGUF_PASS, batch_invariant=cfg.batch_invariant)
+                      quantized=cfg.dtype == GGUF_PASS, batch_invariant=cfg.batch_invariant,
+                      jump_forward=cfg.jump_forward)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     try:  # llama.cpp's servers are processes of their own: stopped whatever happens
@@ -238,7 +240,7 @@ def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt
         order = methods[shift:] + methods[:shift]
         for method in reversed(order) if repeat % 2 else order:
             bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
-            record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens)
+            record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens, prompt.schema)
             runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
                          "question_id": prompt.question_id, "repeat": repeat,
                          "prompt_tokens": len(prompt_ids), **record, "token_ids": token_ids})

@@ -25,6 +25,7 @@ from draftwise.bench.llamacpp_server import LLAMA_CPP_PYTHON_VERSION, LlamaServe
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
+from draftwise.grammar import Grammar
 from draftwise.loading import QUANT_ASSEMBLY, on_target_kernels
 from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
 
@@ -64,16 +65,18 @@ class Runners:
 
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
-                 lcpp: LlamaCppPeers | None = None, quantized: bool = False, batch_invariant: bool | None = None):
+                 lcpp: LlamaCppPeers | None = None, quantized: bool = False, batch_invariant: bool | None = None,
+                 jump_forward: bool = True):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
         n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
         lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close()). quantized: the models' linears are
         on their GGUF blocks (the quant backend): no kernels to time, no compact draft. batch_invariant: ours on
-        batch-invariant kernels (None: the default, loading.resolve_invariance)."""
+        batch-invariant kernels (None: the default, loading.resolve_invariance). jump_forward: under a prompt's
+        schema, ours draft the tokens it forces."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         self.num_draft_tokens = num_draft_tokens
-        self.lookup_ngram, self.adaptive = lookup_ngram, adaptive
+        self.lookup_ngram, self.adaptive, self.jump_forward = lookup_ngram, adaptive, jump_forward
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
         self.quantized = quantized
         self.fast_target, self.batch_invariant, _ = on_target_kernels(target_model, batch_invariant, None, None)
@@ -123,19 +126,27 @@ class Runners:
                                                        batch_invariant=self.batch_invariant, **head, **quant)
         return self._engines[method]
 
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int,
+            schema: dict | None = None) -> tuple[dict, list[int]]:
+        """One greedy generation: max_new_tokens exactly (EOS ignored), or, under a JSON schema, to its end (EOS)
+        or max_new_tokens."""
         if method in OURS:
-            return self._run_ours(method, prompt_ids, max_new_tokens)
+            return self._run_ours(method, prompt_ids, max_new_tokens, schema)
         if method in LCPP_PEERS:
             if self.lcpp is None:
                 raise DraftwiseError(f"{method} needs llama.cpp's GGUF files (Runners made without lcpp)")
-            return self.lcpp.run(method, prompt_ids, max_new_tokens)
+            return self.lcpp.run(method, prompt_ids, max_new_tokens, schema)
+        if schema is not None:
+            raise DraftwiseError(f"{method} cannot run a prompt with a schema: transformers' generate has no "
+                                 "grammar; leave the hf-* methods out of a structured bench")
         return self._run_peer(method, prompt_ids, max_new_tokens)
 
-    def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
+    def _run_ours(self, method: str, prompt_ids: list[int], max_new_tokens: int,
+                  schema: dict | None) -> tuple[dict, list[int]]:
+        grammar = None if schema is None else Grammar.json_schema(schema, jump_forward=self.jump_forward)
         result = self.engine(method).generate(
-            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens, ignore_eos=True,
-            method=method, adaptive=self.adaptive,
+            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens,
+            ignore_eos=grammar is None, method=method, adaptive=self.adaptive, grammar=grammar,
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
         record = {name: getattr(result.stats, name) for name in fields}
@@ -197,8 +208,9 @@ class LlamaCppPeers:
             self._engines[method] = _lcpp_engine(server)
         return self._servers[method]
 
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[dict, list[int]]:
-        completion = self.server(method).complete(prompt_ids, max_new_tokens)
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int,
+            schema: dict | None = None) -> tuple[dict, list[int]]:
+        completion = self.server(method).complete(prompt_ids, max_new_tokens, schema)
         return _lcpp_record(method, completion), completion.token_ids[:max_new_tokens]
 
     def engine(self, method: str) -> str:
