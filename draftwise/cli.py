@@ -122,6 +122,12 @@ def _add_generate(commands) -> None:
                      help="end the text before this string; repeat for several (default: none)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="keep generating past end-of-sequence tokens, up to --max-new-tokens")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="the text must be JSON valid under this JSON schema (a file); speculation stays exact "
+                            "under it and drafts the tokens the schema forces for free")
+    shape.add_argument("--lark", metavar="FILE",
+                       help="the text must match this Lark grammar (llguidance's dialect; a file)")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
@@ -201,7 +207,27 @@ def _generation_options(args: argparse.Namespace) -> dict:
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
         adaptive=not args.fixed_k,
+        grammar=_grammar(args),
     )
+
+
+def _grammar(args: argparse.Namespace):
+    """--json-schema or --lark as a Grammar (None: any text); a file that is not one is an error that says so."""
+    from draftwise.grammar import Grammar
+
+    if args.json_schema:
+        text = read_prompt_file(Path(args.json_schema), "--json-schema file")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DraftwiseError(f"--json-schema {args.json_schema}: not JSON ({err.msg} at line {err.lineno})") from None
+        if not isinstance(schema, dict):
+            raise DraftwiseError(f"--json-schema {args.json_schema}: a JSON schema is an object, got "
+                                 f"{type(schema).__name__}")
+        return Grammar.json_schema(schema)
+    if args.lark:
+        return Grammar.lark(read_prompt_file(Path(args.lark), "--lark file"))
+    return None
 
 
 def _check_early(generation: dict) -> None:

@@ -9,18 +9,18 @@ from pathlib import Path
 from draftwise.errors import DraftwiseError
 
 
-def read_prompt_file(path: Path) -> str:
-    """The file's text, or a DraftwiseError that says why it cannot be read."""
+def read_prompt_file(path: Path, what: str = "prompt file") -> str:
+    """The file's text, or a DraftwiseError that says why it cannot be read (what: the file's role, for that)."""
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise DraftwiseError(f"prompt file not found: {path}") from None
+        raise DraftwiseError(f"{what} not found: {path}") from None
     except IsADirectoryError:
-        raise DraftwiseError(f"prompt file is a directory: {path}") from None
+        raise DraftwiseError(f"{what} is a directory: {path}") from None
     except UnicodeDecodeError as err:
-        raise DraftwiseError(f"prompt file is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
+        raise DraftwiseError(f"{what} is not UTF-8 text: {path} ({err.reason} at byte {err.start})") from None
     except OSError as err:
-        raise DraftwiseError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+        raise DraftwiseError(f"cannot read {what} {path}: {err.strerror or err}") from None
 
 
 def read_stdin_prompt(stdin) -> str:

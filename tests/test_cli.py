@@ -550,3 +550,32 @@ def test_the_loading_line_names_the_dtype_auto_takes_on_the_device_asked_for(cap
     monkeypatch.setattr("draftwise.hardware.resolve_dtype", lambda name, device="cpu": f"native on {device}")
     code, _, err = run(capsys, *gen("--device", "cuda:1"))
     assert code == 0 and "(auto: native on cuda:1)" in err
+
+
+# ---- generate: structured output ------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}
+
+
+def test_generate_under_a_json_schema_gives_json_valid_under_it(capsys, loads, tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    got = run_json(capsys, "--draft", "other", "--json-schema", str(path), "--max-new-tokens", "60")
+    assert got["finish_reason"] == "eos" and json.loads(got["text"])["n"] in (1, 2, 3)
+    plain = run_json(capsys, "--draft", "other", "--method", "none", "--json-schema", str(path),
+                     "--max-new-tokens", "60")
+    assert plain["token_ids"] == got["token_ids"]  # the target alone under the schema, token for token
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "yes" | "no"')
+    assert run_json(capsys, "--lark", str(lark))["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "--json-schema .*: not JSON"), ("[1, 2]", "a JSON schema is an object, got list"),
+    ('{"type": "frobnicate"}', "frobnicate")])
+def test_a_bad_schema_file_is_an_error_that_says_why(capsys, loads, tmp_path, content, message):
+    path = tmp_path / "schema.json"
+    path.write_text(content)
+    code, out, err = run(capsys, *gen("--json-schema", str(path)))
+    assert code != 0 and out == "" and re.search(message, err)
+    code, _, err = run(capsys, *gen("--json-schema", str(tmp_path / "missing.json")))
+    assert code != 0 and "--json-schema file not found" in err
