@@ -445,7 +445,10 @@ class Engine:
                 drafts[i] = drafts[i].prefix(self.max_context - len(seq.context))
                 if seq.constraint is not None and seq.proposer is not None:  # (`none` steps alone)
                     room = min(seq.remaining - 1, self.max_context - len(seq.context))
-                    drafts[i] = seq.constraint.shape(drafts[i], room)
+                    try:
+                        drafts[i] = seq.constraint.shape(drafts[i], room)
+                    except DraftwiseError as err:  # (a grammar that cannot go on ends its own sequence)
+                        drafts[i] = err
         return drafts
 
     def _observe_costs(self, seqs: list[Sequence], drafts: list, ks: list[int], live: list[int],

@@ -34,6 +34,7 @@ JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object mode: any JSON o
 # Between JSON tokens: nothing, one space, or a newline and up to 20 columns of indentation (llama.cpp's JSON schema
 # grammars allow the same). Free whitespace would let a model write newlines until its token limit, and never close.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+MAX_REMEMBERED_GRAMMARS = 256  # (the set of checked grammars starts over past this many)
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]: a mask word's bits, lowest first (llguidance's order)
 
 
@@ -89,7 +90,11 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab: int, eos: frozenset[int]):
         self._tokenizer, self.vocab, self._eos = tokenizer, vocab, sorted(eos)
+        # Added tokens (Qwen's <tool_call>, ...) but the ends of text: the ones whose mask bits are checked (Constraint).
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._added = tuple(sorted(t for t in added if t < vocab and t not in eos))
         self._ll_tokenizer = None
+        self._compiled: set[str] = set()  # grammars that compiled: check() passes them without compiling
         self._lock = threading.Lock()  # the server checks grammars on its intake thread, steps on another
 
     def _tokenizer_view(self):
@@ -105,28 +110,41 @@ class GrammarCompiler:
 
     def check(self, grammar: Grammar) -> None:
         """Raise DraftwiseError, saying why, for a grammar llguidance cannot compile (an unknown type in a schema,
-        a Lark syntax error): before any work starts."""
+        a Lark syntax error): before any work starts. A grammar that compiled once is not compiled again to be
+        checked (the server checks a request's on its intake thread, then again as it joins the batch)."""
+        if grammar.source in self._compiled:
+            return
         self.constraint(grammar)
+        with self._lock:
+            if len(self._compiled) >= MAX_REMEMBERED_GRAMMARS:
+                self._compiled.clear()
+            self._compiled.add(grammar.source)
 
     def constraint(self, grammar: Grammar) -> "Constraint":
         llg = _llguidance()
         matcher = llg.LLMatcher(self._tokenizer_view(), grammar.source, log_level=0)
         if matcher.is_error():
             raise DraftwiseError(f"the {grammar.kind.replace('_', ' ')} cannot be used: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab, frozenset(self._eos), grammar.jump_forward)
+        return Constraint(matcher, self.vocab, frozenset(self._eos), grammar.jump_forward, self._added)
 
 
 class Constraint:
     """One sequence's place in its grammar: what it may emit next, which the engine masks the target's logits
     with, cuts drafts by and advances by the tokens it emits."""
 
-    def __init__(self, matcher, vocab: int, eos: frozenset[int], jump_forward: bool):
+    def __init__(self, matcher, vocab: int, eos: frozenset[int], jump_forward: bool, added: tuple[int, ...] = ()):
         self._matcher, self.vocab, self._eos, self.jump_forward = matcher, vocab, eos, jump_forward
         self._words = (vocab + 31) // 32
+        self._added = added
 
     def forced(self) -> list[int]:
-        """The tokens the grammar allows alone from here, in order (empty where it leaves a choice)."""
-        return list(self._matcher.compute_ff_tokens()) if self.jump_forward else []
+        """The tokens the grammar allows alone from here, in order (empty where it leaves a choice). llguidance may
+        spell forced text with an added token its own mask refuses (Qwen's `<tool_call>` for the text
+        "<tool_call>"): the run ends before such a token, which the target could never emit there."""
+        if not self.jump_forward:
+            return []
+        tokens = list(self._matcher.compute_ff_tokens())
+        return tokens[: self.allowed_prefix(tokens)]
 
     def allowed_prefix(self, token_ids) -> int:
         """How many of token_ids, from the first, the grammar allows in turn from here: by its masks, which are
@@ -181,7 +199,7 @@ class Constraint:
         many were. The matcher ends where it began."""
         taken = allowed = 0
         for i in range(len(token_ids) + 1):
-            _fill(self._matcher, words, i)
+            self._fill(words, i)
             if i == len(token_ids) or not _allows(words[i], token_ids[i]):
                 break
             taken += self._step(token_ids[i])
@@ -193,7 +211,7 @@ class Constraint:
         children = draft.layout.children
 
         def visit(at: int) -> None:  # the matcher stands at pass position `at`
-            _fill(self._matcher, words, at)
+            self._fill(words, at)
             for child in children[at]:
                 token = draft.token_ids[child - 1]
                 if _allows(words[at], token):
@@ -202,6 +220,22 @@ class Constraint:
                     self._matcher.rollback(taken)
 
         visit(0)
+
+    def _fill(self, words: torch.Tensor, row: int) -> None:
+        """The mask of allowed next tokens into words[row] ([words] int32, one bit per token id). llguidance's mask
+        may allow an added token that is spelled as text the grammar wants (Qwen's `<tool_call>` where the
+        grammar says "<tool_call>") though its matcher then refuses it: such bits are cleared, so that the target
+        never emits a token the grammar cannot take (where no other is left, the text cannot go on: an error)."""
+        target = words[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        refused = [token for token in self._added
+                   if _allows(target, token) and not self._matcher.validate_tokens([token])]
+        for token in refused:
+            target[token // 32] &= _without_bit(token % 32)
+        if refused and not target.any():
+            raise DraftwiseError(f"the grammar allows no token here: llguidance spells its text with token "
+                                 f"{refused[0]}, then refuses that token; where a grammar means an added token "
+                                 f"(Qwen's <tool_call>), name it by id, <[{refused[0]}]>")
 
     def advance(self, token_ids: list[int]) -> None:
         """The sequence emitted these tokens (each allowed: they came from masked logits)."""
@@ -228,7 +262,6 @@ def _allows(row: torch.Tensor, token: int) -> bool:
     return token < 32 * len(row) and bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
-def _fill(matcher, words: torch.Tensor, row: int) -> None:
-    """The matcher's mask of allowed next tokens into words[row] ([words] int32, one bit per token id)."""
-    target = words[row]
-    matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+def _without_bit(bit: int) -> int:
+    """An int32 word of every bit but `bit` (as a signed value, which torch's int32 takes)."""
+    return (~(1 << bit) + 2**31) % 2**32 - 2**31

@@ -9,12 +9,14 @@ import json
 import jsonschema
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from conftest import input_batch, near_model, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.errors import DraftwiseError
-from draftwise.grammar import Grammar
+from draftwise.grammar import Grammar, GrammarCompiler
+from draftwise.models import model_path
 from draftwise.sampling import logits_to_probs
 from draftwise.types import Draft
 from stats_helpers import fit_pvalue
@@ -256,3 +258,18 @@ def test_sampled_pairs_follow_the_masked_distribution(method):
         pairs.append(tuple(out.token_ids[:2]))
     assert fit_pvalue(pairs, masked_pairs(cfg)) > 1e-3
     assert fit_pvalue(pairs, masked_pairs(cfg, masked=False)) < 1e-6  # control: the unmasked p is not what ran
+
+
+@pytest.mark.real_model
+def test_an_added_token_the_grammar_refuses_is_never_emitted():
+    """llguidance's mask allows Qwen's `<tool_call>` token where the grammar wants the text "<tool_call>", and its
+    forced tokens name it, but its matcher refuses it: emitted, it would break the matcher. The mask leaves it out,
+    and where nothing else is left, the text cannot go on: a clear error, not a token drawn from no choices."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path("qwen2.5-coder-0.5b-instruct"))
+    compiler = GrammarCompiler(tokenizer, 151936, frozenset([151645]))
+    at_tag = compiler.constraint(Grammar.lark('start: "<tool_call>" /[a-z]+/'))  # only that token spells it
+    assert 151657 in at_tag._matcher.compute_ff_tokens()  # what llguidance itself forces there
+    with pytest.raises(DraftwiseError, match=r"name it by id, <\[151657\]>"):
+        at_tag.mask(torch.zeros(1, 151936), Draft(()))
+    named = compiler.constraint(Grammar.lark('start: <[151657]> /[a-z]+/'))  # the token itself, by id: allowed
+    assert named.mask(torch.zeros(1, 151936), Draft(()))[0, 151657] == 0
