@@ -44,14 +44,17 @@ def check_roles(tokenizer, messages: list[dict]) -> None:
                                  f"of: {', '.join(allowed)}")
 
 
-def encode_chat(tokenizer, messages: list[dict], trust_special_tokens: bool = False) -> list[int]:
-    """Chat messages -> ids of the template's text with a generation prompt; see the module's docstring."""
+def encode_chat(tokenizer, messages: list[dict], trust_special_tokens: bool = False,
+                tools: list[dict] | None = None) -> list[int]:
+    """Chat messages -> ids of the template's text with a generation prompt; see the module's docstring.
+    tools: function definitions for a template that renders them (`tools=` of apply_chat_template); their text is
+    sanitized as the messages' is."""
     if trust_special_tokens:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     check_roles(tokenizer, messages)
     try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
                                             sanitize_control_tokens=True, return_dict=False)
     except ValueError as err:  # e.g. a control token the tokenizer also makes from its plain text: it cannot be text
         raise DraftwiseError(f"the chat messages cannot be encoded with their control-token text kept as text: {err}"

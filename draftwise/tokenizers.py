@@ -61,16 +61,17 @@ def check_draft_reads_every_token(tokenizer, target_rows: int, draft_rows: int) 
 
 
 def encode_prompt(tokenizer, prompt: str | list[int] | list[dict], chat: bool,
-                  trust_special_tokens: bool = False) -> list[int]:
+                  trust_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """Text, token ids, or chat messages -> token ids. chat=True wraps a string as one user turn.
-    Control tokens spelled in the text stay text unless trust_special_tokens (request_text.py)."""
+    Control tokens spelled in the text stay text unless trust_special_tokens (request_text.py).
+    tools: function definitions for a chat template that renders them."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     elif chat or isinstance(prompt, list):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not getattr(tokenizer, "chat_template", None):
             raise DraftwiseError("this model's tokenizer has no chat template; drop --chat and give plain text")
-        ids = encode_chat(tokenizer, messages, trust_special_tokens)
+        ids = encode_chat(tokenizer, messages, trust_special_tokens, tools)
     else:
         ids = encode_text(tokenizer, prompt, trust_special_tokens)
     if not ids:

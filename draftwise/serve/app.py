@@ -26,6 +26,7 @@ from draftwise.serve.intake import Intake
 from draftwise.serve.metrics import ServeMetrics
 from draftwise.serve.protocol import RequestError
 from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
+from draftwise.serve.tools import CallReader, split_calls
 from draftwise.types import Event
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "content_filter": "content_filter"}
@@ -102,7 +103,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
                 return Response(status_code=499)
             body, parsed = await intake.parse(raw, chat)  # JSON, checks, template, tokenizer: off the event loop
             relay = _Relay(asyncio.get_running_loop())
-            reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics, parsed.arm)
+            reply = _Reply(chat, model_id, len(parsed.prompt_ids), arrived, metrics, parsed.arm, parsed.tool_calls)
             ticket = scheduler.submit(parsed.prompt_ids, parsed.cfg, relay.sink, request_id=reply.id, request=body,
                                       arm=parsed.arm)
         except RequestError as err:
@@ -149,8 +150,8 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
                 yield _sse(reply.chunk({"role": "assistant", "content": ""}, None))
             while (event := await relay.next(request)) is not None and event.finish_reason is None:
                 reply.token(event)
-                if event.text:
-                    yield _sse(reply.chunk(event.text, None))
+                for chunk in reply.deltas(event.text):
+                    yield _sse(chunk)
             if event is None:
                 return
             reply.finish(event)
@@ -158,10 +159,10 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             if failure:  # the status line is long gone: say it in the stream, as OpenAI does
                 yield _sse(failure.body())
             else:
-                if event.text:  # a guard releases its held-back text with the end
-                    yield _sse(reply.chunk(event.text, None))
+                for chunk in reply.deltas(event.text, last=True):  # a guard releases its held-back text with the end
+                    yield _sse(chunk)
                 # The request's stats ride on its last chunk, as on a whole reply: a client need not ask for usage.
-                yield _sse({**reply.chunk("" if not reply.chat else {}, FINISH_REASONS.get(event.finish_reason)),
+                yield _sse({**reply.chunk("" if not reply.chat else {}, reply.finish_reason(event)),
                             "draftwise": _stats(event, reply.arm)})
                 if include_usage:
                     yield _sse(reply.usage_chunk(event))
@@ -250,11 +251,14 @@ class _Relay:
 
 
 class _Reply:
-    """One response's shapes (completion or chat) and its timing metrics, labelled with its A/B arm."""
+    """One response's shapes (completion or chat) and its timing metrics, labelled with its A/B arm.
+    tool_calls: the text is read for tool calls (tools.py), which go out as the message's tool_calls."""
 
     def __init__(self, chat: bool, model_id: str, prompt_tokens: int, arrived: float, metrics: ServeMetrics,
-                 arm: str = ""):
+                 arm: str = "", tool_calls: bool = False):
         self.chat, self.model_id, self.prompt_tokens = chat, model_id, prompt_tokens
+        self.reader = CallReader() if tool_calls else None
+        self.calls = 0  # tool calls streamed so far
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.arrived, self.metrics, self.arm = arrived, metrics, arm
@@ -294,6 +298,29 @@ class _Reply:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id, "choices": [choice]}
 
+    def deltas(self, text: str, last: bool = False) -> list[dict]:
+        """The chunks that stream new text: as it comes, or (reading tool calls) its content and each call once
+        its block has closed, whole, as one delta (OpenAI's clients gather a call's pieces by index)."""
+        if self.reader is None:
+            return [self.chunk(text, None)] if text else []
+        items = self.reader.add(text) + (self.reader.finish() if last else [])
+        chunks = []
+        for kind, value in items:
+            if kind == "call":
+                value, self.calls = {"index": self.calls, **value}, self.calls + 1
+                chunks.append(self.chunk({"tool_calls": [value]}, None))
+            else:
+                chunks.append(self.chunk(value, None))
+        return chunks
+
+    def finish_reason(self, event: Event, calls: int | None = None) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" for a reply that called and ended by itself (one cut by max_tokens
+        says "length", as the text may hold a call it never closed)."""
+        called = self.calls if calls is None else calls
+        if called and event.finish_reason in ("eos", "stop"):
+            return "tool_calls"
+        return FINISH_REASONS.get(event.finish_reason)
+
     def usage_chunk(self, event: Event) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id, "choices": [],
@@ -302,8 +329,13 @@ class _Reply:
     def whole(self, text: str, event: Event) -> dict:
         finish = FINISH_REASONS.get(event.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.reader is not None:
+                message["content"], calls = split_calls(text)
+                if calls:
+                    message["tool_calls"] = calls
+                finish = self.finish_reason(event, len(calls))
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",

@@ -9,6 +9,9 @@ from jinja2 import TemplateError
 
 from draftwise.config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SEED_RANGE, GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.serve.request_error import RequestError
+from draftwise.serve.structured import output_grammar, read_response_format
+from draftwise.serve.tools import CLOSE, OPEN, ToolRequest, prompt_messages, read_history_calls, read_tool_request
 from draftwise.tokenizers import encode_prompt
 
 MAX_STOPS = 4  # as OpenAI's API
@@ -23,28 +26,9 @@ MAX_MESSAGES = 2048  # as OpenAI's API: counted before any message is read, so a
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
-    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "functions": (None, []),
 }
-
-
-class RequestError(DraftwiseError):
-    """A request the server refuses: an OpenAI-style error body with this status. reason labels the
-    draftwise_rejected_requests_total counter (invalid_json, invalid_parameter, unknown_model, context_length...)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None, reason: str = "invalid_parameter"):
-        super().__init__(message)
-        self.param, self.status, self.kind, self.code, self.reason = param, status, kind, code, reason
-
-    def body(self) -> dict:
-        return {"error": {"message": _encodable(str(self)), "type": self.kind, "param": _encodable(self.param),
-                          "code": self.code}}
-
-
-def _encodable(text: str | None) -> str | None:
-    """text as UTF-8 can carry it: a message that quotes the request may hold a lone surrogate (JSON escapes one),
-    which no response body can encode; it is written as its escape instead."""
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+SPECULATION_FIELDS = ("method", "num_draft_tokens", "adaptive", "jump_forward")
 
 
 @dataclass(frozen=True)
@@ -54,6 +38,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     arm: str = ""  # the A/B arm that chose its speculation ("" without an experiment)
+    tool_calls: bool = False  # the reply may hold tool calls: read them out of its text (tools.py)
 
 
 def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = None, experiment=None,
@@ -72,7 +57,9 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
                            status=404, code="model_not_found", reason="unknown_model")
     _number(body, "n", 1, 1, 1, integer=True)
     _refuse_unsupported(body)
-    prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context, trust_special_tokens) if chat
+    tools = read_tool_request(body, chat)
+    response = read_response_format(body.get("response_format"))
+    prompt_ids = (_chat_ids(body, engine.tokenizer, engine.max_context, trust_special_tokens, tools) if chat
                   else _prompt_ids(body, engine.tokenizer, engine.max_context, engine.readable_ids,
                                    trust_special_tokens))
     room = engine.max_context - len(prompt_ids)
@@ -84,6 +71,7 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
     max_tokens = _number(body, limit, default_max, 1, None, integer=True)
     arm, asked = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
     spec = speculation_options(asked, engine.methods_available)
+    jump_forward = spec.pop("jump_forward", True)  # (the grammar's option, not the config's)
     options = dict(
         **(speculation or {}),
         max_new_tokens=max_tokens,
@@ -94,6 +82,8 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
         stop=_stops(body.get("stop")),
     )
     options.update(spec)
+    frame_tokens = tools is not None and _frame_tokens(engine.tokenizer)
+    options["grammar"] = output_grammar(response, tools, frame_tokens, jump_forward, engine.grammars.check)
     stream = _flag(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is None:
@@ -112,7 +102,7 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
     except DraftwiseError as err:  # the prompt alone, or the prompt with the tokens asked for
         param = ("messages" if chat else "prompt") if room < 1 else limit
         raise RequestError(str(err), param, code="context_length_exceeded", reason="context_length") from err
-    return Parsed(prompt_ids, cfg, stream, include_usage, arm)
+    return Parsed(prompt_ids, cfg, stream, include_usage, arm, tools is not None and tools.offered)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -160,45 +150,69 @@ def _encoded(encode, param: str) -> list[int]:
         raise RequestError(str(err), param) from err
 
 
-def _chat_ids(body: dict, tokenizer, max_context: int, trust_special_tokens: bool) -> list[int]:
+def _chat_ids(body: dict, tokenizer, max_context: int, trust_special_tokens: bool,
+              tools: ToolRequest | None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
     if len(messages) > MAX_MESSAGES:
         raise RequestError(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES} are allowed", "messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
-                       for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts (a string 'text') are supported",
-                                   "messages")
-            content = "".join(p.get("text", "") for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string", "messages")
-        plain.append({"role": m["role"], "content": content})
-    _check_length(sum(len(m["role"]) + len(m["content"]) for m in plain), max_context * MAX_CHARS_PER_TOKEN,
-                  "characters", "messages", max_context)
-    return _encoded(lambda: encode_prompt(tokenizer, plain, True, trust_special_tokens), "messages")
+    plain = [_message(m, i) for i, m in enumerate(messages)]
+    offered = [f.definition() for f in tools.functions] if tools is not None and tools.offered else None
+    # (the template the tokenizer renders with: some keep a second one for tools, picked when tools are given)
+    template = tokenizer.get_chat_template(tools=offered) if getattr(tokenizer, "chat_template", None) else ""
+    plain, definitions = prompt_messages(plain, offered, template)
+    size = sum(len(m["role"]) + len(m.get("content") or "") + len(json.dumps(m.get("tool_calls", ""))) for m in plain)
+    _check_length(size + len(json.dumps(definitions or "")), max_context * MAX_CHARS_PER_TOKEN, "characters",
+                  "messages", max_context)
+    return _encoded(lambda: encode_prompt(tokenizer, plain, True, trust_special_tokens, definitions), "messages")
+
+
+def _message(m, i: int) -> dict:
+    """One chat message, checked, as Hugging Face's templates read it: {role, content}, and an assistant's
+    `tool_calls` (its content may then be null) or a tool result's `tool_call_id`."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
+    content = m.get("content")
+    calls = m.get("tool_calls") if m["role"] == "assistant" else None
+    if isinstance(content, list):  # content parts: only text is understood here
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                   for p in content):
+            raise RequestError(f"messages[{i}].content: only text parts (a string 'text') are supported", "messages")
+        content = "".join(p.get("text", "") for p in content)
+    if content is None and calls:
+        content = ""  # (what a template writes for an assistant turn that only calls)
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content must be a string", "messages")
+    message = {"role": m["role"], "content": content}
+    if calls:
+        message["tool_calls"] = read_history_calls(calls, f"messages[{i}].tool_calls")
+    if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+        message["tool_call_id"] = m["tool_call_id"]
+    return message
+
+
+def _frame_tokens(tokenizer) -> bool:
+    """Whether <tool_call> and </tool_call> are tokens of their own in this tokenizer (Qwen2.5's)."""
+    added = tokenizer.get_added_vocab()
+    return OPEN in added and CLOSE in added
 
 
 def speculation_options(value, methods_available) -> dict:
-    """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive}, as
-    GenerationConfig options. Also an experiment's arms (experiment.py), checked the same way."""
+    """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive,
+    jump_forward}, as GenerationConfig options, and jump_forward (the request's grammar's: parse() takes it out).
+    Also an experiment's arms (experiment.py), checked the same way."""
     if value is None or value is True or value == "on":
         return {}
     if value is False or value == "off":
         return {"method": "none"}
     if not isinstance(value, dict):
-        raise RequestError("'speculation' must be false, \"off\", or an object {method, num_draft_tokens, adaptive}",
-                           "speculation")
-    unknown = set(value) - {"method", "num_draft_tokens", "adaptive"}
+        raise RequestError("'speculation' must be false, \"off\", or an object {method, num_draft_tokens, adaptive, "
+                           "jump_forward}", "speculation")
+    unknown = set(value) - set(SPECULATION_FIELDS)
     if unknown:
-        raise RequestError(f"unknown 'speculation' fields: {', '.join(sorted(unknown))}; allowed: method, "
-                           "num_draft_tokens, adaptive", "speculation")
+        raise RequestError(f"unknown 'speculation' fields: {', '.join(sorted(unknown))}; allowed: "
+                           f"{', '.join(SPECULATION_FIELDS)}", "speculation")
     out = {}
     if "method" in value:
         if value["method"] not in methods_available:
@@ -210,6 +224,8 @@ def speculation_options(value, methods_available) -> dict:
                                           integer=True, param="speculation.num_draft_tokens")
     if "adaptive" in value:
         out["adaptive"] = _flag(value, "adaptive", param="speculation.adaptive")
+    if "jump_forward" in value:  # a grammar's forced tokens drafted for free (grammar.py): not a config option
+        out["jump_forward"] = _flag(value, "jump_forward", param="speculation.jump_forward")
     return out
 
 
