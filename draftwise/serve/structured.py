@@ -2,14 +2,14 @@
 
 The engine masks the target's logits with the grammar at every position it verifies, so a reply that ends by
 itself (not by max_tokens) always matches: `strict` is accepted either way and always holds. Between a reply's JSON
-tokens goes the whitespace grammar.py allows (bounded); a tool call's JSON is on one line (tools.JSON_STYLE).
+tokens goes what grammar.JSON_STYLE allows: the JSON is on one line, as a tool call's is.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from draftwise.errors import DraftwiseError
-from draftwise.grammar import JSON_OBJECT_SCHEMA, JSON_WHITESPACE, Grammar
+from draftwise.grammar import JSON_OBJECT_SCHEMA, JSON_STYLE, Grammar
 from draftwise.serve.request_error import RequestError
 from draftwise.serve.tools import ToolRequest, call_grammar
 
@@ -63,7 +63,7 @@ def output_grammar(response: ResponseFormat | None, tools: ToolRequest | None, f
     if offered and (tools.forced or response is not None):
         if response is not None:  # its schema alone first: a fault in the calls' part is then the tools'
             _checked(_schema_grammar(response.schema), "response_format", check)
-        either = None if response is None else _bounded_whitespace(response.schema)
+        either = None if response is None else _one_line(response.schema)
         grammar, param = call_grammar(tools, frame_tokens, either), "tools"
     elif response is not None:
         grammar, param = _schema_grammar(response.schema, response.kind), "response_format"
@@ -72,10 +72,10 @@ def output_grammar(response: ResponseFormat | None, tools: ToolRequest | None, f
     return _checked(grammar, param, check).with_jump_forward(jump_forward)
 
 
-def _bounded_whitespace(schema: dict) -> dict:
-    """The schema with grammar.py's whitespace between its tokens, which Grammar.json_schema gives a schema alone
-    and a Lark grammar's embedded one lacks (llguidance's own default there is any whitespace)."""
-    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE, **schema.get("x-guidance", {})}}
+def _one_line(schema: dict) -> dict:
+    """The schema in grammar.JSON_STYLE, which Grammar.json_schema gives a schema alone and a Lark grammar's
+    embedded one lacks (llguidance's own default there is any whitespace)."""
+    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
 
 
 def _schema_grammar(schema: dict, kind: str = "json_schema") -> Grammar:

@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from draftwise.grammar import Grammar
+from draftwise.grammar import JSON_STYLE, Grammar
 from draftwise.request_text import known_roles
 from draftwise.serve.request_error import RequestError
 
@@ -32,10 +32,6 @@ TOOLS_PROMPT = (
     "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-# A call's JSON as Python's json.dumps writes it, on one line ({"name": "f", "arguments": {"city": "Paris"}}), which
-# is how Qwen's template writes its history's calls: every key and separator is then a forced token, drafted for
-# free, and no model can spin on whitespace between them (llguidance's own default lets any whitespace in).
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
