@@ -16,10 +16,12 @@ from draftwise import Engine
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.errors import DraftwiseError
 from draftwise.grammar import Grammar, GrammarCompiler
+from draftwise.methods import TRAINED_HEAD, methods_needing
 from draftwise.models import model_path
 from draftwise.sampling import logits_to_probs
 from draftwise.types import Draft
 from stats_helpers import fit_pvalue
+from test_sampling_e2e import trained_head
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 NEW_TOKENS = 40
@@ -32,7 +34,8 @@ COMPACT = 'start: "{\\"color\\": \\"" COLOR "\\", \\"n\\": " DIGIT "}"\nCOLOR: "
 GRAMMARS = {"schema": lambda: Grammar.json_schema(SCHEMA), "compact": lambda: Grammar.lark(COMPACT)}
 # (method, draft): a draft that is the target's twin, one near it, and the methods with no second model.
 CASES = [("none", None), ("draft", "same"), ("draft", "near"), ("draft-tree", "near"), ("lookup", None),
-         ("lookup-tree", None), ("hybrid", "near"), ("hybrid-tree", "near"), ("skip", None)]
+         ("lookup-tree", None), ("hybrid", "near"), ("hybrid-tree", "near"), ("skip", None), ("hybrid-skip", None),
+         ("head", None), ("hybrid-head", None)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,8 +46,10 @@ def model(seed=0):
 @functools.lru_cache(maxsize=None)
 def engine(method, draft=None):
     drafts = {"same": lambda: model(0), "near": lambda: near_model("qwen2"), None: lambda: None}
+    # (the sampling tests' head, trained for a sharper copy of this target: it drafts for this one all the same)
+    head = {"head": str(trained_head())} if method in methods_needing(TRAINED_HEAD) else {}
     return Engine.from_models(model(), tiny_tokenizer(), draft_model=drafts[draft](), method=method,
-                              compact_draft=False)
+                              compact_draft=False, **head)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,6 +244,8 @@ def masked_pairs(cfg: SamplingConfig, masked: bool = True) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def sharp_engine(method):
+    if method == "head":  # (trained for this very target)
+        return Engine.from_models(sharp(), tiny_tokenizer(), method=method, head=str(trained_head()))
     draft = None if method in ("none", "lookup") else near_model("qwen2", noise=0.03)
     if draft is not None:
         with torch.no_grad():
@@ -246,7 +253,7 @@ def sharp_engine(method):
     return Engine.from_models(sharp(), tiny_tokenizer(), draft_model=draft, method=method, compact_draft=False)
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "draft-tree", "lookup"])
+@pytest.mark.parametrize("method", ["none", "draft", "draft-tree", "lookup", "head"])
 def test_sampled_pairs_follow_the_masked_distribution(method):
     cfg = SamplingConfig(temperature=1.0)
     eng = sharp_engine(method)
