@@ -193,6 +193,7 @@ class Engine:
             if proposer is not None:
                 proposer.bind(target)  # (a proposer that drafts in the sequence's own target slot)
                 proposer.begin(prompt_ids, cfg.sampling, generator)
+                proposer.follow_grammar(None if constraint is None else constraint.guide())
             reused = self._restore_prompt(target, proposer, prompt_ids)
         except BaseException:  # nothing allocated here may outlive a sequence that never opened
             self._release(target, proposer)

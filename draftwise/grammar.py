@@ -9,7 +9,10 @@ names the tokens the grammar forces. Three things make speculation under a gramm
   tree's every node), the logits of tokens the grammar forbids there become -inf before the verifier reads them.
   Greedy then keeps exactly what the target alone picks under the same grammar; sampling draws from the masked,
   renormalized p, so the output follows the constrained distribution whatever the proposer guessed.
-- **A forbidden guess is cut before the target scores it** (Constraint.shape). A chain ends at its first forbidden token (greedy or
+- **A draft model drafts under the grammar** (DraftGuide, Proposer.follow_grammar): its own logits are masked at
+  each draft position, so its guesses keep to the grammar (a sampled draft's q is then the masked distribution it
+  drew from, which is what the verifier needs).
+- **A forbidden guess is cut before the target scores it** (Constraint.shape): lookup's, a tree's, a head's. A chain ends at its first forbidden token (greedy or
   a one-hot guess: that token would be rejected for certain and the residual is the masked p itself). A sampled
   draft with its own q keeps that one token, so that the verifier draws from norm(max(0, p - q)) as the proof
   needs, and loses the rest, which could not be reached. Trees are masked, not cut: a forbidden node is never kept.
@@ -239,10 +242,27 @@ class Constraint:
                                  f"{refused[0]}, then refuses that token; where a grammar means an added token "
                                  f"(Qwen's <tool_call>), name it by id, <[{refused[0]}]>")
 
+    def guide(self) -> "DraftGuide":
+        """The grammar as a proposer that picks guesses from its own logits sees it (Proposer.follow_grammar)."""
+        return DraftGuide(self)
+
+    def allowed_next(self) -> torch.Tensor:
+        """[vocab] bool: the ids the grammar allows next."""
+        words = self._rows(1)
+        self._fill(words, 0)
+        return ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(-1)[: self.vocab]
+
     def advance(self, token_ids: list[int]) -> None:
         """The sequence emitted these tokens (each allowed: they came from masked logits)."""
         for token in token_ids:
             self._step(token)
+
+    def take(self, token: int) -> int:
+        """One allowed token, for a while (a proposer's guess): how many the matcher took, for rollback()."""
+        return self._step(token)
+
+    def rollback(self, taken: int) -> None:
+        self._matcher.rollback(taken)
 
     def _step(self, token: int) -> int:
         """Consume one allowed token; returns how many the matcher took (0 for the end of text after a complete
@@ -257,6 +277,33 @@ class Constraint:
     def complete(self) -> bool:
         """The text is a whole sentence of the grammar (it may still go on where the grammar allows)."""
         return self._matcher.is_accepting()
+
+
+class DraftGuide:
+    """A sequence's grammar while its proposer drafts token by token: which ids may come at the next draft position
+    (to mask the draft's own logits, so that its guesses keep to the grammar and are not cut), and the matcher
+    moved along the guesses, then back where the text is. Guided or not, the target's verification under the mask
+    keeps the output exact: this only makes guesses worth more. A sampled draft's q is then the masked distribution,
+    which is the one its guesses are drawn from, as the verifier needs."""
+
+    def __init__(self, constraint: Constraint):
+        self._constraint, self._taken = constraint, 0
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: what may follow the text and the guesses pushed so far."""
+        return self._constraint.allowed_next()
+
+    def push(self, token: int) -> bool:
+        """The proposer guessed token; False where the grammar does not allow it (the draft should end there)."""
+        if not self._constraint.allowed_prefix([token]):
+            return False
+        self._taken += self._constraint.take(token)
+        return True
+
+    def reset(self) -> None:
+        """The round is over: the matcher back at the text (called from the proposer's settle, whatever happened)."""
+        self._constraint.rollback(self._taken)
+        self._taken = 0
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

@@ -114,9 +114,30 @@ def test_a_draft_reaches_the_target_only_as_far_as_the_grammar_allows_it(monkeyp
     eng = engine("draft", "same")
     grammar = GRAMMARS["schema"]().with_jump_forward(False)
     assert all_allowed(eng, grammar, offered_rounds(eng, grammar))
-    # The control: uncut, the twin's free-running guesses break the grammar (and are rejected by the mask).
+    # Unguided, a draft's guesses still reach the target only as far as the grammar allows them (the cut)...
+    monkeypatch.setattr("draftwise.proposers.draft_model.DraftModelProposer.follow_grammar", lambda self, g: None)
+    unguided = engine("draft", "same")
+    engine.cache_clear()
+    assert all_allowed(unguided, grammar, offered_rounds(unguided, grammar))
+    # ... and the control: uncut too, the twin's free-running guesses break the grammar (the mask rejects them).
     monkeypatch.setattr("draftwise.grammar.Constraint.shape", lambda self, draft, room: draft)
-    assert not all_allowed(eng, grammar, offered_rounds(eng, grammar))
+    assert not all_allowed(unguided, grammar, offered_rounds(unguided, grammar))
+
+
+def test_a_draft_model_guided_by_the_grammar_keeps_to_it_and_its_guesses_are_kept(monkeypatch):
+    """A twin of the target, its logits masked by the grammar as it drafts, guesses what the target keeps under the
+    grammar: every guess kept, but for those after the end of text. Unguided, the same twin loses guesses to the
+    grammar (cut before the pass)."""
+    grammar = GRAMMARS["schema"]().with_jump_forward(False)
+    options = dict(max_new_tokens=NEW_TOKENS, grammar=grammar, adaptive=False, num_draft_tokens=4)
+    guided = engine("draft", "same").generate(PROMPT, **options)
+    assert guided.token_ids == reference("schema") and guided.stats.acceptance_rate > 0.9
+    monkeypatch.setattr("draftwise.proposers.draft_model.DraftModelProposer.follow_grammar", lambda self, g: None)
+    engine.cache_clear()
+    unguided = engine("draft", "same").generate(PROMPT, **options)
+    engine.cache_clear()
+    assert unguided.token_ids == reference("schema")
+    assert unguided.stats.accepted < guided.stats.accepted / 2  # (its cut guesses never reach the pass)
 
 
 @pytest.mark.parametrize("method,draft", [("draft", "near"), ("hybrid-tree", "near"), ("lookup", None)])

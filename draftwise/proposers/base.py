@@ -10,8 +10,9 @@ those declarations, never on which attributes an object happens to have.
 
 A sequence's life, as the engine drives it (engine.py):
 
-    open     bind(target slot), begin(prompt, sampling, generator), restore(prompt prefix) where the prompt cache
-             had it (keeps_cache), price_with(costs, follow), start_acceptances(rates) (keeps_estimates)
+    open     bind(target slot), begin(prompt, sampling, generator), follow_grammar(guide or None), restore(prompt
+             prefix) where the prompt cache had it (keeps_cache), price_with(costs, follow), start_acceptances(rates)
+             (keeps_estimates)
     prefill  add_features(...) of the prompt (reads_target_features); extend(...) while behind(text) (keeps_cache)
     a round  free_round(...) where it guesses free and the engine's k leaves it the round, allow_free_depth(d);
              then propose(...) or, sharing draft forwards with other sequences, start / pending / pending_layout /
@@ -37,6 +38,7 @@ from draftwise.types import Draft
 if TYPE_CHECKING:  # (annotations only: the estimates and backends need nothing of this module)
     from draftwise.backends.prefix_cache import PrefixCache
     from draftwise.estimates import Acceptance, StepCosts
+    from draftwise.grammar import DraftGuide
     from draftwise.proposers.proposal_cache import ProposalCache
     from draftwise.proposers.tree_growth import TreeSizing
     from draftwise.types import TreeLayout
@@ -109,6 +111,11 @@ class Proposer(ABC):
     def bind(self, target_slot) -> None:
         """The sequence's own slot of the target's cache, before begin(): a draft that drafts in it (layer
         skipping) binds to it."""
+
+    def follow_grammar(self, guide: DraftGuide | None) -> None:
+        """At open, after begin(): the sequence's grammar (grammar.py), None without one. A proposer that picks its
+        guesses from its own logits may mask them with it so that they keep to the grammar; the engine cuts a guess
+        that does not, and verifies under the grammar either way, so ignoring it costs only speed."""
 
     def price_with(self, costs: StepCosts, follow: bool) -> None:
         """At open: the engine's step costs (measured as it runs, shared by every sequence), which price this

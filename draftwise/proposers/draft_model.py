@@ -34,6 +34,10 @@ class DraftModelProposer(Proposer):
         self._left, self._stop_confidence = 0, 0.0
         self._tokens: list[int] = []
         self._qs: list[torch.Tensor] = []
+        self._guide = None  # the sequence's grammar (follow_grammar), None without one
+
+    def follow_grammar(self, guide) -> None:
+        self._guide = guide
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         """Start a sequence with an empty cache: extend() prefills it (in chunks, if the caller wants), and
@@ -84,7 +88,11 @@ class DraftModelProposer(Proposer):
         """logits: [draft_vocab], the draft's row after the pending tokens (which the backend has cached)."""
         self._cached += self._feed
         self._feed = None
+        if self._guide is not None:
+            logits = self._within_grammar(logits)
         token, q, confidence = self._choose(logits, want_confidence=self._stop_confidence > 0)
+        if self._guide is not None and not self._guide.push(token):
+            return  # nothing the grammar allows in the draft's vocabulary: the draft ends here
         self._tokens.append(token)
         if q is not None:
             self._qs.append(q)
@@ -94,9 +102,16 @@ class DraftModelProposer(Proposer):
             self._feed = [token]
 
     def settle(self) -> None:
-        """Whatever happened in the round, the cache must hold exactly self._cached."""
+        """Whatever happened in the round, the cache must hold exactly self._cached (and a grammar's matcher the
+        text alone)."""
         self._feed = None
+        self._end_guided_round()
         self.backend.trim(len(self._cached))
+
+    def _end_guided_round(self) -> None:
+        """The grammar's matcher back at the text: every settle() calls it (a subclass's own too)."""
+        if self._guide is not None:
+            self._guide.reset()
 
     def finish(self) -> Draft:
         return Draft(token_ids=tuple(self._tokens), q=torch.stack(self._qs) if self._qs else None)
@@ -138,6 +153,16 @@ class DraftModelProposer(Proposer):
         q = logits_to_probs(self._fit_vocab(logits), self._sampling)  # [target_vocab]
         token = sample(q, self._generator)
         return token, q, float(q[token])
+
+    def _within_grammar(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits ([draft_vocab]) with what the grammar forbids at the next position at -inf."""
+        allowed = self._guide.allowed()  # [target_vocab] bool
+        if self.token_ids is not None:  # a compact output layer: its rows' target ids
+            return logits.masked_fill(~allowed[self.token_ids], float("-inf"))
+        rows = logits.shape[-1]
+        if rows > len(allowed):  # (padding rows past the vocabulary: never allowed)
+            allowed = torch.cat([allowed, allowed.new_zeros(rows - len(allowed))])
+        return logits.masked_fill(~allowed[:rows], float("-inf"))
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Match the target's logit width: rows past the tokenizer are padding, never proposed."""

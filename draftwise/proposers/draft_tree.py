@@ -129,6 +129,7 @@ class DraftTreeProposer(DraftModelProposer):
         """A round that did not grow its tree (an error) leaves nothing ahead of the text; a grown tree's fed
         nodes stay in the cache until keep_path()."""
         self._feed, self._growth, self._layout = None, None, None
+        self._end_guided_round()  # (a tree's guesses are not guided: nothing was pushed, nothing to undo)
         if self._tree is None:
             self.backend.trim(len(self._cached))
 

@@ -105,6 +105,9 @@ class HybridProposer(Proposer):
     def attach_prompt_cache(self, cache) -> None:
         self.draft.attach_prompt_cache(cache)
 
+    def follow_grammar(self, guide) -> None:
+        self.draft.follow_grammar(guide)  # (lookup's guesses are the text's own: the engine cuts them)
+
     def attach_corpus(self, corpus: ProposalCache) -> None:
         self.lookup.attach_corpus(corpus)
 

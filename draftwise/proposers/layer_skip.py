@@ -239,6 +239,7 @@ class LayerSkipProposer(DraftModelProposer):
 
     def settle(self) -> None:
         self._feed = None
+        self._end_guided_round()
         self.backend.trim(self._context_len - 1)  # the verification rewrites the draft positions, every layer
 
     def observe(self, num_accepted: int) -> None:
