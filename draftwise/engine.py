@@ -562,7 +562,7 @@ class Engine:
         if verdict is not None and features is not None and _reads_features(seq.proposer):
             seq.proposer.add_features(base, features[[0, *(1 + node for node in path)]])  # [kept + 1, H]
         if k > 0:
-            own = len(draft) - draft.forced if isinstance(draft, Draft) else kept
+            own = draft.own if isinstance(draft, Draft) else kept
             if verdict is not None:  # (a tree drafted in the proposer's own cache keeps its path there)
                 seq.proposer.keep_path(path[:own])
             seq.proposer.observe(min(kept, own))
@@ -626,7 +626,7 @@ def _proposers_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict, lis
     after its guesses (grammar.py: Constraint.shape); these only join the text (after the proposer's kept ones)."""
     if not draft.forced:
         return draft, verdict, []
-    own = len(draft) - draft.forced
+    own = draft.own
     if verdict.num_accepted <= own:
         return draft.prefix(own), verdict, []
     forced = list(draft.token_ids[own: verdict.num_accepted])

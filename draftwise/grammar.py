@@ -140,7 +140,7 @@ class Constraint:
     def __init__(self, matcher, vocab: int, eos: frozenset[int], jump_forward: bool, added: tuple[int, ...] = ()):
         self._matcher, self.vocab, self._eos, self.jump_forward = matcher, vocab, eos, jump_forward
         self._words = (vocab + 31) // 32
-        self._added = added
+        self._added = torch.tensor(added, dtype=torch.long)  # [a]: the added tokens whose mask bits are checked
 
     def forced(self) -> list[int]:
         """The tokens the grammar allows alone from here, in order (empty where it leaves a choice). llguidance may
@@ -190,11 +190,7 @@ class Constraint:
             self._walk_chain(words, draft.token_ids)
         else:
             self._walk_tree(words, draft)
-        allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(len(words), -1)  # [n + 1, words * 32]
-        width = logits.shape[-1]
-        if width > allowed.shape[1]:  # (ids past the grammar's vocabulary are never allowed)
-            allowed = torch.cat([allowed, allowed.new_zeros(len(allowed), width - allowed.shape[1])], dim=1)
-        return logits.masked_fill(~allowed[:, :width], float("-inf"))
+        return logits.masked_fill(~_expanded(words, logits.shape[-1]), float("-inf"))
 
     def _rows(self, n: int) -> torch.Tensor:
         return torch.full((n, self._words), -1, dtype=torch.int32)  # [n, words]: all allowed until filled
@@ -233,8 +229,8 @@ class Constraint:
         never emits a token the grammar cannot take (where no other is left, the text cannot go on: an error)."""
         target = words[row]
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
-        refused = [token for token in self._added
-                   if _allows(target, token) and not self._matcher.validate_tokens([token])]
+        bits = (target[self._added // 32] >> (self._added % 32)) & 1  # [a]: each added token's bit
+        refused = [token for token in self._added[bits.bool()].tolist() if not self._matcher.validate_tokens([token])]
         for token in refused:
             target[token // 32] &= _without_bit(token % 32)
         if refused and not target.any():
@@ -250,7 +246,7 @@ class Constraint:
         """[vocab] bool: the ids the grammar allows next."""
         words = self._rows(1)
         self._fill(words, 0)
-        return ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(-1)[: self.vocab]
+        return _expanded(words, self.vocab)[0]
 
     def advance(self, token_ids: list[int]) -> None:
         """The sequence emitted these tokens (each allowed: they came from masked logits)."""
@@ -288,14 +284,21 @@ class DraftGuide:
 
     def __init__(self, constraint: Constraint):
         self._constraint, self._taken = constraint, 0
+        self._next: torch.Tensor | None = None  # the last allowed(), which push() reads rather than asks again
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: what may follow the text and the guesses pushed so far."""
-        return self._constraint.allowed_next()
+        self._next = self._constraint.allowed_next()
+        return self._next
 
     def push(self, token: int) -> bool:
         """The proposer guessed token; False where the grammar does not allow it (the draft should end there)."""
-        if not self._constraint.allowed_prefix([token]):
+        if self._next is not None:
+            allowed = token < len(self._next) and bool(self._next[token])
+        else:
+            allowed = bool(self._constraint.allowed_prefix([token]))
+        self._next = None
+        if not allowed:
             return False
         self._taken += self._constraint.take(token)
         return True
@@ -303,7 +306,16 @@ class DraftGuide:
     def reset(self) -> None:
         """The round is over: the matcher back at the text (called from the proposer's settle, whatever happened)."""
         self._constraint.rollback(self._taken)
-        self._taken = 0
+        self._taken, self._next = 0, None
+
+
+def _expanded(words: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, width] bool from mask words ([n, words] int32): whether each id is allowed; ids past the words' bits
+    (padding rows of the logits) are not."""
+    allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().view(len(words), -1)  # [n, words * 32]
+    if width > allowed.shape[1]:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(allowed), width - allowed.shape[1])], dim=1)
+    return allowed[:, :width]
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

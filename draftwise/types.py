@@ -28,6 +28,11 @@ class Draft:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def own(self) -> int:
+        """The proposer's own tokens: all but a grammar's forced tail."""
+        return len(self.token_ids) - self.forced
+
     @cached_property
     def layout(self) -> TreeLayout | None:
         """A tree's TreeLayout, made once for the pass and the verifier; None for a chain."""
