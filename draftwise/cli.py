@@ -154,7 +154,8 @@ def _add_models(commands) -> None:
     ls = sub.add_parser("list", formatter_class=_Formatter, help="show the known models and which are pulled",
                         description="Show every known model: name, pulled or not, size on disk, description, path.")
     ls.add_argument("--json", action="store_true",
-                    help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes), path")
+                    help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes), path, "
+                         "terms (the license or terms of use of the weights)")
     ls.set_defaults(func=cmd_models_list)
 
     pull = sub.add_parser("pull", formatter_class=_Formatter, help="download, check and store a model",
@@ -366,6 +367,7 @@ def _status_dict(status) -> dict:
         "pulled": bool(status.pulled),
         "size_on_disk": int(status.size_on_disk),
         "path": None if status.path is None else str(status.path),
+        "terms": status.terms,
     }
 
 
@@ -376,11 +378,12 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [("NAME", "PULLED", "SIZE", "DESCRIPTION", "PATH")] + [
+    table = [("NAME", "PULLED", "SIZE", "TERMS", "DESCRIPTION", "PATH")] + [
         (
             row["name"],
             "yes" if row["pulled"] else "no",
             human_size(row["size_on_disk"]) if row["pulled"] else "-",
+            row["terms"] or "-",
             row["description"],
             row["path"] or "-",
         )

@@ -33,7 +33,7 @@ from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.text import TextStream
-from draftwise.tokenizers import encode_prompt, readable_ids
+from draftwise.tokenizers import CROSS_TOKENIZER, encode_prompt, readable_ids
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
@@ -103,8 +103,9 @@ class Engine:
     def methods_available(self) -> tuple[str, ...]:
         """The methods a sequence may ask for: the target alone and lookup always, the draft model's with a
         draft, the head's with a head, skip and hybrid-skip on an engine built for either (the skip draft's plan is
-        calibrated at load)."""
-        return available_methods(self.method, self.target.backend_name)
+        calibrated at load); a draft with another tokenizer than the target's drafts no trees."""
+        return available_methods(self.method, self.target.backend_name,
+                                 draft_chains_only=self.speed_paths.get("draft_tokenizer") == CROSS_TOKENIZER)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":

@@ -13,14 +13,17 @@ from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
 from draftwise.backends.quant_model import runs_on_blocks
 from draftwise.methods import (AUTO_BACKEND, BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD,
-                               Parts, check_backend, check_method, choose_method, new_proposer)
+                               TREES, Parts, check_backend, check_method, choose_method, methods_needing,
+                               new_proposer)
 from draftwise.proposers.compact import FOUR_BIT, KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
-from draftwise.tokenizers import check_draft_reads_every_token, check_same_tokenizer, eos_ids
+from draftwise.proposers.cross_vocab import VocabBridge, on_cross_draft
+from draftwise.tokenizers import (CROSS_TOKENIZER, SHARED_TOKENIZER, check_draft_reads_every_token, draft_path,
+                                  eos_ids)
 
 
 HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
@@ -64,9 +67,9 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
 
         head = head or str(head_home(target))
         require_head(head)  # an instant, before the target loads for minutes
-    target_model, tokenizer, draft_model = load_models(target, draft if need == DRAFT_MODEL else None, dtype, device,
-                                                       progress, quantized)
-    return assemble(engine_cls, target_model, tokenizer, method, draft_model, head=head, **lookup)
+    target_model, tokenizer, draft_model, draft_tokenizer = load_models(
+        target, draft if need == DRAFT_MODEL else None, dtype, device, progress, quantized, method)
+    return assemble(engine_cls, target_model, tokenizer, method, draft_model, draft_tokenizer, head=head, **lookup)
 
 
 # How an engine on the quant backend is assembled: its linears' kernel is the quantized one (nothing to time); the
@@ -105,8 +108,9 @@ def quant_dtype(dtype: str) -> str:
 
 
 def load_models(target: str, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
-                progress: bool = True, quantized: bool = False):
-    """(target model, tokenizer, draft model or None) by name, folder or .gguf path; the pair checked first.
+                progress: bool = True, quantized: bool = False, method: str | None = None):
+    """(target model, tokenizer, draft model or None, the draft's tokenizer or None) by name, folder or .gguf path;
+    the pair checked first (for method, where given: a draft with another tokenizer drafts chains alone).
 
     quantized: the target's linears on its GGUF file's own blocks (the quant backend; dtype float32)."""
     from draftwise.models import check_resolves, resolve  # the store pulls weights; only named models need it
@@ -118,17 +122,27 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
 
     target_source = resolve(target, progress=progress)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
-    draft_model = None
+    draft_model = draft_tokenizer = None
     if draft is not None:
         draft_source = resolve(draft, progress=progress)
-        # Tokenizers load in seconds, models in minutes: refuse a mismatched pair before either model.
-        check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
+        # Tokenizers load in seconds, models in minutes: refuse a pair the method cannot run before either model.
+        draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
+        if method is not None:
+            check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
         # On the quant backend the draft stays float here: assemble compacts it onto a 4-bit copy.
         draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
     if quantized:
         target_model = on_quant_weights(target_model, target_source, target, progress)
-    return target_model, tokenizer, draft_model
+    return target_model, tokenizer, draft_model, draft_tokenizer
+
+
+def check_pair_method(method: str, path: str) -> None:
+    """A draft with another tokenizer drafts chains: refuse a tree method for it, naming the methods it runs."""
+    if path == CROSS_TOKENIZER and TREES in METHODS[method].asks:
+        chains = [name for name in methods_needing(DRAFT_MODEL) if TREES not in METHODS[name].asks]
+        raise DraftwiseError(f"method {method!r} drafts token trees, which a draft with another tokenizer than the "
+                             f"target's does not; it runs {' or '.join(chains)}")
 
 
 def on_quant_weights(model, source, name: str, progress: bool):
@@ -143,8 +157,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
              lookup_min_ngram: int | None = None, compact_draft: bool = True, draft_vocab: int = KEEP_VOCAB,
              target_kernels: tuple[str, ...] | None = None, draft_kernels: tuple[str, ...] | None = None,
              head: str | None = None, loaded_model=None, batch_invariant: bool | None = None):
-    """Models already in memory -> Engine. The draft must share the target's tokenizer: pass the draft's
-    own tokenizer as draft_tokenizer to have that checked.
+    """Models already in memory -> Engine. draft_tokenizer: the draft's own tokenizer, where it may differ from the
+    target's (the pair check, tokenizers.draft_path, then says which path the draft takes: a cross-tokenizer draft
+    drafts through text, proposers/cross_vocab.py); None: the draft shares the target's.
 
     What the method needs (methods.py) is set up once here: the compact draft model, the trained head or the
     calibrated layer skip; the method's table entry then makes the proposer from it.
@@ -183,11 +198,12 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if {*drafts} & {*INVARIANT_KERNELS} and not {*drafts} <= {*INVARIANT_KERNELS}:
         raise DraftwiseError(f"draft kernels {', '.join(INVARIANT_KERNELS)} (batch-invariant) are not timed against "
                              f"others; got {', '.join(drafts)}")
+    pair = None
     if need == DRAFT_MODEL:  # before the kernels are timed or a head is read
-        if draft_tokenizer is not None:
-            check_same_tokenizer(tokenizer, draft_tokenizer)
-        check_draft_reads_every_token(tokenizer, embedding_rows(target_model),  # also with no draft tokenizer
-                                      embedding_rows(draft_model))
+        pair = SHARED_TOKENIZER if draft_tokenizer is None else draft_path(tokenizer, draft_tokenizer)
+        check_pair_method(method, pair)
+        if pair != CROSS_TOKENIZER:
+            check_draft_reads_every_token(tokenizer, embedding_rows(target_model), embedding_rows(draft_model))
     if need == TRAINED_HEAD and head is None:
         raise DraftwiseError(f"method {method!r} needs the folder of a trained head (head=DIR; see draftwise train-head)")
     # The head reads out through the output layer's weight, which a faster kernel repacks: take it first.
@@ -213,10 +229,20 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     if drafter is not None:
         parts = replace(parts, drafter=lambda: drafter)
     if need == DRAFT_MODEL:
+        paths["draft_tokenizer"] = pair
+        if pair == CROSS_TOKENIZER:
+            # A compact output layer keeps the draft's own special tokens; its guesses reach the target as text.
+            draft_eos = eos_ids(draft_tokenizer, draft_model.generation_config, draft_model.config)
+            keep = [*draft_tokenizer.all_special_ids, *draft_eos]
         draft, token_ids = draft_backend(draft_model, keep, compact_draft, draft_kernels, draft_vocab, paths)
         max_context = min(max_context, draft.max_context)
-        parts = replace(parts, on_draft_model=lambda cls: cls(draft, target_vocab_size=target.vocab_size,
-                                                              token_ids=token_ids))
+        if pair == CROSS_TOKENIZER:
+            bridge = VocabBridge.of(tokenizer, target.vocab_size, eos, draft_tokenizer, embedding_rows(draft_model),
+                                    draft_eos)
+            parts = replace(parts, on_draft_model=lambda cls: on_cross_draft(cls, draft, bridge, token_ids))
+        else:
+            parts = replace(parts, on_draft_model=lambda cls: cls(draft, target_vocab_size=target.vocab_size,
+                                                                  token_ids=token_ids))
     proposer = new_proposer(method, parts)
     return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
 

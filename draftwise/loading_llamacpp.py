@@ -9,7 +9,8 @@ from draftwise.backends.llamacpp import LlamaBackend
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.methods import DRAFT_MODEL, METHODS, Parts, new_proposer
-from draftwise.tokenizers import check_draft_reads_every_token, check_same_tokenizer, eos_ids, readable_ids
+from draftwise.proposers.cross_vocab import VocabBridge, on_cross_draft
+from draftwise.tokenizers import CROSS_TOKENIZER, check_draft_reads_every_token, draft_path, eos_ids, readable_ids
 
 
 BACKEND = "the llama.cpp backend"  # as messages name it
@@ -29,11 +30,11 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
     target_source = resolve(target, progress=progress)
     target_file = target_source.published_gguf(target, BACKEND)
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
-    draft_file = None
+    draft_file = draft_tokenizer = None
     if draft is not None and METHODS[method].needs == DRAFT_MODEL:
         draft_source = resolve(draft, progress=progress)
         draft_file = draft_source.published_gguf(draft, BACKEND)
-        check_same_tokenizer(tokenizer, load_tokenizer(str(draft_source.path), draft_source.gguf_file))
+        draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
     options = {} if slots is None else {"slots": slots}
     backend = LlamaBackend(str(target_file), **options)
     check_vocabulary(backend, tokenizer, target_source, target)
@@ -45,11 +46,18 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
         # A draft's rounding changes only its guesses, never the text: its one-token steps may take the cheaper
         # single-row kernels.
         draft_backend = LlamaBackend(str(draft_file), min_width=1, **options)
-        check_draft_reads_every_token(tokenizer, backend.embedding_rows, draft_backend.embedding_rows)
+        pair = paths["draft_tokenizer"] = draft_path(tokenizer, draft_tokenizer)
         paths["draft_gguf"] = draft_file.name
         max_context = min(max_context, draft_backend.max_context)
+        if pair == CROSS_TOKENIZER:  # its guesses reach the target as text (proposers/cross_vocab.py)
+            bridge = VocabBridge.of(tokenizer, backend.vocab_size, eos, draft_tokenizer, draft_backend.vocab_size,
+                                    eos_ids(draft_tokenizer, *_configs(draft_source)))
+            on_draft_model = lambda cls: on_cross_draft(cls, draft_backend, bridge)  # noqa: E731
+        else:
+            check_draft_reads_every_token(tokenizer, backend.embedding_rows, draft_backend.embedding_rows)
+            on_draft_model = lambda cls: cls(draft_backend, target_vocab_size=backend.vocab_size)  # noqa: E731
         parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram,
-                      on_draft_model=lambda cls: cls(draft_backend, target_vocab_size=backend.vocab_size))
+                      on_draft_model=on_draft_model)
     proposer = new_proposer(method, parts)
     return engine_cls(backend, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
 

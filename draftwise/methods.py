@@ -23,7 +23,7 @@ from draftwise.proposers.prompt_lookup import PromptLookupProposer
 from draftwise.proposers.proposal_cache import ProposalCache
 
 # What a method needs beside the target (None: nothing, it runs on the target and the text alone).
-DRAFT_MODEL = "a draft model"  # a second, smaller model with the target's tokenizer (--draft)
+DRAFT_MODEL = "a draft model"  # a second, smaller model (--draft): its own tokenizer or the target's
 TRAINED_HEAD = "a trained head"  # a feature head trained for this target (draftwise train-head)
 OWN_LAYERS = "the target's own layers"  # some of the target's layers, picked by a calibration at load
 NEEDS = (DRAFT_MODEL, TRAINED_HEAD, OWN_LAYERS)
@@ -162,15 +162,18 @@ def choose_method(method: str | None, has_draft: bool) -> str:
     return method
 
 
-def available_methods(own: str, backend: str = DEFAULT_BACKEND) -> tuple[str, ...]:
+def available_methods(own: str, backend: str = DEFAULT_BACKEND, draft_chains_only: bool = False
+                      ) -> tuple[str, ...]:
     """The methods a sequence may ask for on an engine built for method `own` on `backend`: the target alone and
     those that need nothing, then those that need what own needs (its draft model, head or calibrated layers);
-    of those, the ones the backend serves."""
+    of those, the ones the backend serves. draft_chains_only: the draft model drafts no trees (a draft with another
+    tokenizer than the target's), so the draft model's tree methods are left out."""
     need = METHODS[own].needs
     free = [name for name in methods_needing(None) if name != BASELINE]
     served = BACKENDS[backend]
     return tuple(name for name in (BASELINE, *free, *(methods_needing(need) if need is not None else ()))
-                 if METHODS[name].asks <= served)
+                 if METHODS[name].asks <= served
+                 and not (draft_chains_only and METHODS[name].needs == DRAFT_MODEL and TREES in METHODS[name].asks))
 
 
 def check_backend(backend: str, method: str | None = None) -> None:

@@ -11,31 +11,43 @@ def _spelled(token: str | None) -> str:
     return "absent" if token is None else repr(token)
 
 
-def check_same_tokenizer(target, draft) -> None:
-    """A draft that tokenizes differently proposes ids that mean other text: refuse it, naming the first difference
-    (by id, also where the two differ in size: that alone says nothing of which tokens differ)."""
+# The pair check's answer: which path a draft takes.
+SHARED_TOKENIZER = "shared tokenizer"  # the draft's ids are the target's: its guesses are the target's tokens
+CROSS_TOKENIZER = "cross-tokenizer"  # another vocabulary: its guesses reach the target as text (cross_vocab.py)
+
+
+def tokenizer_difference(target, draft) -> str | None:
+    """None where the two tokenizers are the same; else the first difference, by id (also where the two differ in
+    size: that alone says nothing of which tokens differ), or the first special token they disagree on."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
     if target_vocab != draft_vocab:
         by_id_target = {i: t for t, i in target_vocab.items()}
         by_id_draft = {i: t for t, i in draft_vocab.items()}
         first = min(i for i in by_id_target.keys() | by_id_draft.keys() if by_id_target.get(i) != by_id_draft.get(i))
-        raise DraftwiseError(
-            f"the draft's tokenizer differs from the target's: token id {first} is "
-            f"{_spelled(by_id_target.get(first))} in the target but {_spelled(by_id_draft.get(first))} in the draft "
-            f"(of {len(target)} and {len(draft)} tokens); a draft must share the target's tokenizer"
-        )
+        return (f"the draft's tokenizer differs from the target's: token id {first} is "
+                f"{_spelled(by_id_target.get(first))} in the target but {_spelled(by_id_draft.get(first))} in the "
+                f"draft (of {len(target)} and {len(draft)} tokens)")
     if len(target) != len(draft):
-        raise DraftwiseError(
-            f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}; "
-            "a draft must share the target's tokenizer"
-        )
+        return f"the draft's tokenizer has {len(draft)} tokens but the target's has {len(target)}"
     theirs, ours = _special_tokens(target), _special_tokens(draft)
     for name in _SPECIAL:
         if theirs[name] != ours[name]:
-            raise DraftwiseError(
-                f"the draft's tokenizer differs from the target's: {name} is {theirs[name]} in the target "
-                f"but {ours[name]} in the draft"
-            )
+            return (f"the draft's tokenizer differs from the target's: {name} is {theirs[name]} in the target "
+                    f"but {ours[name]} in the draft")
+    return None
+
+
+def draft_path(target, draft) -> str:
+    """The pair check: SHARED_TOKENIZER where the draft's tokenizer is the target's, else CROSS_TOKENIZER."""
+    return SHARED_TOKENIZER if tokenizer_difference(target, draft) is None else CROSS_TOKENIZER
+
+
+def check_same_tokenizer(target, draft, why: str = "a draft must share the target's tokenizer") -> None:
+    """Refuse a draft that tokenizes differently, naming the first difference, where the path needs the same
+    tokenizer (why: what needs it)."""
+    difference = tokenizer_difference(target, draft)
+    if difference is not None:
+        raise DraftwiseError(f"{difference}; {why}")
 
 
 def _special_tokens(tokenizer) -> dict:

@@ -1,13 +1,15 @@
 """Tiny models from configs (random weights, no download) and a small BPE tokenizer trained here."""
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import os
 import threading
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
     Qwen2ForCausalLM,
@@ -42,6 +44,57 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def shuffled_tokenizer(tokenizer, seed: int = 7) -> tuple[PreTrainedTokenizerFast, list[int]]:
+    """(tokenizer with its ids shuffled, special ones too; new id of each old id): the same texts and merges in
+    another vocabulary, so that a twin of a model (shuffled_twin) is a draft with another tokenizer that agrees with
+    it wherever the two spell a text alike."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    order = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(seed)).tolist()
+    spec["model"]["vocab"] = {piece: order[i] for piece, i in spec["model"]["vocab"].items()}
+    for added in spec["added_tokens"]:
+        added["id"] = order[added["id"]]
+    shuffled = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                       eos_token=tokenizer.eos_token, bos_token=tokenizer.bos_token)
+    shuffled.chat_template = tokenizer.chat_template
+    return shuffled, order
+
+
+def shuffled_twin(model, order: list[int]):
+    """A copy of model whose embedding and output rows sit at the shuffled ids: the same model over the shuffled
+    vocabulary (its end-of-sequence ids moved too)."""
+    twin = copy.deepcopy(model)
+    index = torch.tensor(order, device=model.device)  # [vocab]: new id of each old id
+    weights = {id(layer.weight): layer.weight for layer in (twin.get_input_embeddings(), twin.get_output_embeddings())}
+    with torch.no_grad():
+        for weight in weights.values():  # (once for tied embeddings: one tensor for both)
+            rows = weight[: len(order)].clone()
+            weight[index] = rows
+    for config in (twin.config, twin.generation_config):
+        eos = config.eos_token_id
+        if eos is not None:
+            config.eos_token_id = [order[i] for i in eos] if isinstance(eos, list) else order[eos]
+    return twin
+
+
+@functools.lru_cache(maxsize=None)
+def piece_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style vocabulary (Gemma's kind): '▁' for a space, <0xNN> pieces for bytes it has no token
+    for, a <bos> put before every text; another tokenizer than tiny_tokenizer() altogether."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_next")
+    trainer = trainers.BpeTrainer(vocab_size=160, special_tokens=["<pad>", "<eos>", "<bos>"], show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):  # the byte pieces, as in every SentencePiece vocabulary with byte fallback
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
 # Tiny models run fastest on one thread; a second one only adds contention on a 2-core machine.
 torch.set_num_threads(1)
 
@@ -59,10 +112,11 @@ ARCHS = {
 }
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: int | None = None):
-    """A random causal LM small enough that a forward takes about a millisecond."""
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: int | None = None, tokenizer=None):
+    """A random causal LM small enough that a forward takes about a millisecond (over tokenizer's vocabulary:
+    tiny_tokenizer()'s by default)."""
     config_cls, model_cls, extra = ARCHS[arch]
-    tokenizer = tiny_tokenizer()
+    tokenizer = tokenizer or tiny_tokenizer()
     config = config_cls(
         vocab_size=vocab_size or len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -398,21 +398,22 @@ def test_models_list_json_on_an_empty_store(capsys, store):
     assert [row["name"] for row in rows] == list(KNOWN_MODELS)
     for row in rows:
         assert row == {"name": row["name"], "description": KNOWN_MODELS[row["name"]].description,
-                       "pulled": False, "size_on_disk": 0, "path": None}
+                       "pulled": False, "size_on_disk": 0, "path": None, "terms": KNOWN_MODELS[row["name"]].terms}
+        assert row["terms"]  # every packaged model says what its weights come under
 
 
 def test_models_list_table(capsys, monkeypatch, tmp_path):
     statuses = [
-        ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model"),
-        ModelStatus("small-model", "not pulled", False, 0, None),
+        ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model", "Apache-2.0"),
+        ModelStatus("small-model", "not pulled", False, 0, None, "Gemma Terms of Use"),
     ]
     monkeypatch.setattr("draftwise.models.list_models", lambda: statuses)
     code, out, _ = run(capsys, "models", "list")
     assert code == 0
     header, big, small = out.splitlines()
-    assert header.split() == ["NAME", "PULLED", "SIZE", "DESCRIPTION", "PATH"]
-    assert big.split()[:4] == ["big-model", "yes", "1.5", "GiB"] and big.endswith(str(tmp_path / "big-model"))
-    assert small.split()[:3] == ["small-model", "no", "-"] and small.endswith("-")
+    assert header.split() == ["NAME", "PULLED", "SIZE", "TERMS", "DESCRIPTION", "PATH"]
+    assert big.split()[:5] == ["big-model", "yes", "1.5", "GiB", "Apache-2.0"] and big.endswith(str(tmp_path / "big-model"))
+    assert small.split()[:6] == ["small-model", "no", "-", "Gemma", "Terms", "of"] and small.endswith("-")
     assert big.index("yes") == small.index("no"), "columns line up"
 
 

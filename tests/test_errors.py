@@ -102,10 +102,15 @@ def other_tokenizer(corpus):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
 
 
-def test_incompatible_tokenizers_name_the_first_difference():
+def test_a_draft_with_another_tokenizer_drafts_through_text_and_the_pair_check_names_the_difference():
+    """No longer refused (proposers/cross_vocab.py); where a path needs the same tokenizer (the llama.cpp backend),
+    check_same_tokenizer names the first difference."""
     other = other_tokenizer(["completely different text about zebras and xylophones"] * 10)
+    engine = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1),
+                                draft_tokenizer=other)
+    assert engine.speed_paths["draft_tokenizer"] == "cross-tokenizer"
     with pytest.raises(DraftwiseError) as err:
-        Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1), draft_tokenizer=other)
+        check_same_tokenizer(tiny_tokenizer(), other)
     message = str(err.value)
     assert "a draft must share the target's tokenizer" in message
     assert "token id 1 is '<|user|>' in the target but '!' in the draft" in message

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("backends", ("draftwise.backends",)),
     ("models", ("draftwise.models",)),
     ("machine and text", ("draftwise.hardware", "draftwise.files", "draftwise.progress", "draftwise.tokenizers",
-                          "draftwise.request_text", "draftwise.text")),
+                          "draftwise.request_text", "draftwise.text", "draftwise.token_text")),
     # Shared vocabulary, and the one cost model (planner.py; estimates.py, what the engine measures), which is pure
     # arithmetic at the bottom because the policy, the proposers' sizing and the metrics all ask it for prices.
     ("vocabulary", ("draftwise.config", "draftwise.types", "draftwise.metrics", "draftwise.sampling",

@@ -37,16 +37,17 @@ def test_a_local_pair_loads_and_keeps_the_targets_greedy_output(folders):
     assert result.stats.proposed > 0
 
 
-def test_a_mismatched_pair_is_refused_before_any_model_loads(folders, tmp_path, monkeypatch):
+def test_a_tree_method_for_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(folders, tmp_path,
+                                                                                           monkeypatch):
     other = save(tmp_path / "other", tiny_model("qwen2", 1), tiny_tokenizer())
-    by_id = {i: t for t, i in tiny_tokenizer().get_vocab().items()}
     renamed = RenamedToken(tiny_tokenizer(), 270, "ZZ")
     import draftwise.loading as loading
 
     monkeypatch.setattr(loading, "load_tokenizer", lambda path, gguf=None: renamed if path == other else tiny_tokenizer())
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded before the tokenizer check"))
-    with pytest.raises(DraftwiseError, match=f"token id 270 is {by_id[270]!r} in the target but 'ZZ' in the draft"):
-        Engine.from_pretrained(target=folders["target"], draft=other, progress=False)
+    with pytest.raises(DraftwiseError, match="method 'draft-tree' drafts token trees, which a draft with another "
+                                             "tokenizer than the target's does not; it runs draft or hybrid"):
+        Engine.from_pretrained(target=folders["target"], draft=other, method="draft-tree", progress=False)
 
 
 def test_the_smaller_context_of_the_pair_limits_the_prompt():

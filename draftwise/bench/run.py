@@ -154,10 +154,10 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
 def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged;
     resumed: how many prompts' runs came from the journal instead of running here."""
-    target_model, tokenizer, draft_model = models
+    target_model, tokenizer, draft_model, *draft_tokenizer = models  # (the draft's own tokenizer, where given)
     # llama.cpp on the cores ours use: as many threads as torch runs.
     lcpp = LlamaCppPeers(gguf_files(cfg), threads=torch.get_num_threads()) if uses_lcpp(cfg) else None
-    runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens,
+    runners = Runners(target_model, tokenizer, draft_model, cfg.num_draft_tokens, draft_tokenizer=next(iter(draft_tokenizer), None),
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
                       lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp,
                       quantized=cfg.dtype == GGUF_PASS, batch_invariant=cfg.batch_invariant,
@@ -178,7 +178,7 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
 
 
 def load_models(cfg: BenchConfig):
-    """(target, tokenizer, draft or None): the draft only when a method needs it."""
+    """(target, tokenizer, draft or None, the draft's tokenizer or None): the draft only when a method needs it."""
     from draftwise.loading import load_models as load
 
     quantized = cfg.dtype == GGUF_PASS

@@ -28,6 +28,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.grammar import Grammar
 from draftwise.loading import QUANT_ASSEMBLY, on_target_kernels
 from draftwise.methods import BASELINE, DRAFT_MODEL, METHODS as TABLE, OWN_LAYERS, TRAINED_HEAD, methods_needing, needs
+from draftwise.tokenizers import CROSS_TOKENIZER, draft_path
 
 OURS = (BASELINE, *(name for name in TABLE if name != BASELINE))  # the table's, the baseline first (report order)
 # Bench-only baselines: transformers' generate, and llama.cpp's llama-server on the GGUF files as published.
@@ -66,15 +67,17 @@ class Runners:
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
                  lcpp: LlamaCppPeers | None = None, quantized: bool = False, batch_invariant: bool | None = None,
-                 jump_forward: bool = True):
+                 jump_forward: bool = True, draft_tokenizer=None):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
         n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
         lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close()). quantized: the models' linears are
         on their GGUF blocks (the quant backend): no kernels to time, no compact draft. batch_invariant: ours on
         batch-invariant kernels (None: the default, loading.resolve_invariance). jump_forward: under a prompt's
-        schema, ours draft the tokens it forces."""
+        schema, ours draft the tokens it forces. draft_tokenizer: the draft's own, where it may differ from the
+        target's (the pair check then decides; transformers' assisted generation gets both tokenizers)."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
+        self.draft_tokenizer = draft_tokenizer
         self.num_draft_tokens = num_draft_tokens
         self.lookup_ngram, self.adaptive, self.jump_forward = lookup_ngram, adaptive, jump_forward
         # Ours run on one copy of the target on its calibrated kernels (made once: each is gigabytes).
@@ -116,6 +119,7 @@ class Runners:
         method = methods_needing(OWN_LAYERS)[0] if needs(method, OWN_LAYERS) else method
         if method not in self._engines:
             draft = self.draft_model if method in NEEDS_DRAFT else None
+            own_tokenizer = {"draft_tokenizer": self.draft_tokenizer} if draft is not None else {}
             # The head reads the output layer's plain weight and skip copies the plain linears, which the fast
             # copy has repacked.
             head = {"head": self.head} if needs(method, TRAINED_HEAD) else {}
@@ -123,7 +127,8 @@ class Runners:
             self._engines[method] = Engine.from_models(self.fast_target, self.tokenizer, draft, method=method,
                                                        loaded_model=self.target_model,
                                                        lookup_max_ngram=self.lookup_ngram,
-                                                       batch_invariant=self.batch_invariant, **head, **quant)
+                                                       batch_invariant=self.batch_invariant, **head, **quant,
+                                                       **own_tokenizer)
         return self._engines[method]
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int,
@@ -160,6 +165,9 @@ class Runners:
         config.max_new_tokens = max_new_tokens
         if method == "hf-assisted":
             extra["assistant_model"] = self.draft_model  # transformers' own defaults for draft length
+            if self.draft_tokenizer is not None and draft_path(self.tokenizer, self.draft_tokenizer) == CROSS_TOKENIZER:
+                # transformers' universal assisted generation: the draft's text re-encoded for the target
+                extra.update(tokenizer=self.tokenizer, assistant_tokenizer=self.draft_tokenizer)
         elif method == "hf-lookup":
             config.prompt_lookup_num_tokens = self.num_draft_tokens
         input_ids = torch.tensor([prompt_ids], device=self.target_model.device)  # [1, prompt]

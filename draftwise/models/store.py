@@ -42,6 +42,7 @@ class ModelStatus:
     pulled: bool
     size_on_disk: int  # bytes; 0 when not pulled
     path: Path | None  # the converted folder; None when not pulled
+    terms: str = ""  # the license or terms of use of the weights
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[Mod
         pulled = _is_pulled(folder, spec)
         statuses.append(
             ModelStatus(spec.name, spec.description, pulled, _size_on_disk(folder) if pulled else 0,
-                        folder if pulled else None)
+                        folder if pulled else None, spec.terms)
         )
     return statuses
 

@@ -100,7 +100,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
                       answer_tokens=args.answer_tokens, feature_layers=feature_layers(args.feature_layers),
                       reads_current=args.read_current)
     progress = not args.quiet
-    target_model, tokenizer, _ = load_models(args.target, None, args.dtype, args.device, progress=progress)
+    target_model, tokenizer, *_ = load_models(args.target, None, args.dtype, args.device, progress=progress)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         record = train_head(target_model, tokenizer, out, cfg, progress=progress, target_name=args.target, log=log)

@@ -1,0 +1,232 @@
+"""A draft model with a tokenizer of its own (SmolLM2's or Gemma's for a Qwen target): it drafts in its own
+vocabulary, and its guess reaches the target as text.
+
+Each round the draft reads the target's text in its own tokens, guesses a continuation, and the guess's text,
+encoded with the target's tokenizer, is the draft the target verifies. Nothing assumes that a text's tokens are a
+prefix of a longer text's tokens, in either vocabulary:
+- the target's text grows by its own tokens; the draft's tokens for it are kept to WINDOW tokens before their
+  end, and those last ones re-encoded with what is new, since a merge across the old end (" foo" + "bar" ->
+  " foobar") changes them; the draft's cache keeps the longest prefix it shares with the new tokens;
+- a text that ends inside a character (a byte-level target emitted part of a character's bytes) is read to its
+  last whole character; the guess must spell the rest, which reaches the target as its single-byte tokens;
+- the guess's last target token is left out unless the draft ended its text (its end of sequence, which becomes
+  the target's): a guess cut after some draft tokens may stop inside a word that the target spells as one token;
+- the draft's own start tokens (Gemma's <bos>) head its text as its tokenizer puts them; the target's special
+  tokens reach it as their text, which its tokenizer reads as its own special token where it has one (ChatML's
+  <|im_start|>, in SmolLM2's and Qwen's vocabularies alike).
+
+Exact in both modes by the rule prompt lookup's guesses are verified by: the guess is a deterministic function of
+the text (the draft's greedy choice in its own vocabulary), so under sampling it is a one-hot proposal (Draft.q
+None), kept with the target's probability, and a rejection samples the target's distribution without it. The
+draft's probabilities never reach the verifier: they are over another vocabulary.
+
+After a round, observe() cuts the draft's cache to the draft tokens whose text the target kept. The prompt cache
+holds no entries for such a draft (its keys are the target's tokens): each sequence prefills its draft.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from draftwise.backends.base import Backend
+from draftwise.errors import DraftwiseError
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.token_text import TokenTexts, whole_characters
+from draftwise.types import Draft
+
+# The draft's last tokens for the text that a merge with the text after them may change.
+WINDOW = 3
+# Draft forwards a round may run per target token it is asked for (the two vocabularies' tokens differ in length).
+DRAFT_STEPS_PER_TOKEN = 2
+
+
+class VocabBridge:
+    """The two tokenizers of a cross-tokenizer pair, as text, shared by every sequence of the pair."""
+
+    def __init__(self, target: TokenTexts, draft: TokenTexts, target_eos: int, draft_eos: frozenset[int]):
+        """target_eos: the id a guess that the draft ended becomes; draft_eos: every id that ends the draft's text."""
+        self.target, self.draft = target, draft
+        self.target_eos, self.draft_eos = target_eos, draft_eos
+
+    @classmethod
+    def of(cls, tokenizer, target_rows: int, eos, draft_tokenizer, draft_rows: int, draft_eos) -> VocabBridge:
+        """The bridge of a pair, each tokenizer's bytes checked (rows: each model's logit rows). A guess the draft
+        ends becomes the target's tokenizer's end of sequence (else the least of the target's eos ids)."""
+        target_eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
+        return cls(TokenTexts(tokenizer, target_rows, "the target's tokenizer"),
+                   TokenTexts(draft_tokenizer, draft_rows, "the draft's tokenizer"), target_eos, frozenset(draft_eos))
+
+    def continuation(self, text: bytes, ended: bool) -> list[int]:
+        """The target's tokens for text that continues the target's own; ended: the draft ended its text there."""
+        whole = whole_characters(text)  # (bytes that are no character, such as the rest of one the target began,
+        ids = self.target.encode_bytes(text[:whole])  # become one-byte tokens)
+        return [*ids, self.target_eos] if ended else ids[:-1]
+
+
+def on_cross_draft(proposer_cls: type, backend: Backend, bridge: VocabBridge,
+                   token_ids: torch.Tensor | None = None) -> CrossTokenizerProposer:
+    """What a method asking for a draft-model proposer of proposer_cls gets from a cross-tokenizer draft: the chain
+    (DraftModelProposer's stand-in); a tree proposer is refused, naming why."""
+    if not issubclass(DraftModelProposer, proposer_cls):
+        raise DraftwiseError(f"a draft with another tokenizer than the target's drafts chains; "
+                             f"{proposer_cls.__name__} needs a draft that shares the target's tokenizer")
+    return CrossTokenizerProposer(backend, bridge, token_ids)
+
+
+class CrossTokenizerProposer(DraftModelProposer):
+    """A draft-model proposer whose draft reads and writes text through a VocabBridge (see the module's text)."""
+
+    capabilities = DraftModelProposer.capabilities  # (a chain in steps, with its own cache of the text)
+
+    def __init__(self, backend: Backend, bridge: VocabBridge, token_ids: torch.Tensor | None = None):
+        """token_ids: the draft id of each of its logits (a compact output layer), None: all of its vocabulary."""
+        super().__init__(backend, target_vocab_size=len(bridge.target.table), token_ids=token_ids)
+        self.bridge = bridge
+        self._reset_text()
+
+    def _reset_text(self) -> None:
+        self._text = bytearray()  # the target's text so far (prompt and emitted), as bytes
+        self._read: list[int] = []  # the target tokens read into _text
+        self._known = list(self.bridge.draft.start_ids)  # the draft's tokens for _text's whole characters
+        self._ends = [0] * len(self._known)  # where in _text each known token's text ends
+        self._spelled = True  # whether the draft's tokens spelled the text byte for byte (else re-encode it all)
+        self._tail = b""  # _text past its last whole character
+        self._guess: list[int] = []  # this round's draft tokens
+        self._proposal: list[int] = []  # this round's target tokens
+        self._k = 0
+
+    # -- the sequence --------------------------------------------------------------------------------------------
+    def begin(self, prompt_ids, sampling, generator) -> None:
+        super().begin(prompt_ids, sampling, generator)
+        self._reset_text()
+
+    def follow_grammar(self, guide) -> None:
+        """A grammar's masks are over the target's tokens: the engine cuts a guess where it breaks the grammar."""
+
+    def fork(self) -> CrossTokenizerProposer:
+        return self.fork_on_draft_model(DraftModelProposer)
+
+    def fork_on_draft_model(self, proposer_cls: type) -> CrossTokenizerProposer:
+        return on_cross_draft(proposer_cls, self._model().open_slot(), self.bridge, self.token_ids)
+
+    def attach_prompt_cache(self, cache) -> None:
+        """The prompt cache is keyed by the target's tokens: this draft keeps no entries in it."""
+
+    def restore(self, token_ids: list[int]) -> int:
+        return 0
+
+    def remember(self) -> None:
+        pass
+
+    # -- the text ---------------------------------------------------------------------------------------------------
+    def behind(self, context: list[int]) -> int:
+        return max(0, len(context) - 1 - len(self._read))
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Prefill: read the target's tokens, and feed the draft its tokens for them but the last WINDOW."""
+        self._read_text(token_ids)
+        self._sync()
+        keep = self._align()
+        feed = self._known[keep: len(self._known) - WINDOW]
+        if feed:
+            self.backend.append(feed)
+            self._cached += feed
+
+    def _read_text(self, token_ids: list[int]) -> None:
+        self._read += token_ids
+        self._text += self.bridge.target.bytes_of(token_ids)
+
+    def _catch_up(self, context: list[int]) -> None:
+        """Read what context holds past the text read so far (all of it anew, should it not continue that text)."""
+        read = len(self._read)
+        if len(context) < read or (read and context[read - 1] != self._read[-1]):
+            self._reset_text()
+            read = 0
+        self._read_text(context[read:])
+
+    def _sync(self) -> None:
+        """The draft's tokens for the text's whole characters: the known ones kept to WINDOW before their end (all
+        re-encoded when they did not spell the text exactly), the rest encoded anew."""
+        whole = whole_characters(self._text)
+        starts = len(self.bridge.draft.start_ids)
+        keep = max(starts, len(self._known) - WINDOW) if self._spelled else starts
+        offset = self._ends[keep - 1] if keep else 0
+        new = self.bridge.draft.encode_bytes(self._text[offset:whole])
+        ends = list(accumulate((len(self.bridge.draft.table[t]) for t in new), initial=offset))[1:]
+        self._spelled = (ends[-1] if ends else offset) == whole
+        self._known = self._known[:keep] + new
+        self._ends = self._ends[:keep] + [min(end, whole) for end in ends]
+        self._tail = bytes(self._text[whole:])
+
+    def _align(self) -> int:
+        """Cut the draft's cache to the longest prefix it shares with the known tokens; returns its length."""
+        keep = 0
+        for cached, known in zip(self._cached, self._known):
+            if cached != known:
+                break
+            keep += 1
+        if keep < len(self._cached):
+            del self._cached[keep:]
+            self.backend.trim(keep)
+        return keep
+
+    # -- a round in steps ----------------------------------------------------------------------------------------
+    def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
+        self._catch_up(context)
+        self._sync()
+        keep = self._align()
+        if keep and keep == len(self._known):  # a forward needs a token to feed: the last known one again
+            keep -= 1
+            del self._cached[keep:]
+            self.backend.trim(keep)
+        self._context_len, self._k = len(context), k
+        self._left, self._stop_confidence = DRAFT_STEPS_PER_TOKEN * k + 1, stop_confidence
+        self._guess, self._proposal = [], []
+        self._feed = self._known[keep:] if k > 0 and self._known else None
+
+    def take(self, logits: torch.Tensor) -> None:
+        """logits: [draft_vocab] (a compact layer's rows), the draft's row after the fed tokens."""
+        self._cached += self._feed
+        self._feed = None
+        row = logits if self.token_ids is not None else logits[: len(self.bridge.draft.table)]
+        best = int(row.argmax())
+        token = best if self.token_ids is None else int(self.token_ids[best])
+        if token in self.bridge.draft_eos:
+            self._proposal = self._translate(ended=True)
+            return
+        self._guess.append(token)
+        self._left -= 1
+        self._proposal = self._translate(ended=False)
+        confident = self._stop_confidence <= 0 or float(torch.softmax(row.float(), -1)[best]) >= self._stop_confidence
+        if len(self._proposal) < self._k and self._left > 0 and confident and self._on_text():
+            self._feed = [token]
+
+    def _on_text(self) -> bool:
+        """Whether the guess still spells the text's unfinished character (if any) as the target began it."""
+        guessed = self.bridge.draft.bytes_of(self._guess[: len(self._tail)])
+        return guessed[: len(self._tail)] == self._tail[: len(guessed)]
+
+    def _translate(self, ended: bool) -> list[int]:
+        """The target's tokens for the guess so far (at most the round's k)."""
+        guessed, tail = self.bridge.draft.bytes_of(self._guess), self._tail
+        if not guessed.startswith(tail):
+            return []
+        return self.bridge.continuation(guessed[len(tail):], ended)[: self._k]
+
+    def finish(self) -> Draft:
+        return Draft(token_ids=tuple(self._proposal), q=None)
+
+    def observe(self, num_accepted: int) -> None:
+        """Cut the cache to the known tokens and the guessed ones whose text the target kept."""
+        kept = self._tail + self.bridge.target.bytes_of(self._proposal[:num_accepted])
+        guessed = self.bridge.draft.bytes_of(self._guess)
+        cut, end = len(self._known), 0
+        for token in self._cached[len(self._known):]:
+            end += len(self.bridge.draft.table[token])
+            if end > len(kept) or guessed[:end] != kept[:end]:
+                break
+            cut += 1
+        if cut < len(self._cached):
+            del self._cached[cut:]
+            self.backend.trim(cut)
