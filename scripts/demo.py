@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     quantized = backend == "quant"
     options = QUANT_ASSEMBLY if quantized else {}
     print(f"backend {backend}", file=sys.stderr)
-    target_model, tokenizer, draft_model = load_models(TARGET, DRAFT, "float32" if quantized else args.dtype,
-                                                       quantized=quantized)
+    target_model, tokenizer, draft_model, _ = load_models(TARGET, DRAFT, "float32" if quantized else args.dtype,
+                                                          quantized=quantized)
     speculative = Engine.from_models(target_model, tokenizer, draft_model=draft_model, **options)
     del target_model  # the engine runs a copy on faster kernels; the loaded original is not needed again
     print(f"\n--- method draft, k={K}, greedy; draft tokens in green on a terminal ---", file=sys.stderr)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="(default: %(default)s)")
     parser.add_argument("--dtype", default="auto", help="(default: %(default)s)")
     args = parser.parse_args(argv)
-    target, tokenizer, draft = load_models(args.target, args.draft, args.dtype)
+    target, tokenizer, draft, _ = load_models(args.target, args.draft, args.dtype)
     target = Engine.from_models(target, tokenizer, method="none").target.model  # one calibrated copy for all
     if args.what in ("proposal", "both"):
         measure_proposal_cache(target, tokenizer, draft, args.requests, args.max_new_tokens)
