@@ -121,7 +121,8 @@ class Engine:
 
     @classmethod
     def from_models(cls, target_model, tokenizer, draft_model=None, method: str | None = None, **options) -> "Engine":
-        """Wrap transformers models already in memory (the draft shares the target's tokenizer)."""
+        """Wrap transformers models already in memory. options: those of loading.assemble; draft_tokenizer=, the
+        draft's own tokenizer where it may differ from the target's (then it drafts through text)."""
         from draftwise.loading import assemble
 
         return assemble(cls, target_model, tokenizer, method, draft_model, **options)

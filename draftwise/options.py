@@ -28,7 +28,8 @@ def add_target(group, *, required: bool = False, role: str = "the model whose ou
 def add_draft(group, *, default: str | None = None, also: str = "") -> None:
     """--draft: the draft model of the methods that need one; also: what else the command uses it for."""
     uses = f"for the methods that need one ({', '.join(methods_needing(DRAFT_MODEL))}){also}"
-    help_ = f"a small model sharing the target's tokenizer, {uses}"
+    help_ = (f"a small model, {uses}; one with another tokenizer than the target's drafts through text, chains "
+             "only (draft, hybrid)")
     group.add_argument("--draft", default=default, metavar="MODEL",
                        help=help_ if default is None else f"{help_} (default: %(default)s)")
 

@@ -1,6 +1,8 @@
-"""Each token's text as bytes, and a text's tokens, for any tokenizer a model here comes with: a byte-level BPE
+"""Each token's text as bytes, and a text's tokens, for the tokenizers the models here come with: a byte-level BPE
 (GPT-2's, Qwen's, SmolLM's: every byte spelled as one printable character) or a SentencePiece-style vocabulary
-(Llama 2's, Gemma's: '▁' for a space, `<0xNN>` pieces for bytes it has no token for).
+without a space put before every text (Gemma's: '▁' for a space, `<0xNN>` pieces for bytes it has no token for).
+Llama 2's kind, which puts one before every text, fails the spelling check at load: a text read in pieces would
+gain a space at every piece.
 
 Bytes, not strings, because a token may hold part of a character (a byte-level model spells a Chinese character
 in two or three tokens), and a draft with another tokenizer must read the target's text exactly where it stands.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from itertools import accumulate
 
 from draftwise.errors import DraftwiseError
 
@@ -82,6 +85,7 @@ class TokenTexts:
     def __init__(self, tokenizer, rows: int = 0, name: str = "the tokenizer"):
         """rows: the model's logit rows (ids past the tokenizer's are padding, text b""); name: for errors."""
         self.tokenizer = tokenizer
+        self.size = len(tokenizer)  # ids from here on (to `rows`) are padding rows: never a guess
         self.table = token_bytes(tokenizer, rows)
         # The one-byte tokens (a byte-level BPE has all 256; SentencePiece its <0xNN> pieces): for bytes that are no
         # character, which a model may emit, and for the rest of a character a model began.
@@ -99,6 +103,19 @@ class TokenTexts:
     def encode(self, text: str) -> list[int]:
         """The tokens of text, special tokens spelled in it read as the tokens, nothing added around it."""
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_spans(self, data: bytes) -> tuple[list[int], list[int]]:
+        """(the tokens of data, where in data each one's text ends): by their bytes where they spell data exactly,
+        else (a normalizer changed the text: NFC, a literal '▁') by the tokenizer's offsets, so that a token's end
+        is still a place in data."""
+        token_ids = self.encode_bytes(data)
+        ends = list(accumulate(len(self.table[t]) for t in token_ids))
+        if (ends[-1] if ends else 0) == len(data):
+            return token_ids, ends
+        text = data.decode("utf-8", "replace")
+        spans = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        places = [0, *accumulate(len(c.encode("utf-8", "replace")) for c in text)]  # character -> byte offset
+        return spans["input_ids"], [places[end] for _, end in spans["offset_mapping"]]
 
     def encode_bytes(self, data: bytes | bytearray) -> list[int]:
         """The tokens of data: its characters encoded, bytes that are no character as one-byte tokens (U+FFFD where

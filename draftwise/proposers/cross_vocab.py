@@ -9,8 +9,10 @@ prefix of a longer text's tokens, in either vocabulary:
   " foobar") changes them; the draft's cache keeps the longest prefix it shares with the new tokens;
 - a text that ends inside a character (a byte-level target emitted part of a character's bytes) is read to its
   last whole character; the guess must spell the rest, which reaches the target as its single-byte tokens;
-- the guess's last target token is left out unless the draft ended its text (its end of sequence, which becomes
-  the target's): a guess cut after some draft tokens may stop inside a word that the target spells as one token;
+- a guess cut after some draft tokens may stop inside a word that the target spells as one token: its last target
+  token is offered all the same (CUT_LAST), since a wrong one costs a row of the verification and a right one
+  saves a draft forward (measured: docs/experiments/cross-tokenizer-zen4); a draft that ends its text offers the
+  target's end of sequence spelled alike (SmolLM2's <|im_end|>: Qwen's);
 - the draft's own start tokens (Gemma's <bos>) head its text as its tokenizer puts them; the target's special
   tokens reach it as their text, which its tokenizer reads as its own special token where it has one (ChatML's
   <|im_start|>, in SmolLM2's and Qwen's vocabularies alike).
@@ -25,8 +27,6 @@ holds no entries for such a draft (its keys are the target's tokens): each seque
 """
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 
 from draftwise.backends.base import Backend
@@ -37,6 +37,9 @@ from draftwise.types import Draft
 
 # The draft's last tokens for the text that a merge with the text after them may change.
 WINDOW = 3
+# Whether a guess the draft did not end leaves out its last target token, which may be part of a longer one: no,
+# offering it paid with each of the three drafts measured (docs/experiments/cross-tokenizer-zen4, cut_last.py).
+CUT_LAST = False
 # Draft forwards a round may run per target token it is asked for (the two vocabularies' tokens differ in length).
 DRAFT_STEPS_PER_TOKEN = 2
 
@@ -44,24 +47,30 @@ DRAFT_STEPS_PER_TOKEN = 2
 class VocabBridge:
     """The two tokenizers of a cross-tokenizer pair, as text, shared by every sequence of the pair."""
 
-    def __init__(self, target: TokenTexts, draft: TokenTexts, target_eos: int, draft_eos: frozenset[int]):
-        """target_eos: the id a guess that the draft ended becomes; draft_eos: every id that ends the draft's text."""
-        self.target, self.draft = target, draft
-        self.target_eos, self.draft_eos = target_eos, draft_eos
+    def __init__(self, target: TokenTexts, draft: TokenTexts, ends: dict[int, int]):
+        """ends: each id that ends the draft's text -> the target's id that a guess the draft ended gets."""
+        self.target, self.draft, self.ends = target, draft, ends
 
     @classmethod
     def of(cls, tokenizer, target_rows: int, eos, draft_tokenizer, draft_rows: int, draft_eos) -> VocabBridge:
-        """The bridge of a pair, each tokenizer's bytes checked (rows: each model's logit rows). A guess the draft
-        ends becomes the target's tokenizer's end of sequence (else the least of the target's eos ids)."""
-        target_eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
-        return cls(TokenTexts(tokenizer, target_rows, "the target's tokenizer"),
-                   TokenTexts(draft_tokenizer, draft_rows, "the draft's tokenizer"), target_eos, frozenset(draft_eos))
+        """The bridge of a pair, each tokenizer's bytes checked (rows: each model's logit rows). A draft's end of
+        text becomes the target's end of sequence spelled alike (SmolLM2's <|im_end|>: Qwen's), else the target
+        tokenizer's own (else the least of the target's eos ids)."""
+        target, draft = (TokenTexts(tokenizer, target_rows, "the target's tokenizer"),
+                         TokenTexts(draft_tokenizer, draft_rows, "the draft's tokenizer"))
+        default = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos)
+        spelled = {target.table[i]: i for i in sorted(eos, reverse=True)}
+        return cls(target, draft, {i: spelled.get(draft.table[i], default) for i in draft_eos})
 
-    def continuation(self, text: bytes, ended: bool) -> list[int]:
-        """The target's tokens for text that continues the target's own; ended: the draft ended its text there."""
+    def continuation(self, text: bytes, end: int | None = None, cut_last: bool = True) -> list[int]:
+        """The target's tokens for text that continues the target's own; end: the draft's id that ended its text
+        there (None: it did not); cut_last: leave out the last token of a text the draft did not end (it may be
+        part of a longer one)."""
         whole = whole_characters(text)  # (bytes that are no character, such as the rest of one the target began,
         ids = self.target.encode_bytes(text[:whole])  # become one-byte tokens)
-        return [*ids, self.target_eos] if ended else ids[:-1]
+        if end is not None:
+            return [*ids, self.ends[end]]
+        return ids[:-1] if cut_last else ids
 
 
 def on_cross_draft(proposer_cls: type, backend: Backend, bridge: VocabBridge,
@@ -86,11 +95,12 @@ class CrossTokenizerProposer(DraftModelProposer):
         self._reset_text()
 
     def _reset_text(self) -> None:
-        self._text = bytearray()  # the target's text so far (prompt and emitted), as bytes
+        self._text = bytearray()  # the target's text so far (prompt and emitted, its start tokens aside), as bytes
         self._read: list[int] = []  # the target tokens read into _text
         self._known = list(self.bridge.draft.start_ids)  # the draft's tokens for _text's whole characters
         self._ends = [0] * len(self._known)  # where in _text each known token's text ends
-        self._spelled = True  # whether the draft's tokens spelled the text byte for byte (else re-encode it all)
+        # The cache's first min(_aligned, its length) tokens are _known's: _align compares only past them.
+        self._aligned = 0
         self._tail = b""  # _text past its last whole character
         self._guess: list[int] = []  # this round's draft tokens
         self._proposal: list[int] = []  # this round's target tokens
@@ -132,10 +142,17 @@ class CrossTokenizerProposer(DraftModelProposer):
         if feed:
             self.backend.append(feed)
             self._cached += feed
+            self._aligned = len(self._cached)
 
     def _read_text(self, token_ids: list[int]) -> None:
+        if not self._read:  # the target's own start tokens (a <bos>) are no text: the draft has its own
+            starts = self.bridge.target.start_ids
+            token_ids, skipped = (token_ids[len(starts):], starts) if token_ids[:len(starts)] == starts else \
+                (token_ids, [])
+            self._read += skipped
+        text = self.bridge.target.bytes_of(token_ids)
         self._read += token_ids
-        self._text += self.bridge.target.bytes_of(token_ids)
+        self._text += text
 
     def _catch_up(self, context: list[int]) -> None:
         """Read what context holds past the text read so far (all of it anew, should it not continue that text)."""
@@ -146,30 +163,35 @@ class CrossTokenizerProposer(DraftModelProposer):
         self._read_text(context[read:])
 
     def _sync(self) -> None:
-        """The draft's tokens for the text's whole characters: the known ones kept to WINDOW before their end (all
-        re-encoded when they did not spell the text exactly), the rest encoded anew."""
+        """The draft's tokens for the text's whole characters: the known ones kept to WINDOW before their end, the
+        rest encoded anew."""
         whole = whole_characters(self._text)
-        starts = len(self.bridge.draft.start_ids)
-        keep = max(starts, len(self._known) - WINDOW) if self._spelled else starts
+        keep = max(len(self.bridge.draft.start_ids), len(self._known) - WINDOW)
         offset = self._ends[keep - 1] if keep else 0
-        new = self.bridge.draft.encode_bytes(self._text[offset:whole])
-        ends = list(accumulate((len(self.bridge.draft.table[t]) for t in new), initial=offset))[1:]
-        self._spelled = (ends[-1] if ends else offset) == whole
-        self._known = self._known[:keep] + new
-        self._ends = self._ends[:keep] + [min(end, whole) for end in ends]
+        new, ends = self.bridge.draft.encode_spans(bytes(self._text[offset:whole]))
+        del self._known[keep:], self._ends[keep:]
+        self._known += new
+        self._ends += [offset + end for end in ends]
+        self._aligned = min(self._aligned, keep)
         self._tail = bytes(self._text[whole:])
 
     def _align(self) -> int:
         """Cut the draft's cache to the longest prefix it shares with the known tokens; returns its length."""
-        keep = 0
-        for cached, known in zip(self._cached, self._known):
+        keep = min(self._aligned, len(self._cached), len(self._known))
+        for cached, known in zip(self._cached[keep:], self._known[keep:]):
             if cached != known:
                 break
             keep += 1
-        if keep < len(self._cached):
-            del self._cached[keep:]
-            self.backend.trim(keep)
+        self._cut(keep)
+        self._aligned = keep
         return keep
+
+    def _cut(self, length: int) -> None:
+        """Keep the cache's first `length` tokens (at most)."""
+        if length < len(self._cached):
+            del self._cached[length:]
+            self.backend.trim(length)
+            self._aligned = min(self._aligned, length)
 
     # -- a round in steps ----------------------------------------------------------------------------------------
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
@@ -178,26 +200,26 @@ class CrossTokenizerProposer(DraftModelProposer):
         keep = self._align()
         if keep and keep == len(self._known):  # a forward needs a token to feed: the last known one again
             keep -= 1
-            del self._cached[keep:]
-            self.backend.trim(keep)
+            self._cut(keep)
         self._context_len, self._k = len(context), k
         self._left, self._stop_confidence = DRAFT_STEPS_PER_TOKEN * k + 1, stop_confidence
         self._guess, self._proposal = [], []
         self._feed = self._known[keep:] if k > 0 and self._known else None
+        self._aligned = len(self._known)  # (the cache's first tokens, once fed, are these; _cut lowers it)
 
     def take(self, logits: torch.Tensor) -> None:
         """logits: [draft_vocab] (a compact layer's rows), the draft's row after the fed tokens."""
         self._cached += self._feed
         self._feed = None
-        row = logits if self.token_ids is not None else logits[: len(self.bridge.draft.table)]
+        row = logits if self.token_ids is not None else logits[: self.bridge.draft.size]
         best = int(row.argmax())
         token = best if self.token_ids is None else int(self.token_ids[best])
-        if token in self.bridge.draft_eos:
-            self._proposal = self._translate(ended=True)
+        if token in self.bridge.ends:
+            self._proposal = self._translate(end=token)
             return
         self._guess.append(token)
         self._left -= 1
-        self._proposal = self._translate(ended=False)
+        self._proposal = self._translate()
         confident = self._stop_confidence <= 0 or float(torch.softmax(row.float(), -1)[best]) >= self._stop_confidence
         if len(self._proposal) < self._k and self._left > 0 and confident and self._on_text():
             self._feed = [token]
@@ -207,19 +229,21 @@ class CrossTokenizerProposer(DraftModelProposer):
         guessed = self.bridge.draft.bytes_of(self._guess[: len(self._tail)])
         return guessed[: len(self._tail)] == self._tail[: len(guessed)]
 
-    def _translate(self, ended: bool) -> list[int]:
-        """The target's tokens for the guess so far (at most the round's k)."""
+    def _translate(self, end: int | None = None) -> list[int]:
+        """The target's tokens for the guess so far (at most the round's k); end: the draft's id that ended it."""
         guessed, tail = self.bridge.draft.bytes_of(self._guess), self._tail
         if not guessed.startswith(tail):
             return []
-        return self.bridge.continuation(guessed[len(tail):], ended)[: self._k]
+        return self.bridge.continuation(guessed[len(tail):], end, CUT_LAST)[: self._k]
 
     def finish(self) -> Draft:
         return Draft(token_ids=tuple(self._proposal), q=None)
 
     def observe(self, num_accepted: int) -> None:
-        """Cut the cache to the known tokens and the guessed ones whose text the target kept."""
-        kept = self._tail + self.bridge.target.bytes_of(self._proposal[:num_accepted])
+        """Cut the cache to the known tokens and the guessed ones whose text the target kept; the kept tokens are
+        the text's (the next round reads only what the target added after them)."""
+        kept_ids = self._proposal[:num_accepted]
+        kept = self._tail + self.bridge.target.bytes_of(kept_ids)
         guessed = self.bridge.draft.bytes_of(self._guess)
         cut, end = len(self._known), 0
         for token in self._cached[len(self._known):]:
@@ -227,6 +251,5 @@ class CrossTokenizerProposer(DraftModelProposer):
             if end > len(kept) or guessed[:end] != kept[:end]:
                 break
             cut += 1
-        if cut < len(self._cached):
-            del self._cached[cut:]
-            self.backend.trim(cut)
+        self._cut(cut)
+        self._read_text(kept_ids)
