@@ -26,6 +26,7 @@ from draftwise.train.command import add_train_head
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
 from draftwise.methods import BASELINE, DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs
+from draftwise.tokenizers import CROSS_TOKENIZER
 
 PROG = "draftwise"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -262,10 +263,12 @@ def fmt_optional(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def stats_line(stats) -> str:
-    """One line for humans, e.g. `[draft k=4 float32] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...`."""
+    """One line for humans, e.g. `[draft k=4 float32] 128 tokens, 9.3 tok/s, acceptance 71.2%, ...` (a draft with
+    another tokenizer than the target's: `[draft k=4 bfloat16 cross-tokenizer]`)."""
     dtype = stats.speed_paths.get("dtype")
     k = None if stats.method == BASELINE else f"k={stats.num_draft_tokens}"
-    label = " ".join(part for part in (stats.method, k, dtype) if part)
+    cross = needs(stats.method, DRAFT_MODEL) and stats.speed_paths.get("draft_tokenizer") == CROSS_TOKENIZER
+    label = " ".join(part for part in (stats.method, k, dtype, CROSS_TOKENIZER if cross else None) if part)
     head = f"[{label}]"
     parts = [f"{stats.new_tokens} tokens", f"{fmt_optional(stats.tokens_per_s, '.1f')} tok/s"]
     if stats.method != BASELINE:

@@ -18,6 +18,7 @@ from tokenizers import normalizers
 from conftest import (decode_together, piece_tokenizer, shuffled_tokenizer, shuffled_twin, tiny_model,
                       tiny_tokenizer, transformers_greedy)
 from draftwise import Engine
+from draftwise.cli import stats_line
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.cross_vocab import CrossTokenizerProposer, VocabBridge
@@ -108,7 +109,11 @@ def test_the_pair_check_says_which_path_a_draft_takes():
     assert draft_path(tiny_tokenizer(), tiny_tokenizer()) == SHARED_TOKENIZER
     assert draft_path(tiny_tokenizer(), shuffled()[0]) == CROSS_TOKENIZER
     assert draft_path(tiny_tokenizer(), piece_tokenizer()) == CROSS_TOKENIZER
-    assert engine("draft", "twin").speed_paths["draft_tokenizer"] == CROSS_TOKENIZER
+    cross = engine("draft", "twin")
+    assert cross.speed_paths["draft_tokenizer"] == CROSS_TOKENIZER
+    line = stats_line(cross.generate(PROMPT, max_new_tokens=4, num_draft_tokens=2).stats)
+    assert line.startswith("[draft k=2 float32 cross-tokenizer] 4 tokens")  # the CLI's stats line says so
+    assert "cross-tokenizer" not in stats_line(cross.generate(PROMPT, max_new_tokens=4, method="lookup").stats)
     shared = Engine.from_models(target(), tiny_tokenizer(), draft_model=target(), method="draft",
                                 draft_tokenizer=tiny_tokenizer())
     assert shared.speed_paths["draft_tokenizer"] == SHARED_TOKENIZER
