@@ -193,13 +193,13 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
 
 def test_the_same_check_rejects_the_wrong_distribution():
     """Power: the same samples are far from a neighbouring setting's distribution."""
-    pairs, _, _ = sampled_pairs("draft", "t0.7-topk-topp", 2)
+    pairs, _, _ = sampled_pairs("draft", "t0.7-topk-topp", 2, "loop")  # (as CASES spells it: the cached run)
     assert fit_pvalue(pairs, exact_pairs(SamplingConfig(temperature=1.0))) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
-    pairs, _, _ = sampled_pairs("skip", "t1", 2)
+    pairs, _, _ = sampled_pairs("skip", "t1", 2, "loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
-    pairs, _, _ = sampled_pairs("skip-int8", "t1", 2)
+    pairs, _, _ = sampled_pairs("skip-int8", "t1", 2, "loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid-skip", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
@@ -213,7 +213,7 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
     pairs, _, _ = sampled_pairs("draft-tree", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
-    pairs, _, _ = sampled_pairs("head", "t1", 2)
+    pairs, _, _ = sampled_pairs("head", "t1", 2, "loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid-head", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
