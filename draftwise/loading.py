@@ -345,8 +345,8 @@ def head_proposer(target_model, folder: str) -> HeadProposer:
     head, ids = load_head(folder, dtype=target_model.dtype, device=target_model.device)
     check_fits(head.config, target_model, folder)
     parameters = parameter_count(head)  # (a repacked linear keeps its weight as a buffer)
-    exact = {name: on_timed_kernels(nn.Sequential(getattr(head, name)), EXACT_KERNELS, HEAD_WIDTHS)[0]
-             for name in EXACT_INPUT_LAYERS if hasattr(head, name)}
+    exact = {name: on_timed_kernels(nn.Sequential(head.get_submodule(name)), EXACT_KERNELS, HEAD_WIDTHS)[0]
+             for name in EXACT_INPUT_LAYERS if name in head.joining_layers()}
     for name in exact:  # out while the rest is timed and repacked: an int8 copy of them would only be thrown away
         setattr(head, name, nn.Identity())
     head = on_timed_kernels(head, DRAFT_KERNELS, HEAD_WIDTHS)

@@ -77,6 +77,10 @@ class Runners:
         target's (the pair check then decides; transformers' assisted generation gets both tokenizers)."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
+        # transformers' assisted generation needs both tokenizers for a draft with another (its universal mode)
+        self._assistant_tokenizers = {} if draft_tokenizer is None or \
+            draft_path(tokenizer, draft_tokenizer) != CROSS_TOKENIZER else {"tokenizer": tokenizer,
+                                                                             "assistant_tokenizer": draft_tokenizer}
         self.draft_tokenizer = draft_tokenizer
         self.num_draft_tokens = num_draft_tokens
         self.lookup_ngram, self.adaptive, self.jump_forward = lookup_ngram, adaptive, jump_forward
@@ -165,9 +169,7 @@ class Runners:
         config.max_new_tokens = max_new_tokens
         if method == "hf-assisted":
             extra["assistant_model"] = self.draft_model  # transformers' own defaults for draft length
-            if self.draft_tokenizer is not None and draft_path(self.tokenizer, self.draft_tokenizer) == CROSS_TOKENIZER:
-                # transformers' universal assisted generation: the draft's text re-encoded for the target
-                extra.update(tokenizer=self.tokenizer, assistant_tokenizer=self.draft_tokenizer)
+            extra.update(self._assistant_tokenizers)
         elif method == "hf-lookup":
             config.prompt_lookup_num_tokens = self.num_draft_tokens
         input_ids = torch.tensor([prompt_ids], device=self.target_model.device)  # [1, prompt]

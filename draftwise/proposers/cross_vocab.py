@@ -201,7 +201,7 @@ class CrossTokenizerProposer(DraftModelProposer):
         if keep and keep == len(self._known):  # a forward needs a token to feed: the last known one again
             keep -= 1
             self._cut(keep)
-        self._context_len, self._k = len(context), k
+        self._k = k
         self._left, self._stop_confidence = DRAFT_STEPS_PER_TOKEN * k + 1, stop_confidence
         self._guess, self._proposal = [], []
         self._feed = self._known[keep:] if k > 0 and self._known else None

@@ -141,6 +141,10 @@ class FeatureHead(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
 
+    def joining_layers(self) -> tuple[str, ...]:
+        """Its linears whose input joins tensors of different scales: the fuse, and a fused head's reduce."""
+        return ("fuse", "reduce") if self.config.feature_layers else ("fuse",)
+
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
                 return_kv: bool = False, current: torch.Tensor | None = None):
