@@ -13,8 +13,9 @@ import pytest
 from draftwise.errors import DraftwiseError
 from draftwise.bench.loadgen import (
     RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
-    summarise, take_chunk,
+    summarise, take_chunk, throttle_table,
 )
+from draftwise.bench.interleave import order_for_repeat
 from draftwise.bench.loadgen_command import add_loadgen, plan_from_args
 
 # -- the summary math -----------------------------------------------------------------------------------
@@ -75,6 +76,43 @@ def test_acceptance_falls_back_to_the_mean_of_reported_rates():
     assert acceptance([_rec("on", 1)]) is None
 
 
+def _runs(mode, method, c, rates, tokens=60):
+    """One record per repeat whose run made `tokens` tokens at these rates (None: the repeat did not run)."""
+    return [_rec(mode, c, method=method, repeat=i, completion_tokens=tokens, level_wall_s=tokens / rate)
+            for i, rate in enumerate(rates) if rate is not None]
+
+
+def test_repeats_give_the_median_and_range_and_the_throttle_judges_repeat_by_repeat():
+    records = [*_runs("on", "hybrid", 4, [20.0, 30.0, 24.0]), *_runs("always", "hybrid", 4, [18.0, 28.0, 30.0]),
+               *_runs("off", None, 4, [21.0, 25.0, 22.0]),
+               *_runs("on", "lookup", 4, [19.0, 22.0, 20.0]), *_runs("always", "lookup", 4, [15.0, 16.0, 15.0])]
+    rows = summarise(records)
+    on = next(r for r in rows if r["mode"] == "on" and r["method"] == "hybrid")
+    assert on["tokens_per_s"] == pytest.approx(24.0) and on["runs_tokens_per_s"] == pytest.approx([20, 30, 24])
+    assert (on["tokens_per_s_low"], on["tokens_per_s_high"]) == pytest.approx((20.0, 30.0))
+    # Repeat by repeat against the better rival: 20/21, 30/28, 24/30 -> median 0.952, range 0.8-1.07
+    assert on["on_vs_best"] == pytest.approx(20 / 21) and on["throttle_holds"]
+    assert (on["on_vs_best_low"], on["on_vs_best_high"]) == pytest.approx((0.8, 30 / 28))
+    # The control: lookup's on is below off in every repeat (19/21, 22/25, 20/22): the throttle fails it.
+    lookup = next(r for r in rows if r["mode"] == "on" and r["method"] == "lookup")
+    assert lookup["on_vs_best"] == pytest.approx(19 / 21) and lookup["throttle_holds"] is False
+    table = throttle_table(rows)
+    assert "| hybrid | 4 | 24.0 | 28.0 | 22.0 | 0.95x (0.80-1.07) | yes |" in table
+    assert "| lookup | 4 | 20.0 | 15.0 | 22.0 | 0.90x (0.88-0.91) | **no** |" in table
+    assert "| hybrid | on | 4 | 3 (0) | 24.0 (20.0-30.0) |" in markdown_table(rows)
+    # Nothing to judge without a rival at the level; always and off rows carry no verdict.
+    alone = summarise(_runs("on", "draft", 2, [10.0]))
+    assert alone[0]["on_vs_best"] is None and alone[0]["throttle_holds"] is None and throttle_table(alone) == ""
+    assert "on_vs_best" not in next(r for r in rows if r["mode"] == "off")
+
+
+def test_interleaved_order_rotates_and_reverses_each_repeat():
+    cells = ["a", "b", "c"]
+    assert [order_for_repeat(cells, r) for r in range(4)] == [
+        ["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"], ["c", "b", "a"]]
+    assert order_for_repeat([], 3) == []
+
+
 # -- one stream's chunks ----------------------------------------------------------------------------------
 
 
@@ -128,13 +166,14 @@ def test_urls_and_request_bodies():
         with pytest.raises(DraftwiseError, match="--url"):
             base_url(bad)
     plan = plan_from_args(_args("--url", "http://h:1", "--method", "lookup", "--per-category", "1"))
-    on, off = request_body("m", plan, "on"), request_body("m", plan, "off")
+    assert plan.methods == ("lookup",)
+    on, off = request_body("m", plan, "on", "lookup"), request_body("m", plan, "off", "lookup")
     assert on["speculation"] == {"method": "lookup"} and off["speculation"] == {"method": "none"}
     assert on["stream"] and on["stream_options"] == {"include_usage": True} and on["temperature"] == 0
     plain = plan_from_args(_args("--url", "http://h:1", "--per-category", "1"))
     assert "speculation" not in request_body("m", plain, "on")
     assert request_body("m", plain, "always")["speculation"] == {"adaptive": False}
-    assert request_body("m", plan, "always")["speculation"] == {"method": "lookup", "adaptive": False}
+    assert request_body("m", plan, "always", "lookup")["speculation"] == {"method": "lookup", "adaptive": False}
     # Every level sends the same requests: one per prompt, at least the largest concurrency.
     assert [plain.count(c) for c in (1, 2, 4, 8)] == [max(len(plain.prompts), 8)] * 4
     fixed = plan_from_args(_args("--url", "http://h:1", "--requests", "3", "--per-category", "1"))
@@ -144,6 +183,7 @@ def test_urls_and_request_bodies():
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--speculation", "on,maybe"], "--speculation"), (["--requests", "0"], "--requests"),
+    (["--repeats", "0"], "--repeats"), (["--methods", " , "], "--methods"),
     (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"), (["--timeout", "inf"], "--timeout"),
     (["--categories", "nope"], "unknown category"),
 ])
@@ -313,7 +353,28 @@ def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeyp
     assert "| on | 3 | 5 (0) |" in report and "| off | 1 | 5 (0) |" in report and "1.00x" in report
     assert (tmp_path / "loadgen.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr()
-    assert out.out.startswith("| speculation | concurrency |") and "concurrency 3" in out.err
+    assert out.out.startswith("| method | speculation | concurrency |") and "concurrency 3" in out.err
+
+
+def test_several_methods_and_repeats_run_interleaved_with_off_once_a_round(tmp_path, standin, capsys):
+    code = _run("--url", standin.url, "--methods", "draft,lookup", "--speculation", "on,always,off", "--repeats", "2",
+                "--concurrency", "1", "--requests", "2", "--max-tokens", "2", "--per-category", "1",
+                "--out", str(tmp_path))
+    assert code == 0
+    asked = [(b.get("speculation") or {}) for _, b in standin.posts]
+    cells = [("on", "draft"), ("always", "draft"), ("on", "lookup"), ("always", "lookup"), ("off", "none")]
+    sent = [("off" if a.get("method") == "none" else "always" if a.get("adaptive") is False else "on", a["method"])
+            for a in asked]
+    # Repeat 0: each cell's warm-up, then its two requests; repeat 1: no warm-up, the order rotated and reversed.
+    assert sent == [c for c in cells for _ in range(3)] + [c for c in order_for_repeat(cells, 1) for _ in range(2)]
+    rows = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert [(r["mode"], r["method"]) for r in rows] == [("on", "draft"), ("always", "draft"), ("on", "lookup"),
+                                                         ("always", "lookup"), ("off", None)]
+    assert all(r["requests"] == 4 and len(r["runs_tokens_per_s"]) == 2 for r in rows)
+    assert all(r["on_vs_best"] > 0 for r in rows if r["mode"] == "on")
+    out = capsys.readouterr().out
+    assert "| lookup | always | 1 | 4 (0) |" in out and "| none | off | 1 | 4 (0) |" in out
+    assert "on / best of always, off" in out and "## Throttle" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize("standin", [{"faults": {3: "500", 4: "error chunk", 5: "cut", 6: "stall"}}],

@@ -1,11 +1,14 @@
 """The load generator behind `draftwise loadgen`: drive a live server over HTTP at several concurrencies,
-speculation on and off.
+speculation on and off, for one method or several.
 
-For each concurrency level, each mode (on, always, off) runs in turn, so that whatever else the machine is doing at the
-time weighs on both: a warm-up request (not counted), then N streamed requests kept exactly `concurrency` in
-flight. Per (mode, level): aggregate tokens/s (completion tokens over the level's wall time), p50/p95 time to
-first token and time between tokens (gaps between one request's consecutive content chunks: the server sends one
-chunk per token), and the server-reported acceptance.
+At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and
+the whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever
+else the machine is doing weighs on all of them alike: a warm-up request in the first repeat (not counted), then N
+streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the method: it runs once a
+round. Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of the repeats, and
+their range), p50/p95 time to first token and time between tokens (gaps between one request's consecutive content
+chunks: the server sends one chunk per token), and the server-reported acceptance. Per method and level, the
+throttle's verdict: on over the better of always and off, repeat by repeat (the cells of one repeat ran back to back).
 
 Three layers: the plan (LoadPlan; the command's options become one in loadgen_command.py), the HTTP driver
 (run_load and the coroutines under it), and pure functions (take_chunk, percentile, summarise, markdown_table) that
@@ -23,12 +26,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
 
+from draftwise.bench.interleave import order_for_repeat
 from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
 
 # on: the server's default speculation (its draft length adapts to acceptance and load); always: the same method
 # drafting its full k every round (adaptive off); off: the target alone.
 MODES = ("on", "always", "off")
+OFF = "off"
+# What the throttle promises: adaptive speculation at least this share of the better of always and off.
+THROTTLE_FLOOR = 0.95
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 ERROR_CHARS = 300  # how much of an error body a record keeps
 
@@ -48,7 +55,8 @@ class LoadPlan:
     requests: int | None = None
     max_tokens: int = 64
     chat: bool = True
-    method: str | None = None
+    methods: tuple[str | None, ...] = (None,)  # None: the server's own
+    repeats: int = 1
     model: str | None = None
     api_key: str | None = None
     timeout: float = 300.0
@@ -61,6 +69,14 @@ class LoadPlan:
         """Requests at this level. Every level sends the same ones (prompts cycled in order), so that a ratio
         between levels compares load, not prompt mixes; fewer than the concurrency would never reach it."""
         return max(self.requests or max(len(self.prompts), *self.levels), level)
+
+    def cells(self) -> list[tuple[str, str | None]]:
+        """The (mode, method) pairs every level runs, a method's modes side by side; off once, where the modes
+        put it (first or last), since the target alone is the same whatever the method."""
+        speculating = [(mode, method) for method in self.methods for mode in self.modes if mode != OFF]
+        if OFF not in self.modes:
+            return speculating
+        return [(OFF, None), *speculating] if self.modes[0] == OFF else [*speculating, (OFF, None)]
 
 
 def base_url(url: str) -> str:
@@ -80,7 +96,7 @@ def base_url(url: str) -> str:
 def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], command: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"url": plan.url, "endpoint": plan.path, "command": command, "max_tokens": plan.max_tokens,
-            "method": plan.method, "prompts": len(plan.prompts),
+            "methods": list(plan.methods), "repeats": plan.repeats, "prompts": len(plan.prompts),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     results = {"meta": meta, "summary": rows, "requests": [asdict(r) for r in records]}
     write_whole(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
@@ -99,7 +115,9 @@ class RequestRecord:
     mode: str
     concurrency: int
     prompt_id: str
-    start_s: float = 0.0  # from the start of the level
+    method: str | None = None  # what was asked for (None: the server's own; off: the target alone)
+    repeat: int = 0
+    start_s: float = 0.0  # from the start of the run
     ttft_s: float | None = None  # the first chunk with non-empty text
     chunk_times_s: list[float] = field(default_factory=list)  # every content chunk
     gaps_s: list[float] = field(default_factory=list)  # between consecutive content chunks
@@ -112,12 +130,12 @@ class RequestRecord:
     status: int | None = None  # the HTTP status
     done: bool = False  # the stream ended with data: [DONE]
     error: str | None = None
-    level_wall_s: float | None = None  # the wall time of the level this request ran in
+    level_wall_s: float | None = None  # the wall time of the run (one cell, one repeat) this request ran in
 
 
 async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> list[RequestRecord]:
-    """Every level and mode of the plan, in order; the records of the counted requests, added to `records` level by
-    level (so that a caller keeps those of the levels that ran when a later one fails)."""
+    """Every level of the plan, and in it every repeat of its cells; the records of the counted requests, added to
+    `records` run by run (so that a caller keeps those of the runs that ended when a later one fails)."""
     import httpx
 
     log = log or _stderr
@@ -130,14 +148,16 @@ async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> lis
                                  trust_env=False) as http:
         model = plan.model or await first_model(http, plan.url)
         log(f"loadgen: {plan.url}{plan.path}, model {model}, {len(plan.prompts)} prompts, "
-            f"max_tokens {plan.max_tokens}")
+            f"max_tokens {plan.max_tokens}, {plan.repeats} repeat(s)")
         for level in plan.levels:
-            for mode in plan.modes:
-                body = request_body(model, plan, mode)
-                await _warm_up(http, plan, body, mode, level)
-                level_records = await run_level(http, plan, body, mode, level)
-                log(_progress_line(summarise(level_records)[0], level_records))
-                records += level_records
+            for repeat in range(plan.repeats):
+                for mode, method in order_for_repeat(plan.cells(), repeat):
+                    body = request_body(model, plan, mode, method)
+                    if repeat == 0:
+                        await _warm_up(http, plan, body, mode, level)
+                    run = await run_level(http, plan, body, (mode, method, repeat), level)
+                    log(_progress_line(summarise(run)[0], run))
+                    records += run
     return records
 
 
@@ -157,14 +177,15 @@ async def first_model(http, url: str) -> str:
         raise DraftwiseError(f"GET {url}/v1/models did not list a model; give one with --model") from None
 
 
-def request_body(model: str, plan: LoadPlan, mode: str) -> dict:
-    """The body shared by a (mode, level)'s requests; the prompt goes in per request."""
+def request_body(model: str, plan: LoadPlan, mode: str, method: str | None = None) -> dict:
+    """The body shared by a cell's requests (method: what mode on or always asks for; None, the server's own); the
+    prompt goes in per request."""
     body = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    if mode == "off":
+    if mode == OFF:
         body["speculation"] = {"method": "none"}
         return body
-    speculation = {"method": plan.method} if plan.method else {}
+    speculation = {"method": method} if method else {}
     if mode == "always":
         speculation["adaptive"] = False
     if speculation:
@@ -185,11 +206,14 @@ async def _warm_up(http, plan: LoadPlan, body: dict, mode: str, level: int) -> N
                              f"{record.error}{_auth_hint(record.status)}")
 
 
-async def run_level(http, plan: LoadPlan, body: dict, mode: str, level: int) -> list[RequestRecord]:
-    """plan.count(level) requests, `level` workers each sending the next one as soon as its last one ends."""
+async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | None, int],
+                    level: int) -> list[RequestRecord]:
+    """One run of a cell (mode, method, repeat): plan.count(level) requests, `level` workers each sending the next
+    one as soon as its last one ends."""
     count = plan.count(level)
     prompts = [plan.prompts[i % len(plan.prompts)] for i in range(count)]
-    records = [RequestRecord(mode, level, str(p.question_id)) for p in prompts]
+    mode, method, repeat = cell
+    records = [RequestRecord(mode, level, str(p.question_id), method, repeat) for p in prompts]
     todo = deque(zip(prompts, records))
     origin = time.perf_counter()
 
@@ -322,7 +346,8 @@ def _stderr(line: str) -> None:
 
 
 def _progress_line(row: dict, records: list[RequestRecord]) -> str:
-    line = (f"loadgen: speculation {row['mode']}, concurrency {row['concurrency']}: {row['requests']} requests, "
+    line = (f"loadgen: {_cell_name(row)}, concurrency {row['concurrency']}, repeat {records[0].repeat + 1}: "
+            f"{row['requests']} requests, "
             f"{_fmt(row['tokens_per_s'], 1)} tok/s, TBT p50 {_fmt(row['tbt_p50_s'], 0, 1000)} ms")
     if row["failed"]:
         first = next(r.error for r in records if r.error is not None)
@@ -346,35 +371,86 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(records: list[RequestRecord]) -> list[dict]:
-    """One row per (mode, concurrency), in the order they ran. Only the requests that succeeded count towards
-    tokens, times and acceptance; vs_c1_off compares with concurrency 1, speculation off (one user, the target
-    alone) when that level ran."""
-    groups: dict[tuple[str, int], list[RequestRecord]] = {}
+    """One row per cell and level (mode, method, concurrency), in the order they first ran. Only the requests that
+    succeeded count towards tokens, times and acceptance. tokens_per_s is the median of the cell's runs (one per
+    repeat; runs_tokens_per_s, by repeat, and its low and high); vs_c1_off compares with concurrency 1, speculation
+    off (one user, the target alone) when that level ran; the on rows carry the throttle's verdict (judge_throttle)."""
+    groups: dict[tuple, list[RequestRecord]] = {}
     for r in records:
-        groups.setdefault((r.mode, r.concurrency), []).append(r)
-    rows = [_summary_row(mode, level, group) for (mode, level), group in groups.items()]
-    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "off" and r["concurrency"] == 1), None)
+        groups.setdefault((r.mode, r.method, r.concurrency), []).append(r)
+    rows = [_summary_row(mode, method, level, group) for (mode, method, level), group in groups.items()]
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] == OFF and r["concurrency"] == 1), None)
     for row in rows:
         row["vs_c1_off"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] is not None else None
+    judge_throttle(rows)
     return rows
 
 
-def _summary_row(mode: str, level: int, group: list[RequestRecord]) -> dict:
+def _summary_row(mode: str, method: str | None, level: int, group: list[RequestRecord]) -> dict:
     ok = [r for r in group if r.error is None]
-    wall = max((r.level_wall_s for r in group if r.level_wall_s is not None), default=None)
-    tokens = sum(r.completion_tokens for r in ok)
+    runs = _runs_tokens_per_s(group)
+    rates = [rate for rate in runs if rate is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.gaps_s]  # pooled: a long request weighs by its number of tokens
     methods = sorted({r.stats["method"] for r in ok if r.stats and r.stats.get("method")})
     return {
-        "mode": mode, "concurrency": level, "requests": len(group), "failed": len(group) - len(ok),
-        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+        "mode": mode, "method": method, "concurrency": level, "requests": len(group), "failed": len(group) - len(ok),
+        "tokens": sum(r.completion_tokens for r in ok), "wall_s": sum(_run_walls(group).values()) or None,
+        "tokens_per_s": percentile(rates, 50), "tokens_per_s_low": min(rates, default=None),
+        "tokens_per_s_high": max(rates, default=None), "runs_tokens_per_s": runs,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
         "tbt_p50_s": percentile(gaps, 50), "tbt_p95_s": percentile(gaps, 95),
         "acceptance": acceptance(ok), "mean_accepted_length": _mean(r.stats.get("mean_accepted_length")
                                                                     for r in ok if r.stats),
         "server_methods": methods,
     }
+
+
+def _run_walls(group: list[RequestRecord]) -> dict[int, float]:
+    """Each repeat's wall time (every request of a run carries it)."""
+    walls: dict[int, float] = {}
+    for r in group:
+        if r.level_wall_s is not None:
+            walls[r.repeat] = max(walls.get(r.repeat, 0.0), r.level_wall_s)
+    return walls
+
+
+def _runs_tokens_per_s(group: list[RequestRecord]) -> list[float | None]:
+    """Aggregate tokens/s of each repeat's run, by repeat (None for a repeat that did not run)."""
+    walls = _run_walls(group)
+    rates: list[float | None] = [None] * (max(r.repeat for r in group) + 1)
+    for repeat, wall in walls.items():
+        tokens = sum(r.completion_tokens for r in group if r.repeat == repeat and r.error is None)
+        rates[repeat] = tokens / wall if wall else None
+    return rates
+
+
+def judge_throttle(rows: list[dict]) -> None:
+    """To each row of mode on, beside always or off at its level: on over the better of the two, repeat by repeat (a
+    repeat's cells ran back to back, so each ratio compares like with like), its median and range (on_vs_best,
+    _low, _high), and whether the median holds THROTTLE_FLOOR (throttle_holds); None where neither ran."""
+    for on in (r for r in rows if r["mode"] == "on"):
+        rivals = _rivals(rows, on)
+        ratios = []
+        for repeat, rate in enumerate(on["runs_tokens_per_s"]):
+            best = max((_at(r, repeat) or 0.0 for r in rivals), default=0.0)
+            if rate is not None and best:
+                ratios.append(rate / best)
+        median = percentile(ratios, 50)
+        on.update(on_vs_best=median, on_vs_best_low=min(ratios, default=None),
+                  on_vs_best_high=max(ratios, default=None),
+                  throttle_holds=None if median is None else median >= THROTTLE_FLOOR)
+
+
+def _rivals(rows: list[dict], on: dict) -> list[dict]:
+    """The rows an on row is judged against: always with its method, and off, at its level."""
+    return [r for r in rows if r["concurrency"] == on["concurrency"]
+            and (r["mode"] == OFF or (r["mode"] == "always" and r["method"] == on["method"]))]
+
+
+def _at(row: dict, repeat: int) -> float | None:
+    runs = row["runs_tokens_per_s"]
+    return runs[repeat] if repeat < len(runs) else None
 
 
 def acceptance(records: list[RequestRecord]) -> float | None:
@@ -399,30 +475,72 @@ def _fmt(value, digits: int = 2, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def _cell_name(row: dict) -> str:
+    """'speculation on, hybrid': a row's mode and the method it asked for (the server's own when it named none)."""
+    if row["mode"] == OFF:
+        return "speculation off"
+    method = row["method"] or "/".join(row.get("server_methods") or []) or "the server's method"
+    return f"speculation {row['mode']}, {method}"
+
+
+def _method_name(row: dict) -> str:
+    if row.get("mode") == OFF:
+        return "none"
+    return row["method"] or "/".join(row.get("server_methods") or []) or "(server's)"
+
+
+def _rate_cell(row: dict) -> str:
+    """'20.1' for one run, '20.1 (19.5-20.8)' for several: the median and the range of the repeats."""
+    ran = [v for v in row["runs_tokens_per_s"] if v is not None]
+    text = _fmt(row["tokens_per_s"], 1)
+    return text if len(ran) < 2 else f"{text} ({row['tokens_per_s_low']:.1f}-{row['tokens_per_s_high']:.1f})"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| speculation | concurrency | requests (failed) | aggregate tok/s | vs c1 off | TTFT p50 / p95 s "
-             "| TBT p50 / p95 ms | acceptance |", "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["mode"], r["concurrency"])):
+    lines = ["| method | speculation | concurrency | requests (failed) | aggregate tok/s | vs c1 off "
+             "| TTFT p50 / p95 s | TBT p50 / p95 ms | acceptance |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["mode"] == OFF, _method_name(r), r["concurrency"], r["mode"])):
         ratio = "-" if r["vs_c1_off"] is None else f"{r['vs_c1_off']:.2f}x"
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} ({r['failed']}) "
-                     f"| {_fmt(r['tokens_per_s'], 1)} | {ratio} | {_fmt(r['ttft_p50_s'])} / {_fmt(r['ttft_p95_s'])} "
+        lines.append(f"| {_method_name(r)} | {r['mode']} | {r['concurrency']} | {r['requests']} ({r['failed']}) "
+                     f"| {_rate_cell(r)} | {ratio} | {_fmt(r['ttft_p50_s'])} / {_fmt(r['ttft_p95_s'])} "
                      f"| {_fmt(r['tbt_p50_s'], 1, 1000)} / {_fmt(r['tbt_p95_s'], 1, 1000)} "
                      f"| {_fmt(r['acceptance'])} |")
     return "\n".join(lines)
 
 
+def throttle_table(rows: list[dict]) -> str:
+    """The throttle's verdicts, one line per method and level that has one; empty when none ran."""
+    judged = [r for r in rows if r["mode"] == "on" and r.get("on_vs_best") is not None]
+    if not judged:
+        return ""
+    lines = ["| method | concurrency | on tok/s | always tok/s | off tok/s | on / best of always, off (range) "
+             f"| >= {THROTTLE_FLOOR} |", "|---|---|---|---|---|---|---|"]
+    for on in sorted(judged, key=lambda r: (_method_name(r), r["concurrency"])):
+        rival = {r["mode"]: r["tokens_per_s"] for r in _rivals(rows, on)}
+        low, high = on["on_vs_best_low"], on["on_vs_best_high"]
+        spread = "" if low == high else f" ({low:.2f}-{high:.2f})"
+        lines.append(f"| {_method_name(on)} | {on['concurrency']} | {_fmt(on['tokens_per_s'], 1)} "
+                     f"| {_fmt(rival.get('always'), 1)} | {_fmt(rival.get(OFF), 1)} | {on['on_vs_best']:.2f}x{spread} "
+                     f"| {'yes' if on['throttle_holds'] else '**no**'} |")
+    return "\n".join(lines)
+
+
 def report_markdown(meta: dict, rows: list[dict]) -> str:
-    method = meta["method"] or "the server's default"
+    methods = ", ".join(m or "the server's default" for m in meta["methods"])
+    verdicts = throttle_table(rows)
     return (
         f"# Load test of {meta['url']}\n\n"
         f"{meta['date']}, `{meta['command']}`\n\n"
         f"POST {meta['endpoint']}, streamed, temperature 0, max_tokens {meta['max_tokens']}, {meta['prompts']} "
-        f"prompts; speculation on: {method}; off: `{{\"method\": \"none\"}}`.\n\n"
+        f"prompts, {meta['repeats']} repeat(s) interleaved; speculation on and always: {methods}; off: "
+        f"`{{\"method\": \"none\"}}`.\n\n"
         f"{markdown_table(rows)}\n\n"
-        "Aggregate tok/s: completion tokens of the requests that succeeded over the level's wall time. vs c1 off: "
-        "that over concurrency 1 with speculation off. TTFT: time to the first chunk with text. TBT: gaps between "
-        "one request's consecutive chunks (one per token), pooled. Acceptance: accepted over proposed draft "
-        "tokens, as the server reports them.\n"
+        "Aggregate tok/s: completion tokens of the requests that succeeded over the run's wall time; with repeats, "
+        "the median and (the range). vs c1 off: that over concurrency 1 with speculation off. TTFT: time to the "
+        "first chunk with text. TBT: gaps between one request's consecutive chunks (one per token), pooled. "
+        "Acceptance: accepted over proposed draft tokens, as the server reports them.\n"
+        + (f"\n## Throttle\n\n{verdicts}\n\nOn (adaptive) over the better of always and off, repeat by repeat: "
+           f"the median and (the range); it should be at least {THROTTLE_FLOOR}.\n" if verdicts else "")
     )
 
 
@@ -433,19 +551,19 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+    for cell in dict.fromkeys(_cell_name(r) for r in rows):
+        mine = sorted((r for r in rows if _cell_name(r) == cell), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in mine]
-        left.plot(xs, [r["tokens_per_s"] or 0 for r in mine], marker="o", label=f"speculation {mode}")
+        left.plot(xs, [r["tokens_per_s"] or 0 for r in mine], marker="o", label=cell)
         tbt = [(r["tbt_p50_s"] * 1000 if r["tbt_p50_s"] is not None else float("nan")) for r in mine]
-        right.plot(xs, tbt, marker="o", label=f"speculation {mode}")
+        right.plot(xs, tbt, marker="o", label=cell)
     left.set(xlabel="concurrency", ylabel="aggregate tokens/s", title="Throughput")
     right.set(xlabel="concurrency", ylabel="p50 time between tokens (ms)", title="Time between tokens")
     levels = sorted({r["concurrency"] for r in rows})
     for ax in (left, right):
         ax.set_xticks(levels)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -13,7 +13,7 @@ import shlex
 import sys
 
 from draftwise.bench.loadgen import (API_KEY_ENV, MODES, LoadPlan, RequestRecord, base_url, markdown_table, run_load,
-                                     summarise, write_results)
+                                     summarise, throttle_table, write_results)
 from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
 from draftwise.errors import DraftwiseError
 from draftwise.files import prepare_out
@@ -27,15 +27,19 @@ def add_loadgen(commands, formatter) -> None:
         description=(
             "Stream the bench's prompts to a running draftwise server (or any OpenAI-compatible one), with\n"
             "exactly C requests in flight at each --concurrency C. Within a level, each mode runs in turn: on\n"
-            "(the server's default method, or --method, its draft length adapting to acceptance and load),\n"
-            "always (the same, drafting its full k every round: speculation {adaptive: false}) and off (the\n"
-            "target alone: speculation {method: none}). Each (mode, level) starts with one warm-up request,\n"
-            "not counted, then --requests requests; a failed request is counted, never retried. Greedy\n"
+            "(the server's default method, or each of --methods, its draft length adapting to acceptance and\n"
+            "load), always (the same, drafting its full k every round: speculation {adaptive: false}) and off\n"
+            "(the target alone: speculation {method: none}, once a round whatever the methods). With --repeats\n"
+            "R the round of cells runs R times, its order rotated and reversed each time, so that the machine's\n"
+            "drift weighs on all alike. Each cell starts with one warm-up request (first repeat only), not\n"
+            "counted, then --requests requests; a failed request is counted, never retried. Greedy\n"
             "(temperature 0), one chunk per token.\n"
             "\n"
-            "Per (mode, level): aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
-            "level's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
-            "between one request's consecutive chunks, pooled), and the acceptance the server reports.\n"
+            "Per cell and level: aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
+            "run's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
+            "between one request's consecutive chunks, pooled), and the acceptance the server reports; with\n"
+            "repeats, the median tok/s and its range. The throttle's verdict per method and level: on over the\n"
+            "better of always and off, repeat by repeat, which should be at least 0.95.\n"
             "\n"
             "Writes results.json (every request, raw, and the summary rows), report.md (the table) and\n"
             "loadgen.png under --out; prints the table on stdout, progress on stderr."
@@ -46,8 +50,11 @@ def add_loadgen(commands, formatter) -> None:
             "  draftwise loadgen --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --max-tokens 64\n"
             "  draftwise loadgen --url http://127.0.0.1:8000 --speculation off --categories summarization\n"
             "  draftwise loadgen --url http://127.0.0.1:8000 --method lookup --no-chat --json\n"
+            "  draftwise loadgen --url http://127.0.0.1:8000 --methods draft,lookup,hybrid \\\n"
+            "      --speculation on,always,off --repeats 3\n"
             "\n"
-            "a run sends about (levels x modes x (requests + 1)) requests; by default every level sends each\n"
+            "a run sends about (levels x cells x (repeats x requests + 1)) requests, a cell being a mode and a\n"
+            "method (off: one cell); by default every level sends each\n"
             "selected prompt once (28 with --per-category 4), so start small with --per-category 1\n"
             "--concurrency 1,2 --max-tokens 16."
         ),
@@ -65,8 +72,12 @@ def add_loadgen(commands, formatter) -> None:
                       help="comma-separated numbers of requests in flight (default: %(default)s)")
     work.add_argument("--speculation", default="on,off", metavar="MODE,...",
                       help=f"comma-separated modes, from: {', '.join(MODES)} (default: %(default)s)")
-    work.add_argument("--method", metavar="NAME",
-                      help="in mode on, ask for this speculation method (default: the server's own)")
+    work.add_argument("--methods", "--method", dest="methods", metavar="NAME,...",
+                      help="in modes on and always, ask for each of these speculation methods in turn, "
+                           "comma-separated (default: the server's own); the server must offer them (the warm-up "
+                           "of one it lacks stops the run with the list it offers)")
+    work.add_argument("--repeats", type=int, default=1, metavar="N",
+                      help="run every level's cells N times, interleaved (default: %(default)s)")
     work.add_argument("--requests", type=int, metavar="N",
                       help="requests per mode and level, the same prompts at every level so that levels "
                            "compare, raised to the concurrency where below it (default: one per prompt, "
@@ -92,16 +103,20 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     """Check every option before anything touches the network; a bad one is a DraftwiseError naming it."""
     _at_least("--requests", args.requests, 1, allow_none=True)
     _at_least("--max-tokens", args.max_tokens, 1)
+    _at_least("--repeats", args.repeats, 1)
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # (a run must end by itself)
         raise DraftwiseError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
     modes = tuple(dict.fromkeys(m.strip() for m in args.speculation.split(",") if m.strip()))
     if not modes or any(m not in MODES for m in modes):
         raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}; got {args.speculation!r}")
+    methods = tuple(dict.fromkeys(m.strip() for m in (args.methods or "").split(",") if m.strip())) or (None,)
+    if args.methods is not None and methods == (None,):
+        raise DraftwiseError(f"--methods takes a comma list of method names, got {args.methods!r}")
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
     return LoadPlan(
         url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
         prompts=tuple(select_prompts(prompts, args.categories, args.per_category)), requests=args.requests,
-        max_tokens=args.max_tokens, chat=args.chat, method=args.method, model=args.model,
+        max_tokens=args.max_tokens, chat=args.chat, methods=methods, repeats=args.repeats, model=args.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
     )
 
@@ -136,5 +151,6 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
                           command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
             print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
                   file=sys.stderr)
-    print(json.dumps(rows, indent=1) if args.json else markdown_table(rows))
+    verdicts = throttle_table(rows)
+    print(json.dumps(rows, indent=1) if args.json else markdown_table(rows) + (f"\n\n{verdicts}" if verdicts else ""))
     return 0

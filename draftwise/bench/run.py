@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftwise.bench.interleave import order_for_repeat
 from draftwise.bench.journal import Journal, code_version, settings_of
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
@@ -231,14 +232,10 @@ def _interleaved_runs(runners: Runners, cfg: BenchConfig, prompts, encoded, jour
 
 
 def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt_ids: list[int], bar) -> list[dict]:
-    """Every method on one prompt, every repeat, interleaved: the order rotated each repeat, and run backwards on odd
-    repeats, so that no method always follows the same one (a rotation alone keeps each method's neighbours: a tree
-    after its chain every time, the very pairs the report sets side by side)."""
-    methods, runs = list(cfg.methods), []
+    """Every method on one prompt, every repeat, interleaved (interleave.order_for_repeat)."""
+    runs = []
     for repeat in range(cfg.repeats):
-        shift = repeat % len(methods)
-        order = methods[shift:] + methods[:shift]
-        for method in reversed(order) if repeat % 2 else order:
+        for method in order_for_repeat(cfg.methods, repeat):
             bar.set_postfix_str(f"{prompt.category} #{prompt.question_id} {method}")
             record, token_ids = runners.run(method, prompt_ids, cfg.max_new_tokens, prompt.schema)
             runs.append({"dtype": cfg.dtype, "method": method, "category": prompt.category,
