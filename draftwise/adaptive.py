@@ -20,7 +20,8 @@ proposer that never pays (layer skipping on a small model) would otherwise lose 
 step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
 prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
 a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38). `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
-draft caches only when it did, or, for a sequence decoding alone, before a probe (`probe_due`).
+draft caches only when it did, and only where the tokens still to come repay the filling (`catch_up_pays`: a new
+request's prompt is the draft's to read first), or, for a sequence decoding alone, before a probe (`probe_due`).
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftwise import planner
-from draftwise.estimates import StepCosts
+from draftwise.estimates import StepCosts, nearest
 
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
@@ -45,6 +46,9 @@ class DraftLengthPolicy:
     costs: StepCosts = field(default_factory=StepCosts)
     # Whether the last choice found that drafting pays (a probe aside): the engine fills lagging drafts only then.
     wants_drafting: bool = True
+    # By rows: seconds a token of the batch took less, at the last choice for a step of that many rows, with drafting
+    # than without: what filling a lagging draft is weighed against (catch_up_pays).
+    _savings: dict[int, float] = field(default_factory=dict)
     _steps_without_draft: int = 0  # since drafting last won, or since the last probe
     _probe_gap: int = PROBE_EVERY
 
@@ -63,8 +67,10 @@ class DraftLengthPolicy:
             # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
             # never be tried: time it first.
             return 0
-        best = max(range(k_max + 1), key=lambda k: self.rate(rates, k, rows, fixed, spreads, free))
+        by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
+        best = max(range(k_max + 1), key=by_k.__getitem__)
         self.wants_drafting = best > 0
+        self._savings[rows] = planner.saving_per_token(by_k[0], by_k[best])
         if best > 0:
             self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
             return best
@@ -80,6 +86,21 @@ class DraftLengthPolicy:
         """Whether the next choice, should drafting still not win, is a probe: a draft far behind its text must be
         filled first, or it sits the probe out (Engine.wants_catch_up) and the probe learns nothing."""
         return not self.wants_drafting and self._steps_without_draft + 1 >= self._probe_gap
+
+    def saving_per_token(self, rows: int) -> float | None:
+        """What drafting saved a token at the last choice for steps of this many rows (the nearest priced); None
+        before any choice was priced."""
+        return self._savings[nearest(self._savings, rows)] if self._savings else None
+
+    def catch_up_pays(self, behind: int, tokens_to_come: float, rows: int) -> bool:
+        """Whether a draft `behind` tokens behind its text is worth filling for the tokens its sequence has still to
+        come in steps of `rows` rows (planner.catch_up_pays): the batch it runs in, not the step that last ran (while
+        a newcomer is prefilled, the others step without it, and fewer rows save more a token). Before either side
+        is measured, yes: filling one is how its cost is learnt."""
+        saving = self.saving_per_token(rows)
+        if saving is None or self.costs.catch_up_s is None:
+            return True
+        return planner.catch_up_pays(saving, tokens_to_come, behind, self.costs.catch_up_s)
 
     def sequence_joined(self) -> None:
         """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.adaptive import DraftLengthPolicy
-from draftwise.estimates import DRAFT_ESTIMATE, Acceptance
+from draftwise.estimates import DECAY, DRAFT_ESTIMATE, Acceptance
 from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
@@ -82,11 +82,13 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, max(target.embedding_rows, len(tokenizer)), eos)
         self.speed_paths = dict(speed_paths or {})
         self._default_in_use = False
+        self.open_sequences = 0  # the batch a sequence runs in, as far as the engine knows (wants_catch_up)
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
         # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
         # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
         self._carried: dict[tuple[str, bool], dict[str, Acceptance]] = {}
+        self._answer_tokens: float | None = None  # how many tokens finished answers ran, decayed (_tokens_to_come)
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
         self.proposal_cache: ProposalCache | None = None  # enable_proposal_cache() turns it on
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
@@ -217,6 +219,7 @@ class Engine:
         if acceptance is not None:
             pooled = self._carried.get((method, cfg.sampling.greedy), {})
             _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
+        self.open_sequences += 1
         return seq
 
     def check_open(self, prompt_ids: list[int], cfg: GenerationConfig) -> str:
@@ -278,12 +281,22 @@ class Engine:
             return
         try:
             self._carry_acceptance(seq)
+            self._count_answer(seq)
             self._remember_prompt(seq)
             if self.proposal_cache is not None and seq.finish not in (None, "error"):
                 self.proposal_cache.add(seq.context)
         finally:  # the caches are offered what they may keep; the slots go back whatever happened there
             self._release(seq.target, seq.proposer)
             seq.target = None
+            self.open_sequences -= 1
+
+    def _count_answer(self, seq: Sequence) -> None:
+        """Fold a finished answer's length into what _tokens_to_come expects (not a failed or cancelled one's)."""
+        if seq.finish in (None, "error", "cancelled"):
+            return
+        length = float(seq.stats.new_tokens)
+        self._answer_tokens = length if self._answer_tokens is None else (
+            DECAY * self._answer_tokens + (1 - DECAY) * length)
 
     def recent_acceptance(self, method: str, greedy: bool, estimate: str = DRAFT_ESTIMATE) -> float | None:
         """The per-token acceptance of this engine's earlier adaptive sequences of this method, greedy or sampled
@@ -361,12 +374,23 @@ class Engine:
         the draft is filled to the text (less the tokens a round's first forward feeds anyway). In a batch, a
         probe is not worth every row's catch-up. A sequence drafting a fixed k always drafts, and its rounds must
         not follow the engine's state (a seeded request's draws depend on them): its draft is filled whenever it
-        is too far behind (a hybrid's lookup rounds leave it behind), whatever the policy last chose."""
+        is too far behind (a hybrid's lookup rounds leave it behind), whatever the policy last chose. Else a draft is
+        filled only where the tokens still to come repay the filling (DraftLengthPolicy.catch_up_pays): in a batch,
+        where drafting saves little a token, a short answer to a long prompt is cheaper without its draft."""
         if seq.acceptance is None:
             return seq.proposer is not None and seq.draft_behind > MAX_DRAFT_LAG
         if alone and self.draft_policy.probe_due:
             return seq.draft_behind > ROUND_FEED
-        return self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
+        return (self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
+                and self.draft_policy.catch_up_pays(seq.draft_behind, self._tokens_to_come(seq), self.open_sequences))
+
+    def _tokens_to_come(self, seq: Sequence) -> float:
+        """What a sequence has still to emit, as far as can be told: the rest of its limit, but no more than the
+        engine's finished answers ran (a chat without max_tokens may run to the end of the context; few do), or than
+        it has run already where it has outlived them."""
+        if self._answer_tokens is None:
+            return seq.remaining
+        return min(seq.remaining, max(self._answer_tokens, seq.stats.new_tokens))
 
     def catch_up_draft(self, seq: Sequence, max_tokens: int | None = None) -> None:
         """Feed (up to max_tokens of) the text the sequence's draft cache lacks, all but the last token."""
@@ -374,12 +398,16 @@ class Engine:
         if not behind:
             return
         start = len(seq.context) - 1 - behind
+        tokens = seq.context[start: start + min(behind, max_tokens or behind)]
+        started = time.perf_counter()
         try:
-            seq.proposer.extend(seq.context[start: start + min(behind, max_tokens or behind)])
+            seq.proposer.extend(tokens)
         except Exception as err:  # a failing draft is the proposer's fault: with fallback on, the target goes on
             if not self.fall_back_on_proposer_error:
                 raise
             self._fall_back(seq, err)
+        else:  # (what reading costs a token, which catch_up_pays weighs)
+            self.draft_policy.costs.observe_catch_up(len(tokens), time.perf_counter() - started)
 
     def _timed_catch_up(self, seq: Sequence) -> float:
         """catch_up_draft(seq); the seconds it took."""

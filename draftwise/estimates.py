@@ -14,7 +14,8 @@ So both are measured as the engine runs:
   (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
   not turn drafting off;
 - the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
-  of each width n = k + 1, and seconds per draft forward, decayed the same way. A timing not renewed in STALE_STEPS
+  of each width n = k + 1, and seconds per draft forward, decayed the same way; and the seconds a lagging draft
+  takes to read a token of its text (a new request's prompt). A timing not renewed in STALE_STEPS
   steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed;
 - the nodes a tree offers beside its deepest path, per sequence (TreeSpread).
 
@@ -147,6 +148,7 @@ class StepCosts:
     _verify_s: dict[int, Timings] = field(default_factory=dict)  # rows -> seconds per pass by width n
     _draft_s: Timings = field(default_factory=Timings)  # seconds per draft forward by rows
     steps: int = 0  # steps timed: the clock that stale timings are judged by
+    catch_up_s: float | None = None  # seconds per token a lagging draft reads (None: never timed), decayed
 
     @property
     def measured(self) -> bool:
@@ -175,6 +177,13 @@ class StepCosts:
     def draft(self, rows: int) -> float:
         by_rows = self._draft_s.priced(self.steps)
         return by_rows[nearest(by_rows, rows)] if by_rows else 0.0
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A lagging draft read `tokens` tokens of its text in `seconds` (Engine.catch_up_draft)."""
+        if tokens > 0:
+            per_token = seconds / tokens
+            self.catch_up_s = per_token if self.catch_up_s is None else (
+                DECAY * self.catch_up_s + (1 - DECAY) * per_token)
 
     def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards

@@ -21,6 +21,10 @@ measured (estimates.StepCosts), or flat prices (one pass costs the same at any w
 Leviathan's units, in which rate is his speedup (1 - a^(k+1)) / ((1 - a)(k c + 1))). A plain step offers nothing:
 rows / verify(rows, 1); a candidate pays only if its rate beats that.
 
+Before a draft model drafts for a sequence, it reads the text it lacks (a new request's prompt, what lookup rounds
+wrote): a cost paid once, not a round's. It pays when the tokens still to come, each as much cheaper as drafting
+makes a token of the batch, repay it (catch_up_pays).
+
 The price depends on the past alone (measured costs, acceptance so far), so any choice made by it keeps the output
 the target's own.
 """
@@ -129,6 +133,19 @@ def best_prefix(prices: Prices, chances: Sequence[float], rows: int = 1, forward
 def surplus(tokens: float, seconds: float, at_rate: float) -> float:
     """What spending `seconds` more for `tokens` more gains over the rate already had (> 0: it pays)."""
     return tokens - at_rate * seconds
+
+
+def saving_per_token(plain_rate: float, rate: float) -> float:
+    """Seconds a token of the batch takes less at `rate` (tokens/s, drafting) than at plain_rate (0 if it is slower)."""
+    return max(0.0, 1.0 / plain_rate - 1.0 / rate) if plain_rate > 0 and rate > 0 else 0.0
+
+
+def catch_up_pays(saving: float, tokens_to_come: float, behind: int, catch_up_s: float) -> bool:
+    """Whether filling a draft `behind` tokens behind its text, at catch_up_s seconds a token, is repaid by drafting
+    for the tokens its sequence has still to come, each `saving` seconds (saving_per_token) cheaper. A draft model
+    reads a new request's whole prompt before it drafts: for a short answer to a long prompt in a batch, where
+    drafting saves little a token, that reading costs more than the drafting it enables saves."""
+    return saving * tokens_to_come > catch_up_s * behind
 
 
 def break_even_chance(prices: Prices, rows: int) -> float:

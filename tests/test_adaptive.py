@@ -505,6 +505,52 @@ def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
         eng.close_sequence(seq)
 
 
+def test_a_lagging_draft_is_filled_only_where_the_answer_still_to_come_repays_the_reading():
+    """In a batch, a draft model's reading of a long prompt can cost more than drafting a short answer saves; such a
+    sequence goes on with the target alone (exact either way), one with a long answer to come catches up."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    plain = Engine.from_models(target, tokenizer, method="none")
+    prompts = ("The quick brown fox jumps over the lazy dog.", "for i in range(10):\n    print(i * i)")
+    for k in range(5):  # at two rows drafting pays a little: 0.1 s a pass, 0.01 s a draft forward
+        eng.draft_policy.costs.observe(2, k, 0.01 * k, 0.1)
+    short, long = GenerationConfig(max_new_tokens=8, ignore_eos=True), GenerationConfig(max_new_tokens=200)
+    seqs = _opened(eng, tokenizer, prompts, short)
+    eng.step(seqs)  # (priced: drafting wins, and what it saves a token is known)
+    assert eng.draft_wanted and eng.draft_policy.saving_per_token(2) > 0 and eng.open_sequences == 2
+    behind = seqs[0].draft_behind
+    assert behind > MAX_DRAFT_LAG and eng.wants_catch_up(seqs[0])  # reading's cost not measured yet: read
+    eng.draft_policy.costs.catch_up_s = 1.0  # now measured, and dear: a second a token
+    tokens_to_come = eng._tokens_to_come(seqs[0])
+    assert tokens_to_come == seqs[0].remaining < behind
+    assert not any(eng.wants_catch_up(seq) for seq in seqs)
+    # The same reading is repaid by a long answer to come (the control: the rule is not "never").
+    saving = eng.draft_policy.saving_per_token(3)  # (three open: priced as the nearest, two rows)
+    eng.draft_policy.costs.catch_up_s = saving * 100 / behind  # reading it costs what 100 tokens save
+    longer = eng.open_sequence(tokenizer.encode(prompts[0]), long)
+    assert longer.draft_behind > MAX_DRAFT_LAG and eng.wants_catch_up(longer) and not eng.wants_catch_up(seqs[0])
+    eng.close_sequence(longer)
+    while any(seq.finish is None for seq in seqs):
+        eng.step([seq for seq in seqs if seq.finish is None])
+    assert all(seq.stats.proposed == 0 for seq in seqs)  # the target alone, and its own text
+    assert [seq.context[len(seq.prompt_ids):] for seq in seqs] == [
+        plain.generate(p, max_new_tokens=8, ignore_eos=True).token_ids for p in prompts]
+
+
+def test_the_tokens_to_come_are_bounded_by_how_long_finished_answers_ran():
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
+    cfg = GenerationConfig(max_new_tokens=400)
+    seq = eng.open_sequence(tokenizer.encode("The quick brown fox"), cfg)
+    assert eng._tokens_to_come(seq) == 400  # nothing finished yet: its limit
+    for _ in range(3):
+        eng.generate("The quick brown fox", max_new_tokens=6, ignore_eos=True)
+    assert eng._tokens_to_come(seq) == pytest.approx(6.0)  # answers ran 6 tokens
+    seq.stats.new_tokens = 40
+    assert eng._tokens_to_come(seq) == 40  # it has outlived them: as long again, at most its limit
+    eng.close_sequence(seq)
+
+
 def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     """Without the fill, a draft more than MAX_DRAFT_LAG tokens behind sits the probe out: once the gap between
     probes has doubled past that, no later probe of the request drafts (here the third would not)."""

@@ -127,6 +127,17 @@ def test_leviathans_speedup_is_the_planners_rate_in_target_steps():
     assert planner.break_even_chance(FlatPrices(draft_s=0.05, pass_s=0.2), 1) == pytest.approx(0.25)
 
 
+def test_filling_a_lagging_draft_pays_only_for_enough_tokens_to_come_by_hand():
+    # 30 tok/s plain, 33 drafting: a token 3 ms cheaper (1/30 - 1/33 = 0.00303 s).
+    saving = planner.saving_per_token(30.0, 33.0)
+    assert saving == pytest.approx(1 / 30 - 1 / 33)
+    assert planner.saving_per_token(30.0, 25.0) == 0.0 and planner.saving_per_token(0.0, 10.0) == 0.0
+    # A 300-token prompt read at 2.5 ms a token (0.75 s): 96 tokens to come save 0.29 s, 512 save 1.55 s.
+    assert not planner.catch_up_pays(saving, 96, 300, 0.0025)
+    assert planner.catch_up_pays(saving, 512, 300, 0.0025)
+    assert not planner.catch_up_pays(0.0, 10_000, 1, 0.0025)  # drafting saves nothing: never worth reading
+
+
 # -- every choice asks it ----------------------------------------------------------------------------------------
 
 
