@@ -32,8 +32,10 @@ demo: install
 llama-server:
 	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
 
+# The tests run torch on one thread each: a worker per core (two here) halves the suite. A test file stays on one
+# worker (its cached models and runs are shared); at most 4, since each may load the real models.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache
