@@ -62,10 +62,13 @@ class DraftLengthPolicy:
         unmeasured one, and timed when it runs.)"""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
-        if not self.costs.knows(rows, max(fixed, default=0) + 1):
+        if not self.costs.fresh(rows, max(fixed, default=0) + 1):
             # Unmeasured, the narrowest pass (k = 0 here; rows with their own k keep it wider) would cost what the
             # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
-            # never be tried: time it first.
+            # never be tried: time it first. Stale, it is timed again: while drafting wins no plain step runs, so
+            # a plain step first timed in a slow spell (a newcomer's prefill beside it) would price drafting's
+            # rival too dear for good, and no fresher, wider pass would bound it (on the quant backend at 4 rows:
+            # 71 ms priced, 55 ms run, and drafting chosen where it lost a tenth).
             return 0
         by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
         best = max(range(k_max + 1), key=by_k.__getitem__)

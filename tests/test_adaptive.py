@@ -237,12 +237,35 @@ def test_a_width_last_timed_in_a_slow_spell_is_tried_again_once_its_time_is_stal
     assert policy.choose([0.8], k_max=8, rows=1) < 8 and policy.costs.verify(1, 9) == pytest.approx(0.8)
     for _ in range(STALE_STEPS // 2):
         policy.costs.observe(1, 1, 0.01, 0.3)
+    assert policy.choose([0.8], k_max=8, rows=1) == 0  # (the plain step's time is stale too: timed again first)
+    policy.costs.observe(1, 0, 0.0, 0.25)
     # Width 9's time is stale now: priced at most as width 2's, k = 8 is tried. Timed at its true 0.4 s, that time
     # replaces the spell's rather than being averaged with it, and deep drafts go on paying (k = 6: 3.95 tokens in
     # 0.43 s, width 7 interpolated between 2 and 9).
     assert policy.costs.verify(1, 9) == pytest.approx(0.3, rel=0.01) and policy.choose([0.8], k_max=8, rows=1) == 8
     policy.costs.observe(1, 8, 0.08, 0.4)
     assert policy.costs.verify(1, 9) == pytest.approx(0.4) and policy.choose([0.8], k_max=8, rows=1) == 6
+
+
+def test_a_plain_step_timed_in_a_slow_spell_is_timed_again_once_stale_though_drafting_wins():
+    """While drafting wins no plain step runs: a plain step first timed dear would keep drafting chosen where it
+    loses, since no fresher, wider pass bounds its price from above."""
+    policy = DraftLengthPolicy()
+    policy.costs.observe(4, 0, 0.0, 0.071)  # the plain step, timed beside a newcomer's prefill
+    for k, verify_s in enumerate((0.085, 0.115, 0.145, 0.185), start=1):
+        policy.costs.observe(4, k, 0.025 * k, verify_s)
+    rates = [0.85] * 4
+    assert policy.choose(rates, 4, 4) == 1  # 7.4 tokens in 0.11 s against 4 in 0.071 s
+    passes = (0.085, 0.115, 0.145, 0.185)
+    while policy.costs.fresh(4, 1):  # drafting goes on winning; the plain step is not run again
+        assert policy.choose(rates, 4, 4) == 1
+        for k, verify_s in enumerate(passes, start=1):
+            policy.costs.observe(4, k, 0.025 * k, verify_s)
+    assert policy.costs.steps >= STALE_STEPS
+    assert policy.choose(rates, 4, 4) == 0  # stale: timed again
+    policy.costs.observe(4, 0, 0.0, 0.055)  # its true time replaces the spell's
+    assert policy.costs.verify(4, 1) == pytest.approx(0.055) and policy.choose(rates, 4, 4) == 0  # plain wins now
+    assert policy.wants_drafting is False
 
 
 class FakeTreeDraft(Proposer):

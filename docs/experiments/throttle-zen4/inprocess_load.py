@@ -1,7 +1,8 @@
 """Issue 58: the server's scheduler in-process (no HTTP), C requests in flight, modes on/off/always interleaved;
-one JSON line per step (rows, draft and verify seconds, tokens emitted) and per draft catch-up, for steps_summary.py.
+one JSON line per step (rows, draft and verify seconds, tokens emitted, the policy's inputs and prices) and per draft
+catch-up, for steps_summary.py.
 
-.venv/bin/python docs/experiments/throttle-zen4/inprocess_load.py --repeats 2 --log steps.jsonl
+.venv/bin/python docs/experiments/throttle-zen4/inprocess_load.py --backend quant --method hybrid --c 4 --repeats 2 --log steps.jsonl
 """
 import argparse, json, statistics, sys, threading, time
 from draftwise import Engine
@@ -14,6 +15,7 @@ ap.add_argument("--method", default="hybrid")
 ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
 ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
 ap.add_argument("--c", type=int, default=4)
+ap.add_argument("--backend", default="hf")
 ap.add_argument("--modes", default="on,off,always")
 ap.add_argument("--repeats", type=int, default=1)
 ap.add_argument("--max-tokens", type=int, default=96)
@@ -21,7 +23,7 @@ ap.add_argument("--prompts", default="docs/experiments/invariance-zen4/prompts-u
 ap.add_argument("--log", default="/tmp/w/steps.jsonl")
 a = ap.parse_args()
 
-engine = Engine.from_pretrained(a.target, a.draft if a.draft != "none" else None, a.method)
+engine = Engine.from_pretrained(a.target, a.draft if a.draft != "none" else None, a.method, backend=a.backend)
 prompts = [json.loads(l)["turns"][0] for l in open(a.prompts)]
 ids = [encode_prompt(engine.tokenizer, p, chat=True) for p in prompts]
 sched = Scheduler(engine, max_batch=8)
@@ -30,7 +32,25 @@ mode_now = {"m": None}
 
 # Wrap the step and the catch-up to log them.
 orig_step, orig_catch = engine.step, engine.catch_up_draft
+last_obs = {}
+orig_obs = engine.draft_policy.costs.observe
+def obs(rows, k, draft_s, verify_s, draft_steps=None):
+    last_obs.update(k=k, steps=draft_steps)
+    return orig_obs(rows, k, draft_s, verify_s, draft_steps)
+engine.draft_policy.costs.observe = obs
+orig_choose = engine.draft_policy.choose
+def choose(rates, k_max, rows, fixed=(), spreads=(), free=()):
+    k = orig_choose(rates, k_max, rows, fixed, spreads, free)
+    pol = engine.draft_policy
+    if pol.costs.measured and pol.costs.knows(rows, 1):
+        last_obs["choice"] = {"rates": [round(r, 3) for r in rates], "k": k, "free": list(free),
+                              "pred": [round(pol.rate(rates, j, rows, fixed, spreads, free), 1) for j in range(k_max + 1)],
+                              "verify": [round(1000 * pol.costs.verify(rows, n), 1) for n in range(1, k_max + 2)],
+                              "draft": round(1000 * pol.costs.draft(rows), 1)}
+    return k
+engine.draft_policy.choose = choose
 def step(seqs):
+    last_obs.clear()
     pol = engine.draft_policy
     t0 = time.perf_counter()
     ev = orig_step(seqs)
@@ -38,6 +58,7 @@ def step(seqs):
     lt = engine.last_step
     emitted = sum(sum(e.token_id is not None for e in ev[s]) for s in seqs)
     out.write(json.dumps({"mode": mode_now["m"], "rows": len(seqs), "draft_s": lt.draft_s, "verify_s": lt.verify_s,
+                          "k": last_obs.get("k"), "forwards": last_obs.get("steps"), "choice": last_obs.get("choice"),
                           "total_s": dt, "emitted": emitted, "methods": [s.method for s in seqs],
                           "wants": pol.wants_drafting,
                           "proposed": [s.stats.proposed for s in seqs]}) + "\n")
