@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.adaptive import DraftLengthPolicy
-from draftwise.estimates import DECAY, DRAFT_ESTIMATE, Acceptance
+from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, decayed
 from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend
 from draftwise.backends.prefix_cache import PrefixCache
@@ -294,9 +294,7 @@ class Engine:
         """Fold a finished answer's length into what _tokens_to_come expects (not a failed or cancelled one's)."""
         if seq.finish in (None, "error", "cancelled"):
             return
-        length = float(seq.stats.new_tokens)
-        self._answer_tokens = length if self._answer_tokens is None else (
-            DECAY * self._answer_tokens + (1 - DECAY) * length)
+        self._answer_tokens = decayed(self._answer_tokens, float(seq.stats.new_tokens))
 
     def recent_acceptance(self, method: str, greedy: bool, estimate: str = DRAFT_ESTIMATE) -> float | None:
         """The per-token acceptance of this engine's earlier adaptive sequences of this method, greedy or sampled

@@ -185,9 +185,7 @@ class StepCosts:
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A lagging draft read `tokens` tokens of its text in `seconds` (Engine.catch_up_draft)."""
         if tokens > 0:
-            per_token = seconds / tokens
-            self.catch_up_s = per_token if self.catch_up_s is None else (
-                DECAY * self.catch_up_s + (1 - DECAY) * per_token)
+            self.catch_up_s = decayed(self.catch_up_s, seconds / tokens)
 
     def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
@@ -221,7 +219,11 @@ class TreeSpread:
             decay_into(self._side, 0, nodes - depth)
 
 
+def decayed(old: float | None, value: float) -> float:
+    """A running estimate after a new value: the value itself at first, then DECAY of the old and the rest of it."""
+    return value if old is None else DECAY * old + (1 - DECAY) * value
+
+
 def decay_into(table: dict[int, float], key: int, value: float) -> None:
-    """table[key] := value, or DECAY of the old value and the rest of the new one."""
-    old = table.get(key)
-    table[key] = value if old is None else DECAY * old + (1 - DECAY) * value
+    """table[key] := decayed(table.get(key), value)."""
+    table[key] = decayed(table.get(key), value)

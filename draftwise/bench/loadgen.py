@@ -477,13 +477,11 @@ def _fmt(value, digits: int = 2, scale: float = 1.0) -> str:
 
 def _cell_name(row: dict) -> str:
     """'speculation on, hybrid': a row's mode and the method it asked for (the server's own when it named none)."""
-    if row["mode"] == OFF:
-        return "speculation off"
-    method = row["method"] or "/".join(row.get("server_methods") or []) or "the server's method"
-    return f"speculation {row['mode']}, {method}"
+    return "speculation off" if row["mode"] == OFF else f"speculation {row['mode']}, {_method_name(row)}"
 
 
 def _method_name(row: dict) -> str:
+    """The method a row asked for: 'none' for off, the server's own (as it reported it) where it named none."""
     if row.get("mode") == OFF:
         return "none"
     return row["method"] or "/".join(row.get("server_methods") or []) or "(server's)"
