@@ -510,28 +510,42 @@ class Engine:
 
     def _draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's k. The target pass pads every row to the widest, so adaptive sequences share one k,
-        the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Prompt lookup's
-        methods judge each round after their free guess (_judges_rounds, _free_round), first: their nodes widen the
-        pass the shared k is priced by."""
-        depths = [_free_depth(seq) for seq in seqs]
-        judged = {seq: _free_round(seq, depth, len(seqs)) for seq, depth in zip(seqs, depths) if _judges_rounds(seq)}
-        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and seq not in judged]
-        fixed = [seq.cfg.num_draft_tokens for seq in seqs if seq.proposer is not None and not seq.acceptance]
-        shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
-                                          max(seq.cfg.num_draft_tokens for seq in adaptive), len(seqs),
-                                          fixed, [seq.spread.side_nodes for seq in adaptive],
-                                          [seq.proposer.armed_nodes for seq in judged]) if adaptive else 0
-        if adaptive:
-            self.draft_wanted = self.draft_policy.wants_drafting
-        # A draft far behind its text sits this round out; it catches up between steps (catch_up_draft).
-        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG or seq in judged else
-              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
-              for seq, depth in zip(seqs, depths)]
+        the policy's choice for this many rows; the others draft their own cfg.num_draft_tokens. Rows whose round
+        is settled first (_settled_rounds: prompt lookup's, and those whose draft lags) make their free guesses
+        before it: their nodes widen the pass the shared k is priced by."""
+        rows, depths = len(seqs), [_free_depth(seq) for seq in seqs]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
             if seq.proposer is not None:
-                seq.proposer.allow_free_depth(depth)
-        return [judged[seq] if seq in judged else k or _free_round(seq, depth, len(seqs))
+                seq.proposer.allow_free_depth(depth, rows)
+        settled = self._settled_rounds(seqs, depths)
+        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
+        # Where none of them can draft (every draft lags), priced as if they could: whether drafting would pay is
+        # what decides if their drafts are filled (wants_catch_up); their k is 0 whatever the choice.
+        adaptive = [seq for seq in adaptive if seq not in settled] or adaptive
+        fixed = [seq.cfg.num_draft_tokens for seq in seqs
+                 if seq.proposer is not None and not seq.acceptance and seq.draft_behind <= MAX_DRAFT_LAG]
+        shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
+                                          max(seq.cfg.num_draft_tokens for seq in adaptive), rows,
+                                          fixed, [seq.spread.side_nodes for seq in adaptive],
+                                          [seq.proposer.armed_nodes for seq in settled if seq not in adaptive]
+                                          ) if adaptive else 0
+        if adaptive:
+            self.draft_wanted = self.draft_policy.wants_drafting
+        ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
+              min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
+              for seq, depth in zip(seqs, depths)]
+        return [settled[seq] if seq in settled else k or _free_round(seq, depth, rows)
                 for seq, k, depth in zip(seqs, ks, depths)]
+
+    def _settled_rounds(self, seqs: list[Sequence], depths: list[int]) -> dict[Sequence, int]:
+        """The adaptive sequences whose round is their free guess or nothing, whatever k the others share: prompt
+        lookup's methods, which judge every round (_judges_rounds), and those whose draft lags more than
+        MAX_DRAFT_LAG behind its text (it sits the round out, and catches up between steps, catch_up_draft, if
+        ever). Priced among the drafting rows, a lagging row would count as drafting in a step where it runs plain:
+        the quant backend at 4 rows chose to draft a token in steps where no row could. Each one's k (0: a plain
+        row; else its armed guess)."""
+        return {seq: _free_round(seq, depth, len(seqs)) for seq, depth in zip(seqs, depths)
+                if _judges_rounds(seq) or (seq.acceptance and seq.draft_behind > MAX_DRAFT_LAG)}
 
     def _verify(self, seqs: list[Sequence], drafts: list,
                 live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:

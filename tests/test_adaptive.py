@@ -732,3 +732,31 @@ def test_a_lookup_rows_guess_is_made_before_the_shared_k_and_widens_its_pass():
     assert lookup.stats.nodes == 4 and draft.stats.proposed > 0
     for seq in (lookup, draft):
         eng.close_sequence(seq)
+
+
+def test_a_row_whose_draft_lags_is_priced_as_the_plain_row_it_runs_as():
+    """A draft far behind its text sits the round out: priced among the drafting rows, it would count tokens its
+    row cannot emit, and the caught-up row would draft where, beside a plain row, drafting does not pay."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    prompts = ("The quick brown fox jumps over the lazy dog.", "for i in range(10):\n    print(i * i)")
+    cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    # At two rows: plain 2 tokens in 0.1 s (20/s); both drafting one token at a = 0.5, 3 in 0.13 s (23/s); one
+    # drafting beside a plain row, 2.5 in 0.13 s (19/s).
+    for _ in range(3):
+        for k, verify_s in enumerate((0.1, 0.12, 0.2, 0.3, 0.4)):
+            eng.draft_policy.costs.observe(2, k, 0.01 * k, verify_s)
+
+    def lengths(lagging: bool) -> list[int]:
+        seqs = _opened(eng, tokenizer, prompts, cfg)
+        for seq in seqs[: 1 if lagging else 2]:
+            eng.catch_up_draft(seq)
+        for seq in seqs:
+            seq.acceptance = Acceptance(1.0, 2.0)  # a = 0.5
+        ks = eng._draft_lengths(seqs)
+        for seq in seqs:
+            eng.close_sequence(seq)
+        return ks
+
+    assert lengths(lagging=False) == [1, 1]
+    assert lengths(lagging=True) == [0, 0]  # (priced as two drafting rows: [1, 0])

@@ -562,3 +562,24 @@ def test_the_chain_hybrids_lookup_sizes_its_guess_by_the_engines_costs():
     assert seeded.proposer.lookup.costs is None  # a fixed k: its full k, whatever was timed
     assert seeded.proposer.lookup.propose(seeded.context, 4).depth == 4
     eng.close_sequence(seeded)
+
+
+def test_the_chain_hybrids_pick_is_priced_in_the_rows_of_its_step():
+    """A lookup guess that wins a round alone can lose in a batch, whose every row's pass it widens: the pick and the
+    guess are priced in the step's rows (allow_free_depth), as the engine's free rounds are."""
+    text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
+    costs = StepCosts()
+    for _ in range(3):
+        for width, four_rows_s in ((1, 0.2), (2, 0.3), (3, 0.6)):
+            costs.observe(1, width - 1, 0.02 * (width - 1), 0.2)  # one row: a flat pass, 0.02 s a draft forward
+            costs.observe(4, width - 1, 0.02 * (width - 1), four_rows_s)  # four: each position of width dearer
+
+    def pick(rows):
+        chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)
+        chain.begin(text, None, None)
+        chain.price_with(costs, follow=True)
+        chain.allow_free_depth(2, rows)
+        return chain.propose(text, 2).token_ids
+
+    assert pick(1) == (5, 6)  # alone, lookup's free guess beats the draft model's forwards
+    assert pick(4) == (7, 7)  # beside three rows, its two nodes' width costs more than the draft's two forwards

@@ -90,6 +90,7 @@ class HybridProposer(Proposer):
         # None for a fixed k, whose rounds must not follow timings.
         self.costs: StepCosts | None = None
         self._free_depth = 0  # the deepest guess lookup may offer, a free round's k (allow_free_depth, each round)
+        self._rows = 1  # the rows of this round's step, which its pick is priced in (allow_free_depth, each round)
 
     def price_with(self, costs: StepCosts, follow: bool) -> None:
         """Both parts are priced by them (a tree pair's one sizing, the draft's and lookup's alike). The chain's
@@ -99,8 +100,9 @@ class HybridProposer(Proposer):
         self.draft.price_with(costs, follow)
         self.lookup.price_with(costs, follow)
 
-    def allow_free_depth(self, depth: int) -> None:
-        self._free_depth = depth
+    def allow_free_depth(self, depth: int, rows: int = 1) -> None:
+        self._free_depth, self._rows = depth, rows
+        self.lookup.allow_free_depth(depth, rows)
 
     def attach_prompt_cache(self, cache) -> None:
         self.draft.attach_prompt_cache(cache)
@@ -245,7 +247,7 @@ class HybridProposer(Proposer):
         costs = self._followed_costs()
         if costs is None:
             return None
-        forward_s = self.sizing.forward_s if self.sizing is not None else costs.draft(1) or None
+        forward_s = self.sizing.forward_s if self.sizing is not None else costs.draft(self._rows) or None
         return None if forward_s is None else (forward_s, costs)
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:
@@ -253,10 +255,13 @@ class HybridProposer(Proposer):
         if measured is None:
             # By rule (depth: a tree of siblings still guesses one token).
             return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
+        # In the step's rows, the others taking a token each, as a free round is priced: a guess several tokens wide
+        # that wins alone can lose beside three other rows, whose pass it widens with it (the quant backend at 4
+        # rows: 5 wide cost 160 ms, 2 wide 73).
         forward_s, costs = measured
         free = planner.Offer(self.lookup.last_expected, len(guess))  # no draft forward
         drafted = planner.Offer.of_chain(self._draft_acceptance.rate, k)
-        return planner.rate(costs, 1, [free]) >= planner.rate(costs, 1, [drafted], forward_s)
+        return planner.rate(costs, self._rows, [free]) >= planner.rate(costs, self._rows, [drafted], forward_s)
 
     def keep_path(self, path: list[int]) -> None:
         """After verification, before observe(): a draft-tree round's kept path stays in the draft's cache."""
