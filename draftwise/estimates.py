@@ -30,6 +30,12 @@ DECAY = 0.9  # weight of the past in every running estimate, per round
 # A timing not renewed in this many steps is stale (Timings): it may date from a slow spell, and a shape that looks
 # dear is not chosen, so it would never be timed again.
 STALE_STEPS = 64
+# A stale timing that its next timing confirms (CONFIRMED of it, or dearer) stays fresh twice as long, up to this
+# many steps: a shape that looks cheap only once stale (a wide pass priced as the fresh narrow ones imply) would
+# otherwise be run again every STALE_STEPS steps at what it was known to cost (a 4-row pass 5 wide on the quant
+# backend: 185 ms for a plain step's 60, tried for each stale width), a tenth of a batch's time.
+MAX_STALE_STEPS = 16 * STALE_STEPS
+CONFIRMED = 0.9
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
 CARRIED_TRIALS = 4.0  # a prior carried from earlier sequences (Acceptance.start_from) is worth four tokens
 DRAFT_ESTIMATE = "draft"  # the name of a sequence's drafting acceptance among those an engine carries
@@ -107,26 +113,31 @@ class Timings:
     chosen, so it would never be timed again: an engine whose first requests shared the CPU with a busy process
     would keep pricing the widths it stopped running at what that spell cost, and never offer them again. So a
     stale timing is priced at most as the fresh ones imply (interpolated: optimism, as for a shape never timed; one
-    too cheap is chosen, and timed, at once), and its next timing replaces it instead of being averaged with it."""
+    too cheap is chosen, and timed, at once), and its next timing replaces it instead of being averaged with it.
+    A re-timing that confirms the old one (not a slow spell's, then) doubles how long the shape stays fresh
+    (MAX_STALE_STEPS at most): each retry of a shape known dear costs what it was known to."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
         self._timed_at: dict[int, int] = {}
+        self._fresh_for: dict[int, int] = {}  # steps a shape's timing stays fresh: STALE_STEPS, or more once confirmed
         # priced() as of one step: the cost model reads a table dozens of times a round (each k, each tree size),
         # and it changes only with the clock or a timing.
         self._priced: tuple[int, dict[int, float]] | None = None
 
     def observe(self, shape: int, seconds: float, now: int) -> None:
         if self.stale(shape, now):
-            del self.seconds[shape]
+            confirmed = seconds >= CONFIRMED * self.seconds.pop(shape)
+            fresh_for = self._fresh_for.get(shape, STALE_STEPS)
+            self._fresh_for[shape] = min(2 * fresh_for, MAX_STALE_STEPS) if confirmed else STALE_STEPS
         decay_into(self.seconds, shape, seconds)
         self._timed_at[shape] = now
         self._priced = None
 
     def stale(self, shape: int, now: int) -> bool:
-        """Whether this shape was timed, but not in the STALE_STEPS steps before `now`."""
+        """Whether this shape was timed, but not in the STALE_STEPS steps before `now` (more, once confirmed)."""
         at = self._timed_at.get(shape)
-        return at is not None and now - at >= STALE_STEPS
+        return at is not None and now - at >= self._fresh_for.get(shape, STALE_STEPS)
 
     def priced(self, now: int) -> dict[int, float]:
         """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""

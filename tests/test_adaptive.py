@@ -247,6 +247,29 @@ def test_a_width_last_timed_in_a_slow_spell_is_tried_again_once_its_time_is_stal
     assert policy.costs.verify(1, 9) == pytest.approx(0.4) and policy.choose([0.8], k_max=8, rows=1) == 6
 
 
+def test_a_width_whose_stale_time_is_confirmed_stays_fresh_longer():
+    """A wide pass that costs what it did when its time went stale is not run again every STALE_STEPS steps (priced
+    as the fresh plain steps imply, it looks cheap once stale): each retry costs what it was known to."""
+    costs = StepCosts()
+
+    def plain_steps(n):
+        for _ in range(n):
+            costs.observe(4, 0, 0.0, 0.06)
+
+    costs.observe(4, 4, 0.0, 0.185)  # 4 rows, 5 wide
+    plain_steps(STALE_STEPS)
+    assert not costs.fresh(4, 5)
+    costs.observe(4, 4, 0.0, 0.18)  # retried: as dear as it was
+    plain_steps(STALE_STEPS)
+    assert costs.fresh(4, 5)  # confirmed: fresh twice as long
+    plain_steps(STALE_STEPS)
+    assert not costs.fresh(4, 5)
+    costs.observe(4, 4, 0.0, 0.09)  # retried: half what it was (the old time was a slow spell's)
+    assert costs.verify(4, 5) == pytest.approx(0.09)  # (replaced, not averaged)
+    plain_steps(STALE_STEPS)
+    assert not costs.fresh(4, 5)  # not confirmed: stale again after STALE_STEPS
+
+
 def test_a_plain_step_timed_in_a_slow_spell_is_timed_again_once_stale_though_drafting_wins():
     """While drafting wins no plain step runs: a plain step first timed dear would keep drafting chosen where it
     loses, since no fresher, wider pass bounds its price from above."""
