@@ -516,7 +516,7 @@ class Engine:
         rows, depths = len(seqs), [_free_depth(seq) for seq in seqs]
         for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
             if seq.proposer is not None:
-                seq.proposer.allow_free_depth(depth, rows)
+                seq.proposer.prepare_round(depth, rows)
         settled = self._settled_rounds(seqs, depths)
         adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
         # Where none of them can draft (every draft lags), priced as if they could: whether drafting would pay is

@@ -387,7 +387,7 @@ def test_the_tree_hybrids_lookup_guesses_as_deep_as_a_free_round_whatever_the_dr
         hybrid = hybrid_of(draft, branches)
         hybrid.begin(text, None, None)
         hybrid.price_with(costs, follow=by_cost)
-        hybrid.allow_free_depth(depth)  # the engine's free-round k
+        hybrid.prepare_round(depth)  # the engine's free-round k
         return hybrid.propose(text, 1).token_ids  # the draft model's k is 1
 
     # Lookup's guess prices its own width (flat here) and costs no forward: it goes as deep as a free round.
@@ -566,7 +566,7 @@ def test_the_chain_hybrids_lookup_sizes_its_guess_by_the_engines_costs():
 
 def test_the_chain_hybrids_pick_is_priced_in_the_rows_of_its_step():
     """A lookup guess that wins a round alone can lose in a batch, whose every row's pass it widens: the pick and the
-    guess are priced in the step's rows (allow_free_depth), as the engine's free rounds are."""
+    guess are priced in the step's rows (prepare_round), as the engine's free rounds are."""
     text = [1, 2, 3, 5, 6, 1, 2, 3]  # the tail (1, 2, 3) occurred before, followed by (5, 6)
     costs = StepCosts()
     for _ in range(3):
@@ -578,7 +578,7 @@ def test_the_chain_hybrids_pick_is_priced_in_the_rows_of_its_step():
         chain = hybrid_of(FakeDraft(), LOOKUP_CHAIN)
         chain.begin(text, None, None)
         chain.price_with(costs, follow=True)
-        chain.allow_free_depth(2, rows)
+        chain.prepare_round(2, rows)
         return chain.propose(text, 2).token_ids
 
     assert pick(1) == (5, 6)  # alone, lookup's free guess beats the draft model's forwards

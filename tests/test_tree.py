@@ -11,7 +11,7 @@ from draftwise.backends.hf import HFBackend
 from draftwise.estimates import StepCosts
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.proposers.prompt_lookup import PromptLookupProposer, rank_nodes, token_tree
-from draftwise.proposers.tree_growth import GrownTree, TreeSizing, grow
+from draftwise.proposers.tree_growth import GrownTree, SizedTree, TreeSizing, grow
 from draftwise.sampling import sample
 from draftwise.types import Draft, TreeLayout, Verdict, chain_parents
 from draftwise.verify import verify_greedy
@@ -189,6 +189,21 @@ def test_a_tree_is_as_wide_as_pays_by_the_measured_costs():
     assert 1 < sizing.how_many(probs, k=3, forwards=0) < len(probs)
     sizing.sized_by_cost = False  # a seeded sampled sequence: exactly k, whatever the costs
     assert sizing.how_many(probs, k=3, forwards=0) == 3
+
+
+def test_a_tree_is_as_wide_as_pays_in_the_rows_of_its_step():
+    """One row's pass is flat in width; four rows' turns dear (each node a position in every row's pass, padded): a
+    tree priced at one row would be grown as wide in a batch, where it costs several plain steps."""
+    costs = _costs(0.0)
+    for width in (1, 3, 5, 9, 17, 25):
+        costs.observe(4, width - 1, 0.0, 0.2 + 0.2 * (width - 1))
+    sizing = TreeSizing(costs=costs, max_nodes=24)
+    probs = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01]
+    assert sizing.how_many(probs, k=3, forwards=0) == len(probs)  # (rows = 1 until told)
+    proposer = SizedTree()  # (a tree proposer's part that speaks to its sizing)
+    proposer.sizing = sizing
+    proposer.prepare_round(3, rows=4)  # the engine, each round
+    assert sizing.rows == 4 and sizing.how_many(probs, k=3, forwards=0) == 1
 
 
 def _tree(*probs: float) -> tuple[GrownTree, list[int]]:

@@ -14,7 +14,7 @@ A sequence's life, as the engine drives it (engine.py):
              prefix) where the prompt cache had it (keeps_cache), price_with(costs, follow), start_acceptances(rates)
              (keeps_estimates)
     prefill  add_features(...) of the prompt (reads_target_features); extend(...) while behind(text) (keeps_cache)
-    a round  free_round(...) where it guesses free and the engine's k leaves it the round, allow_free_depth(d, rows);
+    a round  free_round(...) where it guesses free and the engine's k leaves it the round, prepare_round(d, rows);
              then propose(...) or, sharing draft forwards with other sequences, start / pending / pending_layout /
              take / time_forward / settle / finish; after the target pass: add_features(kept rows),
              keep_path(kept path), observe(kept count); drafted_free says whether it ran a draft forward
@@ -162,7 +162,7 @@ class Proposer(ABC):
         round the verified rows of the kept path."""
 
     # -- a round ----------------------------------------------------------------------------------------------
-    def allow_free_depth(self, depth: int, rows: int = 1) -> None:
+    def prepare_round(self, depth: int, rows: int = 1) -> None:
         """Each round, before propose: the deepest a guess that costs no forward may go (the sequence's
         num_draft_tokens, within what it may still emit), whatever k the engine gives the round; and the rows of the
         step, which a guess's width is priced in (a pass of many rows turns dear with width where one row's does

@@ -36,12 +36,12 @@ import torch
 from draftwise.backends.base import Backend
 from draftwise.proposers.compact import target_ids
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, growing
+from draftwise.proposers.tree_growth import BRANCH, GrownTree, SizedTree, TreeSizing, as_draft, growing
 from draftwise.sampling import logits_to_probs
 from draftwise.types import Draft, TreeLayout
 
 
-class DraftTreeProposer(DraftModelProposer):
+class DraftTreeProposer(SizedTree, DraftModelProposer):
     # take() gets every fed row's logits: a depth of the tree is fed at once (batch.py)
     capabilities = replace(DraftModelProposer.capabilities, drafts_trees=True, takes_rows=True)
 
@@ -62,9 +62,6 @@ class DraftTreeProposer(DraftModelProposer):
         return DraftTreeProposer(self._model().open_slot(), self.target_vocab_size, self.token_ids,
                                  TreeSizing(self.sizing.costs, self.sizing.max_nodes))
 
-    def price_with(self, costs, follow: bool) -> None:
-        """The tree's width by what passes cost here; a fixed k means a fixed tree size too."""
-        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
 
     # -- a round, in steps (propose() runs them alone; batch.py in lockstep with other sequences) ------------
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:

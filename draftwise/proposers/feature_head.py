@@ -34,11 +34,11 @@ import torch
 from draftwise.config import SamplingConfig
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.head_model import FeatureHead, HeadCache
-from draftwise.proposers.tree_growth import BRANCH, GrownTree, TreeSizing, as_draft, grow
+from draftwise.proposers.tree_growth import BRANCH, GrownTree, SizedTree, TreeSizing, as_draft, grow
 from draftwise.types import Draft
 
 
-class HeadProposer(Proposer):
+class HeadProposer(SizedTree, Proposer):
     # The engine hands the target's hidden states over (add_features). No draft model, no cache of the text to fill
     # or restore, and no steps to share in a batch: the head drafts at once.
     capabilities = Capabilities(drafts_trees=True, reads_target_features=True)
@@ -84,10 +84,6 @@ class HeadProposer(Proposer):
     def fork(self) -> "HeadProposer":
         return HeadProposer(self.head, self.readout, self.readout_ids, self.embed,
                             TreeSizing(self.sizing.costs, self.sizing.max_nodes), self.window)
-
-    def price_with(self, costs, follow: bool) -> None:
-        """The tree's width by what passes cost here; a fixed k means a fixed tree size too."""
-        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -89,8 +89,8 @@ class HybridProposer(Proposer):
         # The engine's step costs (price_with), which price the chain's pick, its lookup's guess and free rounds;
         # None for a fixed k, whose rounds must not follow timings.
         self.costs: StepCosts | None = None
-        self._free_depth = 0  # the deepest guess lookup may offer, a free round's k (allow_free_depth, each round)
-        self._rows = 1  # the rows of this round's step, which its pick is priced in (allow_free_depth, each round)
+        self._free_depth = 0  # the deepest guess lookup may offer, a free round's k (prepare_round, each round)
+        self._rows = 1  # the rows of this round's step, which its pick is priced in (prepare_round, each round)
 
     def price_with(self, costs: StepCosts, follow: bool) -> None:
         """Both parts are priced by them (a tree pair's one sizing, the draft's and lookup's alike). The chain's
@@ -100,9 +100,10 @@ class HybridProposer(Proposer):
         self.draft.price_with(costs, follow)
         self.lookup.price_with(costs, follow)
 
-    def allow_free_depth(self, depth: int, rows: int = 1) -> None:
+    def prepare_round(self, depth: int, rows: int = 1) -> None:
         self._free_depth, self._rows = depth, rows
-        self.lookup.allow_free_depth(depth, rows)
+        self.draft.prepare_round(depth, rows)
+        self.lookup.prepare_round(depth, rows)
 
     def attach_prompt_cache(self, cache) -> None:
         self.draft.attach_prompt_cache(cache)

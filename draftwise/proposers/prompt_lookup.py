@@ -72,7 +72,7 @@ class PromptLookupProposer(Proposer):
         self.costs: StepCosts | None = None
         self.last_match = 0  # tokens of the text's tail that the last guess matched (0: no guess)
         self.last_expected = 1.0  # tokens the last round is expected to emit, the target's own included
-        self._rows = 1  # the rows of this round's step, which its guess's width is priced in (allow_free_depth)
+        self._rows = 1  # the rows of this round's step, which its guess's width is priced in (prepare_round)
         self.corpus = corpus  # earlier requests' texts, or None
         self.corpus_rounds = 0  # proposals this sequence took from the corpus
         self._use_corpus = True
@@ -119,7 +119,7 @@ class PromptLookupProposer(Proposer):
         self._learn(context)
         return self._guess(context, k, self._rows)
 
-    def allow_free_depth(self, depth: int, rows: int = 1) -> None:
+    def prepare_round(self, depth: int, rows: int = 1) -> None:
         self._rows = rows  # (a hybrid's lookup guesses in its rounds; alone, free_round is told the rows)
 
     def free_round(self, context: list[int], k: int, rows: int = 1) -> int:

@@ -49,6 +49,9 @@ class TreeSizing:
         self.costs = costs  # the engine's measured step costs (its proposer's price_with); None: trees of k nodes
         self.max_nodes = max_nodes
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (price_with)
+        # The rows of this round's step (its proposer's prepare_round): a tree's width is priced in them, since at
+        # 4 rows a wide pass can cost three plain steps where at one row it costs little more than one.
+        self.rows = 1
         self._forward_s = Timings()  # seconds per proposer forward (one shape, 1), measured
         self._expansion_s = Timings()  # seconds of a forward that expands a depth, by its nodes, decayed
         # By depth, decayed: rounds whose kept path reached it, and the chances the offered nodes there claimed.
@@ -173,8 +176,22 @@ class TreeSizing:
     def _best(self, probs: list[float], forwards: int) -> tuple[int, float]:
         """(n, the round's expected tokens per second) for the n of the first nodes (at most max_nodes) whose offer
         the planner prices highest, after `forwards` of this proposer's forwards."""
-        return planner.best_prefix(self.costs, probs, forwards=forwards, forward_s=self.forward_s,
+        return planner.best_prefix(self.costs, probs, rows=self.rows, forwards=forwards, forward_s=self.forward_s,
                                    max_nodes=self.max_nodes)
+
+
+class SizedTree:
+    """What a proposer of grown trees (a draft model's, a head's) tells its sizing: the engine's costs at open, and
+    each round the rows its width is priced in."""
+
+    sizing: TreeSizing
+
+    def price_with(self, costs: StepCosts, follow: bool) -> None:
+        """The tree's width by what passes cost here; a fixed k means a fixed tree size too."""
+        self.sizing.costs, self.sizing.sized_by_cost = costs, follow
+
+    def prepare_round(self, depth: int, rows: int = 1) -> None:
+        self.sizing.rows = rows
 
 
 def followed_costs(sizing: TreeSizing | None, costs: StepCosts | None) -> StepCosts | None:
