@@ -90,12 +90,12 @@ class DraftLengthPolicy:
         filled first, or it sits the probe out (Engine.wants_catch_up) and the probe learns nothing."""
         return not self.wants_drafting and self._steps_without_draft + 1 >= self._probe_gap
 
-    def saving_per_token(self, rows: int) -> float | None:
+    def saving_per_token(self, rows: float) -> float | None:
         """What drafting saved a token at the last choice for steps of this many rows (the nearest priced); None
         before any choice was priced."""
         return self._savings[nearest(self._savings, rows)] if self._savings else None
 
-    def catch_up_pays(self, behind: int, tokens_to_come: float, rows: int) -> bool:
+    def catch_up_pays(self, behind: int, tokens_to_come: float, rows: float) -> bool:
         """Whether a draft `behind` tokens behind its text is worth filling for the tokens its sequence has still to
         come in steps of `rows` rows (planner.catch_up_pays): the batch it runs in, not the step that last ran (while
         a newcomer is prefilled, the others step without it, and fewer rows save more a token). Before either side

@@ -583,6 +583,27 @@ def test_a_lagging_draft_is_filled_only_where_the_answer_still_to_come_repays_th
         plain.generate(p, max_new_tokens=8, ignore_eos=True).token_ids for p in prompts]
 
 
+def test_a_lagging_draft_is_priced_in_the_batch_of_the_recent_steps_not_a_gap_between_requests():
+    """At 2 requests, one has ended and the next not yet arrived: 1 open, where drafting saves far more a token than in
+    the 2-row steps that follow. Filling is priced at the recent steps' rows until steps alone show the load fell."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
+    priced_at = []
+    eng.draft_policy.catch_up_pays = lambda behind, to_come, rows: priced_at.append(rows) or True
+    cfg = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    seqs = _opened(eng, tokenizer, ("The quick brown fox jumps over the lazy dog.", "for i in range(10):"), cfg)
+    for _ in range(10):
+        eng.step(seqs)
+    eng.close_sequence(seqs[1])  # (the next request not here yet)
+    eng.draft_wanted = True  # (as when drafting paid at the last step)
+    assert eng.open_sequences == 1 and eng.wants_catch_up(seqs[0]) and priced_at[-1] > 1.5  # priced as 2 rows
+    for _ in range(10):
+        eng.step(seqs[:1])
+    eng.draft_wanted = True  # (whatever tiny models' timings made of it)
+    assert eng.wants_catch_up(seqs[0]) and priced_at[-1] < 1.5  # the load fell: priced as 1 row
+    eng.close_sequence(seqs[0])
+
+
 def test_the_tokens_to_come_are_bounded_by_how_long_finished_answers_ran():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
