@@ -356,25 +356,39 @@ def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeyp
     assert out.out.startswith("| method | speculation | concurrency |") and "concurrency 3" in out.err
 
 
-def test_several_methods_and_repeats_run_interleaved_with_off_once_a_round(tmp_path, standin, capsys):
+def test_several_methods_and_repeats_run_interleaved_each_beside_its_own_off(tmp_path, standin, capsys):
     code = _run("--url", standin.url, "--methods", "draft,lookup", "--speculation", "on,always,off", "--repeats", "2",
                 "--concurrency", "1", "--requests", "2", "--max-tokens", "2", "--per-category", "1",
                 "--out", str(tmp_path))
     assert code == 0
     asked = [(b.get("speculation") or {}) for _, b in standin.posts]
-    cells = [("on", "draft"), ("always", "draft"), ("on", "lookup"), ("always", "lookup"), ("off", "none")]
     sent = [("off" if a.get("method") == "none" else "always" if a.get("adaptive") is False else "on", a["method"])
             for a in asked]
-    # Repeat 0: each cell's warm-up, then its two requests; repeat 1: no warm-up, the order rotated and reversed.
-    assert sent == [c for c in cells for _ in range(3)] + [c for c in order_for_repeat(cells, 1) for _ in range(2)]
+    draft = [("on", "draft"), ("always", "draft"), ("off", "none")]
+    lookup = [("on", "lookup"), ("always", "lookup"), ("off", "none")]
+    # Repeat 0: each cell's warm-up, then its two requests, a block per method; repeat 1: no warm-up, the blocks and
+    # the cells within each rotated and reversed (on, off, always).
+    again = [draft[0], draft[2], draft[1], lookup[0], lookup[2], lookup[1]]
+    assert sent == [c for c in draft + lookup for _ in range(3)] + [c for c in again for _ in range(2)]
     rows = json.loads((tmp_path / "results.json").read_text())["summary"]
-    assert [(r["mode"], r["method"]) for r in rows] == [("on", "draft"), ("always", "draft"), ("on", "lookup"),
-                                                         ("always", "lookup"), ("off", None)]
+    assert [(r["mode"], r["method"]) for r in rows] == [("on", "draft"), ("always", "draft"), ("off", "draft"),
+                                                         ("on", "lookup"), ("always", "lookup"), ("off", "lookup")]
     assert all(r["requests"] == 4 and len(r["runs_tokens_per_s"]) == 2 for r in rows)
     assert all(r["on_vs_best"] > 0 for r in rows if r["mode"] == "on")
     out = capsys.readouterr().out
-    assert "| lookup | always | 1 | 4 (0) |" in out and "| none | off | 1 | 4 (0) |" in out
+    assert "| lookup | always | 1 | 4 (0) |" in out and "| none (beside lookup) | off | 1 | 4 (0) |" in out
     assert "on / best of always, off" in out and "## Throttle" in (tmp_path / "report.md").read_text()
+
+
+def test_the_throttle_judges_on_against_the_off_beside_it():
+    """Each method's on against the off run in its own block (the same minutes), not another block's."""
+    records = [*_runs("on", "draft", 2, [20.0, 30.0]), *_runs("off", "draft", 2, [25.0, 30.0]),
+               *_runs("on", "lookup", 2, [20.0, 30.0]), *_runs("off", "lookup", 2, [20.0, 28.0])]
+    rows = summarise(records)
+    verdict = {r["method"]: r["on_vs_best"] for r in rows if r["mode"] == "on"}
+    assert verdict == pytest.approx({"draft": (0.8 + 1.0) / 2, "lookup": (1.0 + 30 / 28) / 2})
+    table = throttle_table(rows)
+    assert "| draft | 2 | 25.0 | - | 27.5 | 0.90x (0.80-1.00) | **no** |" in table
 
 
 @pytest.mark.parametrize("standin", [{"faults": {3: "500", 4: "error chunk", 5: "cut", 6: "stall"}}],

@@ -4,8 +4,10 @@ speculation on and off, for one method or several.
 At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and
 the whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever
 else the machine is doing weighs on all of them alike: a warm-up request in the first repeat (not counted), then N
-streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the method: it runs once a
-round. Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of the repeats, and
+streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the method, yet it runs
+beside each method's on and always (a block of three cells): a round of many cells spans minutes, over which this
+machine's speed drifts by a tenth and more, and an on judged against an off minutes away would measure the drift.
+Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of the repeats, and
 their range), p50/p95 time to first token and time between tokens (gaps between one request's consecutive content
 chunks: the server sends one chunk per token), and the server-reported acceptance. Per method and level, the
 throttle's verdict: on over the better of always and off, repeat by repeat (the cells of one repeat ran back to back).
@@ -70,13 +72,15 @@ class LoadPlan:
         between levels compares load, not prompt mixes; fewer than the concurrency would never reach it."""
         return max(self.requests or max(len(self.prompts), *self.levels), level)
 
-    def cells(self) -> list[tuple[str, str | None]]:
-        """The (mode, method) pairs every level runs, a method's modes side by side; off once, where the modes
-        put it (first or last), since the target alone is the same whatever the method."""
-        speculating = [(mode, method) for method in self.methods for mode in self.modes if mode != OFF]
-        if OFF not in self.modes:
-            return speculating
-        return [(OFF, None), *speculating] if self.modes[0] == OFF else [*speculating, (OFF, None)]
+    def blocks(self) -> list[list[tuple[str, str | None]]]:
+        """The (mode, method) cells every level runs, a block per method of its modes side by side, off among them
+        (the target alone, tagged with the block's method: what that method's on is judged against)."""
+        return [[(mode, method) for mode in self.modes] for method in self.methods]
+
+    def cells_for_repeat(self, repeat: int) -> list[tuple[str, str | None]]:
+        """A repeat's cells in the order they run: the blocks, and the cells within each, rotated and reversed from
+        repeat to repeat (order_for_repeat)."""
+        return [cell for block in order_for_repeat(self.blocks(), repeat) for cell in order_for_repeat(block, repeat)]
 
 
 def base_url(url: str) -> str:
@@ -151,7 +155,7 @@ async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> lis
             f"max_tokens {plan.max_tokens}, {plan.repeats} repeat(s)")
         for level in plan.levels:
             for repeat in range(plan.repeats):
-                for mode, method in order_for_repeat(plan.cells(), repeat):
+                for mode, method in plan.cells_for_repeat(repeat):
                     body = request_body(model, plan, mode, method)
                     if repeat == 0:
                         await _warm_up(http, plan, body, mode, level)
@@ -443,9 +447,12 @@ def judge_throttle(rows: list[dict]) -> None:
 
 
 def _rivals(rows: list[dict], on: dict) -> list[dict]:
-    """The rows an on row is judged against: always with its method, and off, at its level."""
-    return [r for r in rows if r["concurrency"] == on["concurrency"]
-            and (r["mode"] == OFF or (r["mode"] == "always" and r["method"] == on["method"]))]
+    """The rows an on row is judged against, at its level: always with its method, and the off run beside them (any
+    off, for records of a run that ran off once)."""
+    level = [r for r in rows if r["concurrency"] == on["concurrency"]]
+    offs = [r for r in level if r["mode"] == OFF]
+    beside = [r for r in offs if r["method"] == on["method"]] or offs
+    return [r for r in level if r["mode"] == "always" and r["method"] == on["method"]] + beside
 
 
 def _at(row: dict, repeat: int) -> float | None:
@@ -477,13 +484,15 @@ def _fmt(value, digits: int = 2, scale: float = 1.0) -> str:
 
 def _cell_name(row: dict) -> str:
     """'speculation on, hybrid': a row's mode and the method it asked for (the server's own when it named none)."""
-    return "speculation off" if row["mode"] == OFF else f"speculation {row['mode']}, {_method_name(row)}"
+    if row["mode"] == OFF:
+        return "speculation off" + (f", beside {row['method']}" if row["method"] else "")
+    return f"speculation {row['mode']}, {_method_name(row)}"
 
 
 def _method_name(row: dict) -> str:
     """The method a row asked for: 'none' for off, the server's own (as it reported it) where it named none."""
     if row.get("mode") == OFF:
-        return "none"
+        return f"none (beside {row['method']})" if row.get("method") else "none"
     return row["method"] or "/".join(row.get("server_methods") or []) or "(server's)"
 
 
