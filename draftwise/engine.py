@@ -524,7 +524,7 @@ class Engine:
         is settled first (_settled_rounds: prompt lookup's, and those whose draft lags) make their free guesses
         before it: their nodes widen the pass the shared k is priced by."""
         rows, depths = len(seqs), [_free_depth(seq) for seq in seqs]
-        for seq, depth in zip(seqs, depths):  # a hybrid's lookup guesses as deep as a free round, whatever its k
+        for seq, depth in zip(seqs, depths):  # how deep a free guess may go, and the rows its guesses are priced in
             if seq.proposer is not None:
                 seq.proposer.prepare_round(depth, rows)
         settled = self._settled_rounds(seqs, depths)
