@@ -337,8 +337,9 @@ def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeyp
     assert all(r["ttft_p50_s"] > 0 and r["tbt_p50_s"] > 0 and r["tbt_p95_s"] >= r["tbt_p50_s"] for r in rows)
     assert [r["acceptance"] for r in rows] == [0.75, None, 0.75, None]
     assert rows[1]["vs_c1_off"] == pytest.approx(1.0)
-    # 20 counted requests, 4 warm-ups; each counted one has 4 content chunks, so 3 gaps
-    assert len(results["requests"]) == 20 and len(standin.posts) == 24
+    # 20 counted requests, 8 warm-ups (as many as the level's concurrency, at once: 1 + 1 + 3 + 3); each counted one
+    # has 4 content chunks, so 3 gaps
+    assert len(results["requests"]) == 20 and len(standin.posts) == 28
     assert all(len(r["chunk_times_s"]) == 4 and len(r["gaps_s"]) == 3 and r["tokens_from_usage"]
                for r in results["requests"])
     assert standin.most_in_flight == 3
@@ -347,8 +348,8 @@ def test_a_run_writes_results_report_and_plot(tmp_path, standin, capsys, monkeyp
     assert paths == {"/v1/chat/completions"}
     bodies = [body for _, body in standin.posts]
     assert all(b["messages"][0]["role"] == "user" and b["temperature"] == 0 and b["stream"] for b in bodies)
-    assert sum(b.get("speculation") == {"method": "none"} for b in bodies) == 12
-    assert sum("speculation" not in b for b in bodies) == 12
+    assert sum(b.get("speculation") == {"method": "none"} for b in bodies) == 14  # 10 counted, 1 + 3 warm-ups
+    assert sum("speculation" not in b for b in bodies) == 14
     report = (tmp_path / "report.md").read_text()
     assert "| on | 3 | 5 (0) |" in report and "| off | 1 | 5 (0) |" in report and "1.00x" in report
     assert (tmp_path / "loadgen.png").read_bytes()[:4] == b"\x89PNG"

@@ -3,8 +3,8 @@ speculation on and off, for one method or several.
 
 At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and
 the whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever
-else the machine is doing weighs on all of them alike: a warm-up request in the first repeat (not counted), then N
-streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the method, yet it runs
+else the machine is doing weighs on all of them alike: `concurrency` warm-up requests at once in the first repeat
+(not counted), then N streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the method, yet it runs
 beside each method's on and always (a block of three cells): a round of many cells spans minutes, over which this
 machine's speed drifts by a tenth and more, and an on judged against an off minutes away would measure the drift.
 Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of the repeats, and
@@ -202,12 +202,17 @@ def with_prompt(body: dict, text: str, chat: bool) -> dict:
 
 
 async def _warm_up(http, plan: LoadPlan, body: dict, mode: str, level: int) -> None:
-    """One request first, not counted. If even that fails, every counted one would too: stop with its reason."""
-    record = RequestRecord(mode, level, "warm-up")
-    await one_request(http, plan, body, plan.prompts[0], record, time.perf_counter())
-    if record.error is not None:
+    """`level` requests at once first, not counted: a server times each shape of step the first time it runs one
+    (a draftwise server prices its drafting by them), so the first cell at a level would pay for timing that level's
+    batches and the others not. If even these fail, every counted one would too: stop with the first one's reason."""
+    records = [RequestRecord(mode, level, "warm-up") for _ in range(level)]
+    started = time.perf_counter()
+    await asyncio.gather(*(one_request(http, plan, body, plan.prompts[i % len(plan.prompts)], record, started)
+                           for i, record in enumerate(records)))
+    failed = next((r for r in records if r.error is not None), None)
+    if failed is not None:
         raise DraftwiseError(f"the warm-up request (speculation {mode}, concurrency {level}) failed: "
-                             f"{record.error}{_auth_hint(record.status)}")
+                             f"{failed.error}{_auth_hint(failed.status)}")
 
 
 async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | None, int],
