@@ -170,7 +170,7 @@ class StepCosts:
         return rows in self._verify_s and n in self._verify_s[rows].seconds
 
     def fresh(self, rows: int, n: int) -> bool:
-        """Whether a pass of this many rows and this width has been timed in the last STALE_STEPS steps."""
+        """Whether a pass of this many rows and this width has been timed and is not stale (Timings.stale)."""
         return self.knows(rows, n) and not self._verify_s[rows].stale(n, self.steps)
 
     def verify(self, rows: int, n: int) -> float:

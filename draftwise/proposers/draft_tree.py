@@ -62,7 +62,6 @@ class DraftTreeProposer(SizedTree, DraftModelProposer):
         return DraftTreeProposer(self._model().open_slot(), self.target_vocab_size, self.token_ids,
                                  TreeSizing(self.sizing.costs, self.sizing.max_nodes))
 
-
     # -- a round, in steps (propose() runs them alone; batch.py in lockstep with other sequences) ------------
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
         self._context_len, self._offered, self._fed_at = len(context), (), {}
