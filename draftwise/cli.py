@@ -23,6 +23,7 @@ from draftwise.config import GenerationConfig
 from draftwise.serve.command import add_serve
 from draftwise.serve.log_command import add_log
 from draftwise.train.command import add_train_head
+from draftwise.train.distill_command import add_distill, add_traffic
 from draftwise.errors import DraftwiseError
 from draftwise.files import read_prompt_file, read_stdin_prompt
 from draftwise.methods import BASELINE, DRAFT_MODEL, TRAINED_HEAD, methods_needing, needs
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_loadgen(commands, _Formatter)
     add_log(commands, _Formatter)
     add_train_head(commands, _Formatter)
+    add_traffic(commands, _Formatter)
+    add_distill(commands, _Formatter)
     _add_models(commands)
     return parser
 

@@ -121,6 +121,9 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
             check_resolves(name)
 
     target_source = resolve(target, progress=progress)
+    if target_source.adapter is not None:
+        raise DraftwiseError(f"{target} is a draft version (`draftwise distill` makes them to draft with): give it "
+                             f"as --draft; the target is a model as published")
     tokenizer = load_tokenizer(str(target_source.path), target_source.gguf_file)
     draft_model = draft_tokenizer = None
     if draft is not None:
@@ -131,6 +134,10 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
             check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
         # On the quant backend the draft stays float here: assemble compacts it onto a 4-bit copy.
         draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
+        if draft_source.adapter is not None:
+            from draftwise.models.versions import apply_version
+
+            draft_model = apply_version(draft_model, draft_source.adapter)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
     if quantized:
         target_model = on_quant_weights(target_model, target_source, target, progress)

@@ -33,6 +33,9 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
     draft_file = draft_tokenizer = None
     if draft is not None and METHODS[method].needs == DRAFT_MODEL:
         draft_source = resolve(draft, progress=progress)
+        if draft_source.adapter is not None:
+            raise DraftwiseError(f"the llama.cpp backend reads a draft's GGUF file as published; {draft} is a draft "
+                                 f"version (an adapter on its floats): run it on --backend quant or hf")
         draft_file = draft_source.published_gguf(draft, BACKEND)
         draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
     options = {} if slots is None else {"slots": slots}

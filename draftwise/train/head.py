@@ -41,6 +41,7 @@ from draftwise.train.as_run import gap_line, top1_as_run
 from draftwise.train.corpus import Piece, training_sequences
 from draftwise.train.everyday import everyday_key, everyday_prompts
 from draftwise.train.features import collect, load_shards
+from draftwise.train.schedule import lr_scale
 
 VAL_EVERY = 20  # one source file in 20 is held back for validation
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -281,7 +282,7 @@ class _Trainer:
         self.to_readout = torch.full((vocab,), -1, dtype=torch.long, device=self.device)
         self.to_readout[ids.to(self.device)] = torch.arange(len(ids), device=self.device)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: _lr_scale(s, cfg, total_steps))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_scale(s, cfg.warmup_steps, total_steps))
         self.autocast = native_bf16(self.device.type)  # bfloat16 matmuls only where computed natively
 
     def resume(self, path: Path) -> int:
@@ -372,10 +373,3 @@ class _Trainer:
             logits.append(out)
         return losses, tuple(logits)
 
-
-def _lr_scale(step: int, cfg: TrainConfig, total: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    done = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
