@@ -537,6 +537,8 @@ def test_check_device_names_the_gpus_there_are(monkeypatch):
     ("--drain-timeout", "-5", "--drain-timeout must be a number >= 0, got -5.0"),
     ("--draft-timeout-ms", "0", "--draft-timeout-ms must be a number > 0"),
     ("--api-key", "", "--api-key (or $DRAFTWISE_API_KEY) is empty"),
+    ("--proposal-log-days", "0", "--proposal-log-days must be a number of days > 0"),
+    ("--proposal-log-days", "7", "--proposal-log-days limits the proposal log: give --proposal-log PATH too"),
 ])
 def test_serve_refuses_bad_limits_before_loading_naming_the_flag(capsys, store, monkeypatch, flag, value, message):
     def no_load(*args, **kwargs):

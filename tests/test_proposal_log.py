@@ -347,3 +347,48 @@ def test_export_writes_to_a_pipe_as_it_is(tmp_path, capsys):
     reader.join(timeout=30)
     assert read and all(json.loads(line)["context"] for line in read[0].splitlines())
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_the_log_is_its_owners_alone_and_deleted_rows_leave_no_bytes(tmp_path):
+    path = tmp_path / "log.db"
+    log = ProposalLog(path)
+    log.record_request("secret-request", "default", "draft", [101, 102, 103], [7, 8, 9, 4242], "stop")
+    log.record_round(round_rows("secret-request", "default", 0, 3, "draft", (7, 8), 1, 9, 0.01, 0.02))
+    log.close()
+    assert (path.stat().st_mode & 0o777) == 0o600
+    wal = path.with_name(path.name + "-wal")
+    assert not wal.exists() or (wal.stat().st_mode & 0o777) == 0o600
+    assert main(["log", "purge", str(path), "--request", "secret-request", "--json"]) == 0
+    for file in (path, wal):  # neither the request's id nor its rows are anywhere in the files
+        assert not file.exists() or b"secret-request" not in file.read_bytes()
+    assert log_stats(path)["requests_finished"] == 0
+
+
+def test_rows_older_than_the_retention_go_and_purge_takes_an_age(tmp_path, capsys):
+    path = tmp_path / "log.db"
+    log = ProposalLog(path, max_age_s=3600)
+    now = time.time()
+    log.record_request("kept", "default", "draft", [1], [2], "stop")
+    log.close()
+    db = sqlite3.connect(path)
+    with db:  # a request of two hours ago, as an older server run left it
+        db.execute("INSERT INTO requests (request_id, ts, arm, method, prompt_ids, output_ids, finish) VALUES "
+                   "('old', ?, 'default', 'draft', '[1]', '[2]', 'stop')", (now - 7200,))
+    db.close()
+    log = ProposalLog(path, max_age_s=3600)
+    log.record_request("new", "default", "draft", [1], [2], "stop")  # each write drops what is past the retention
+    log.close()
+    assert {r["request_id"] for r in _requests(path)} == {"kept", "new"}
+    assert main(["log", "purge", str(path), "--older-than", "0"]) == 0
+    assert "deleted 2 requests" in capsys.readouterr().out and _requests(path) == []
+    with pytest.raises(DraftwiseError, match="proposal-log-days must be > 0"):
+        ProposalLog(path, max_age_s=0)
+
+
+def _requests(path):
+    db = sqlite3.connect(path)
+    db.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in db.execute("SELECT * FROM requests")]
+    finally:
+        db.close()

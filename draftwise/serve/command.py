@@ -104,6 +104,9 @@ def add_serve(commands, formatter) -> None:
                         "export`)")
     s.add_argument("--proposal-log-rows", type=int, default=5_000_000, metavar="N",
                    help="most rows the proposal log keeps; the oldest go first (default: %(default)s)")
+    s.add_argument("--proposal-log-days", type=float, metavar="DAYS",
+                   help="keep the proposal log's rows (users' prompts and outputs, as token ids) this many days "
+                        "at most; `draftwise log purge` deletes on demand (default: kept until --proposal-log-rows)")
     s.add_argument("--prompt-cache-mb", type=float, default=1024, metavar="MB",
                    help="keep the keys and values of finished requests' texts, up to this many MB for target and "
                         "draft together, and reuse them for prompts that start the same way (a chat's next turn, a "
@@ -128,6 +131,10 @@ def request_defaults(args: argparse.Namespace) -> dict:
 
 def _check_limits(args: argparse.Namespace) -> None:
     """The numeric options, checked before the models load for minutes, each error naming its flag."""
+    if args.proposal_log_days is not None and not (math.isfinite(args.proposal_log_days) and args.proposal_log_days > 0):
+        raise DraftwiseError(f"--proposal-log-days must be a number of days > 0, got {args.proposal_log_days}")
+    if args.proposal_log_days is not None and not args.proposal_log:
+        raise DraftwiseError("--proposal-log-days limits the proposal log: give --proposal-log PATH too")
     least = {"--max-batch": (args.max_batch, 1, ""), "--prefill-chunk": (args.prefill_chunk, 1, ""),
              "--max-waiting": (args.max_waiting, 0, " (0: every request that cannot run at once gets 429)"),
              "--proposal-cache-tokens": (args.proposal_cache_tokens, 0, " (0 turns it off)"),
@@ -159,7 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A bad guard, arms file or log path fails here, before the models load.
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
     experiment = Experiment.load(args.experiment) if args.experiment else None
-    log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows) if args.proposal_log else None
+    max_age_s = None if args.proposal_log_days is None else args.proposal_log_days * 86400
+    log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows, max_age_s=max_age_s) \
+        if args.proposal_log else None
     engine = Engine.from_pretrained(args.target, draft, args.method, **options.engine_options(args))
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))

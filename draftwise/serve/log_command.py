@@ -1,4 +1,4 @@
-"""`draftwise log stats PATH` and `draftwise log export PATH --jsonl OUT`: read a proposal log (proposal_log.py).
+"""`draftwise log stats|export|purge PATH`: read a proposal log (proposal_log.py), or delete from it.
 
 stats: acceptance by draft position (the share of tokens proposed at position i that were kept), by method
 and arm, over time (the log cut into equal spans of rows: a falling rate is drift), and the A/B arms of
@@ -40,6 +40,19 @@ def add_log(commands, formatter) -> None:
     export.add_argument("path", metavar="PATH")
     export.add_argument("--jsonl", required=True, metavar="OUT", help="the file to write ('-' for stdout)")
     export.set_defaults(func=cmd_log_export)
+    purge = sub.add_parser("purge", formatter_class=formatter, help="delete users' requests from a log",
+                           description="Delete requests (their prompts, outputs and proposed tokens) from a proposal "
+                                       "log, also while the server writes it; the deleted bytes are overwritten and "
+                                       "the write-ahead file emptied, so nothing of them stays on the disk.")
+    purge.add_argument("path", metavar="PATH")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--all", action="store_true", help="every request")
+    which.add_argument("--older-than", type=float, metavar="DAYS", help="the requests that finished DAYS days ago "
+                                                                         "or earlier")
+    which.add_argument("--request", action="append", metavar="ID", help="this request (an id the server returned; "
+                                                                         "repeat for several)")
+    purge.add_argument("--json", action="store_true", help="print what was deleted as one JSON object")
+    purge.set_defaults(func=cmd_log_purge)
 
 
 def cmd_log_stats(args: argparse.Namespace) -> int:
@@ -74,6 +87,40 @@ def cmd_log_export(args: argparse.Namespace) -> int:
         count = counted[0]
     print(f"wrote {count} pairs to {args.jsonl}", file=sys.stderr)
     return 0
+
+
+def cmd_log_purge(args: argparse.Namespace) -> int:
+    from draftwise.errors import DraftwiseError
+
+    if args.older_than is not None and not args.older_than >= 0:
+        raise DraftwiseError(f"--older-than takes days >= 0, got {args.older_than}")
+    deleted = purge(args.path, everything=args.all, older_than_s=None if args.older_than is None else
+                    args.older_than * 86400, requests=args.request or ())
+    print(json.dumps(deleted) if args.json else f"deleted {deleted['requests']} requests and {deleted['rounds']} "
+                                                 f"proposed tokens from {args.path}")
+    return 0
+
+
+def purge(path: str | Path, everything: bool = False, older_than_s: float | None = None,
+          requests: tuple[str, ...] = ()) -> dict:
+    """Delete requests and their rounds -> {"requests": n, "rounds": n}; then the write-ahead file is emptied."""
+    import time
+
+    from draftwise.serve.proposal_log import delete_before
+
+    db = connect(Path(path))
+    try:
+        with db:
+            if everything or older_than_s is not None:
+                rounds, gone = delete_before(db, float("inf") if everything else time.time() - older_than_s)
+            else:
+                marks = ", ".join("?" * len(requests))
+                rounds = db.execute(f"DELETE FROM rounds WHERE request_id IN ({marks})", requests).rowcount
+                gone = db.execute(f"DELETE FROM requests WHERE request_id IN ({marks})", requests).rowcount
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the old pages leave the write-ahead file too
+    finally:
+        db.close()
+    return {"requests": gone, "rounds": rounds}
 
 
 def log_stats(path: str | Path, spans: int = 8) -> dict:

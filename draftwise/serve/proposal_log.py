@@ -17,10 +17,15 @@ Tables:
   token), so that `draftwise log stats` can compare A/B arms (experiment.py). Requests served by the target
   alone are recorded only under an experiment, where an "off" arm is the baseline;
 - meta: rows dropped because the disk fell behind (proposed-token rows, and request rows apart).
+
+It holds what users wrote (as token ids, which decode to the text): it is made readable by its owner alone (0600;
+SQLite gives its WAL and shared-memory files the same mode), deleted rows are overwritten (secure_delete), rows
+older than max_age_s go as new ones come, and `draftwise log purge` removes them on demand.
 """
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sqlite3
 import threading
@@ -65,16 +70,22 @@ def round_rows(request_id: str, arm: str, step: int, offset: int, method: str, p
 
 
 class ProposalLog:
-    def __init__(self, path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, queue_size: int = DEFAULT_QUEUE):
+    def __init__(self, path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, queue_size: int = DEFAULT_QUEUE,
+                 max_age_s: float | None = None):
+        """max_age_s: rows older than this go (None: by max_rows alone)."""
         if max_rows < 1 or queue_size < 1:
             raise DraftwiseError("--proposal-log-rows and the queue size must be >= 1")
+        if max_age_s is not None and not max_age_s > 0:
+            raise DraftwiseError(f"--proposal-log-days must be > 0, got {max_age_s / 86400:g}")
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))  # the owner's alone, from its first byte
+            os.chmod(self.path, 0o600)  # (an existing log too)
             connect(self.path, create=True).close()  # a bad path fails at start, not in the writer
         except (OSError, sqlite3.Error) as err:
             raise DraftwiseError(f"cannot write the proposal log at {self.path}: {err}") from err
-        self.max_rows = max_rows
+        self.max_rows, self.max_age_s = max_rows, max_age_s
         self.dropped = 0  # proposed-token rows lost: no room in the queue, or a write that failed
         self.requests_dropped = 0  # request rows lost the same ways: their arm's comparison in `log stats` lacks them
         self._counting = threading.Lock()  # (the model thread and the writer both count)
@@ -171,6 +182,16 @@ class ProposalLog:
                        "AND (COALESCE(proposed, 1) > 0 OR ts < (SELECT MIN(ts) FROM rounds))")
         last = db.execute("SELECT MAX(rowid) FROM requests").fetchone()[0] or 0
         db.execute("DELETE FROM requests WHERE rowid <= ?", (last - self.max_rows,))  # e.g. every arm "off"
+        if self.max_age_s is not None:
+            delete_before(db, time.time() - self.max_age_s)
+
+
+def delete_before(db: sqlite3.Connection, ts: float) -> tuple[int, int]:
+    """Delete every row of a request that finished before ts, and every round before ts -> (rounds, requests)."""
+    old = "SELECT request_id FROM requests WHERE ts < ?"
+    rounds = db.execute(f"DELETE FROM rounds WHERE ts < ? OR request_id IN ({old})", (ts, ts)).rowcount
+    requests = db.execute("DELETE FROM requests WHERE ts < ?", (ts,)).rowcount
+    return rounds, requests
 
 
 def connect(path: Path, create: bool = False) -> sqlite3.Connection:
@@ -182,6 +203,7 @@ def connect(path: Path, create: bool = False) -> sqlite3.Connection:
         if not create:
             _require_log(db, path)  # before the WAL switch: a file that is not a log is left as it was
         db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA secure_delete=ON")  # a deleted row's bytes are overwritten, not left in a free page
         if create:
             db.executescript(SCHEMA)
         _add_missing_columns(db)
