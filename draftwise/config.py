@@ -58,6 +58,9 @@ class GenerationConfig:
     # How this sequence speculates (methods.py; the engine checks the name); None: the engine's own, "none": not at all
     method: str | None = None
     grammar: Grammar | None = None  # what the output must match (grammar.py); None: any text
+    # Which of the engine's draft models a draft-model method drafts with (Engine.add_draft: a version loaded beside
+    # the engine's own, for a rollout); None: the engine's own
+    draft: str | None = None
 
     @classmethod
     def from_options(
@@ -65,10 +68,12 @@ class GenerationConfig:
         temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
         top_p: float = SamplingConfig.top_p, seed: int | None = None, stop=(),
         ignore_eos: bool = False, adaptive: bool = True, method: str | None = None, grammar: Grammar | None = None,
+        draft: str | None = None,
     ) -> "GenerationConfig":
         """The one request config: the keyword options of Engine.stream, the CLI and the server, checked."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive, method, grammar)
+        cfg = cls(max_new_tokens, num_draft_tokens, sampling, tuple(stop), ignore_eos, adaptive, method, grammar,
+                  draft)
         cfg.check()
         return cfg
 

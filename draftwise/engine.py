@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.grammar import GrammarCompiler
-from draftwise.methods import Parts, available_methods, check_method, new_proposer
+from draftwise.methods import DRAFT_MODEL, Parts, available_methods, check_method, needs, new_proposer
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.batch import propose_many
@@ -88,6 +88,7 @@ class Engine:
         self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
         # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
         # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
+        # (A draft loaded beside the engine's own keeps pools of its own: method "draft@name".)
         self._carried: dict[tuple[str, bool], dict[str, Acceptance]] = {}
         self._answer_tokens: float | None = None  # how many tokens finished answers ran, decayed (_tokens_to_come)
         self.prompt_cache: PrefixCache | None = None  # enable_prompt_cache() turns it on
@@ -101,6 +102,12 @@ class Engine:
         self.draft_timeout_s: float | None = None
         # Whether the policy's last choice was to speculate: then adaptive sequences' drafts are caught up.
         self.draft_wanted = True
+        # Draft models loaded beside the engine's own (add_draft: a distilled version on trial), by name; and how the
+        # engine makes one (loading.draft_maker; None where no other draft can join: no draft model, or one with
+        # another tokenizer).
+        self._drafts: dict[str, Callable] = {}
+        self.draft_maker: Callable | None = None
+        self.draft_in_front: str | None = None  # the loaded draft that draft-model methods use unless told (promote_draft)
 
     @property
     def methods_available(self) -> tuple[str, ...]:
@@ -109,6 +116,37 @@ class Engine:
         calibrated at load); a draft with another tokenizer than the target's drafts no trees."""
         return available_methods(self.method, self.target.backend_name,
                                  draft_chains_only=self.speed_paths.get("draft_tokenizer") == CROSS_TOKENIZER)
+
+    @property
+    def drafts_available(self) -> tuple[str, ...]:
+        """The draft models a sequence may name (GenerationConfig.draft) beside the engine's own."""
+        return tuple(self._drafts)
+
+    def add_draft(self, name: str, draft_model) -> None:
+        """Load draft_model (floats, sharing the target's tokenizer) beside the engine's own draft, on the same kernels,
+        for sequences that name it: a candidate's trial. The output stays the target's whatever the draft. May run on
+        another thread than the model loop: the draft is made ready first, and only then named."""
+        if self.draft_maker is None:
+            raise DraftwiseError("this engine drafts with no draft model of the target's tokenizer, so no other can "
+                                 "be loaded beside it (serve a draft-model method with a --draft)")
+        on_draft, context = self.draft_maker(draft_model, {})
+        if context < self.max_context:
+            raise DraftwiseError(f"draft {name!r} reads {context} positions, fewer than this engine's "
+                                 f"{self.max_context}")
+        self._drafts = {**self._drafts, name: on_draft}  # (replaced whole: readers on the model thread see either)
+
+    def remove_draft(self, name: str) -> None:
+        """Sequences open on it go on with it to their end; new ones can no longer name it."""
+        if name == self.draft_in_front:
+            raise DraftwiseError(f"draft {name!r} is the one in front: promote another first")
+        self._drafts = {key: value for key, value in self._drafts.items() if key != name}
+
+    def promote_draft(self, name: str | None) -> None:
+        """Put a loaded draft in front: the draft-model methods draft with it unless a sequence names another (None:
+        the engine's own again). Open sequences finish on the draft they started with."""
+        if name is not None and name not in self._drafts:
+            raise DraftwiseError(f"draft {name!r} is not loaded here")
+        self.draft_in_front = name
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":
@@ -184,15 +222,17 @@ class Engine:
     def open_sequence(self, prompt_ids: list[int], cfg: GenerationConfig) -> Sequence:
         """A live sequence with its own cache slots and proposer; checked before anything is allocated."""
         method = self.check_open(prompt_ids, cfg)
+        if cfg.draft is None and self.draft_in_front is not None and needs(method, DRAFT_MODEL):
+            cfg = replace(cfg, draft=self.draft_in_front)  # (the sequence's record of the draft it drafts with)
         constraint = None if cfg.grammar is None else self.grammars.constraint(cfg.grammar)
-        if not self._default_in_use and method == self.method:
+        if not self._default_in_use and method == self.method and cfg.draft is None:
             self._default_in_use = True
             target, proposer = self.target.default, self.proposer
         else:
             target, proposer = self.target.open_slot(), None
         try:
             if target is not self.target.default:
-                proposer = self._new_proposer(method)
+                proposer = self._new_proposer(method, cfg.draft)
             generator = make_generator(cfg.sampling.seed)
             target.trim(0)
             if proposer is not None:
@@ -218,7 +258,7 @@ class Engine:
                        stats=stats, generator=generator, context=list(prompt_ids), prefilled=reused,
                        constraint=constraint)
         if acceptance is not None:
-            pooled = self._carried.get((method, cfg.sampling.greedy), {})
+            pooled = self._carried.get((_pool_method(method, cfg.draft), cfg.sampling.greedy), {})
             _start_estimates(seq, {name: estimate.rate for name, estimate in pooled.items()})
         self.open_sequences += 1
         return seq
@@ -236,6 +276,13 @@ class Engine:
                                  "tokenizer and the target's embedding share")
         if cfg.grammar is not None:
             self.grammars.check(cfg.grammar)
+        if cfg.draft is not None:
+            if not needs(method, DRAFT_MODEL):
+                raise DraftwiseError(f"method {method!r} drafts with no draft model; a draft is named for "
+                                     f"{', '.join(m for m in self.methods_available if needs(m, DRAFT_MODEL))}")
+            if cfg.draft not in self._drafts:
+                raise DraftwiseError(f"draft {cfg.draft!r} is not loaded here; loaded beside the engine's own: "
+                                     f"{', '.join(self._drafts) or 'none'}")
         return method
 
     # -- the prompt cache --------------------------------------------------------------------------------
@@ -309,7 +356,7 @@ class Engine:
         """Fold a leaving adaptive sequence's estimates into recent_acceptance (each that saw no round: nothing)."""
         if seq.acceptance is None:
             return
-        pools = self._carried.setdefault((seq.method, seq.cfg.sampling.greedy), {})
+        pools = self._carried.setdefault((_pool_method(seq.method, seq.cfg.draft), seq.cfg.sampling.greedy), {})
         for name, estimate in _estimates(seq).items():
             if estimate.observed_rate is not None:
                 pools.setdefault(name, Acceptance(0.0, 0.0)).fold(estimate.kept, estimate.rejections)  # no prior
@@ -322,15 +369,17 @@ class Engine:
             if proposer is not None:
                 proposer.release()
 
-    def _new_proposer(self, method: str) -> Proposer | None:
+    def _new_proposer(self, method: str, draft: str | None = None) -> Proposer | None:
         """A proposer for a sequence that does not get the engine's own: a fork of it, or one of another method
         that the engine's models serve (methods_available), made by the method's entry in methods.py from parts
-        the engine's proposer forks: a new slot of its draft model, or its head or skip draft (a hybrid's too)."""
+        the engine's proposer forks: a new slot of its draft model (or of the draft named, add_draft), or its head
+        or skip draft (a hybrid's too)."""
         own = self.proposer
-        if own is not None and method == self.method:
+        if own is not None and method == self.method and draft is None:
             return own.fork()
-        parts = Parts(on_draft_model=None if own is None else own.fork_on_draft_model,
-                      drafter=None if own is None else own.fork_drafter, corpus=self.proposal_cache)
+        on_draft = self._drafts[draft] if draft is not None else None if own is None else own.fork_on_draft_model
+        parts = Parts(on_draft_model=on_draft, drafter=None if own is None else own.fork_drafter,
+                      corpus=self.proposal_cache)
         return new_proposer(method, parts)
 
     def check_limits(self, prompt_len: int, cfg: GenerationConfig) -> None:
@@ -671,6 +720,11 @@ class Engine:
         if seq.stats.new_tokens >= seq.cfg.max_new_tokens:
             return "length"
         return None
+
+
+def _pool_method(method: str, draft: str | None) -> str:
+    """Whose acceptance a sequence starts from and adds to: its method's, on the draft it drafts with."""
+    return method if draft is None else f"{method}@{draft}"
 
 
 def _proposers_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict, list[int]]:

@@ -133,15 +133,30 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
         if method is not None:
             check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
         # On the quant backend the draft stays float here: assemble compacts it onto a 4-bit copy.
-        draft_model = load_model(str(draft_source.path), draft_source.gguf_file, dtype, device, progress)
-        if draft_source.adapter is not None:
-            from draftwise.models.versions import apply_version
-
-            draft_model = apply_version(draft_model, draft_source.adapter)
+        draft_model = load_draft(draft_source, dtype, device, progress)
     target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
     if quantized:
         target_model = on_quant_weights(target_model, target_source, target, progress)
     return target_model, tokenizer, draft_model, draft_tokenizer
+
+
+def load_draft(source, dtype: str, device: str = "cpu", progress: bool = True):
+    """The draft model of a resolved source, floats: a draft version (models/versions.py) with its adapter merged."""
+    draft_model = load_model(str(source.path), source.gguf_file, dtype, device, progress)
+    if source.adapter is not None:
+        from draftwise.models.versions import apply_version
+
+        draft_model = apply_version(draft_model, source.adapter)
+    return draft_model
+
+
+def draft_version_loader(engine, device: str = "cpu"):
+    """load(name) -> the float draft model of a name, in the dtype the engine's own draft was loaded in: what a
+    rollout loads beside it (serve/rollout.py)."""
+    from draftwise.models import resolve
+
+    dtype = "float32" if engine.target.backend_name == "quant" else engine.speed_paths.get("dtype", "float32")
+    return lambda name: load_draft(resolve(name, progress=False), dtype, device, progress=False)
 
 
 def check_pair_method(method: str, path: str) -> None:
@@ -235,23 +250,41 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
         paths["head"] = drafter.speed_paths
     if drafter is not None:
         parts = replace(parts, drafter=lambda: drafter)
+    make_draft = None
     if need == DRAFT_MODEL:
         paths["draft_tokenizer"] = pair
         if pair == CROSS_TOKENIZER:
             # A compact output layer keeps the draft's own special tokens; its guesses reach the target as text.
             draft_eos = eos_ids(draft_tokenizer, draft_model.generation_config, draft_model.config)
             keep = [*draft_tokenizer.all_special_ids, *draft_eos]
-        draft, token_ids = draft_backend(draft_model, keep, compact_draft, draft_kernels, draft_vocab, paths)
-        max_context = min(max_context, draft.max_context)
-        if pair == CROSS_TOKENIZER:
+            draft, token_ids = draft_backend(draft_model, keep, compact_draft, draft_kernels, draft_vocab, paths)
+            max_context = min(max_context, draft.max_context)
             bridge = VocabBridge.of(tokenizer, target.vocab_size, eos, draft_tokenizer, embedding_rows(draft_model),
                                     draft_eos)
             parts = replace(parts, on_draft_model=lambda cls: on_cross_draft(cls, draft, bridge, token_ids))
         else:
-            parts = replace(parts, on_draft_model=lambda cls: cls(draft, target_vocab_size=target.vocab_size,
-                                                                  token_ids=token_ids))
+            make_draft = draft_maker(target.vocab_size, keep, compact_draft, draft_kernels, draft_vocab)
+            on_draft, draft_context = make_draft(draft_model, paths, own=True)
+            max_context = min(max_context, draft_context)
+            parts = replace(parts, on_draft_model=on_draft)
     proposer = new_proposer(method, parts)
-    return engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
+    engine = engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
+    engine.draft_maker = make_draft
+    return engine
+
+
+def draft_maker(target_vocab_size: int, keep: list[int], compact_draft: bool, draft_kernels: tuple[str, ...],
+                draft_vocab: int):
+    """make(draft model, paths, own) -> (on_draft_model: proposer class -> a proposer on the draft, its context): the
+    engine's own draft (own: its first proposer takes the model's default slot) and any loaded beside it later
+    (Engine.add_draft: each proposer on a slot of its own) made alike, on the same kernels."""
+    def make(draft_model, paths: dict, own: bool = False):
+        draft, token_ids = draft_backend(draft_model, keep, compact_draft, draft_kernels, draft_vocab, paths)
+
+        def on_draft_model(cls):
+            return cls(draft if own else draft.open_slot(), target_vocab_size=target_vocab_size, token_ids=token_ids)
+        return on_draft_model, draft.max_context
+    return make
 
 
 def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kernels: tuple[str, ...],

@@ -25,6 +25,7 @@ from draftwise.serve.dashboard import add_dashboard
 from draftwise.serve.intake import Intake
 from draftwise.serve.metrics import ServeMetrics
 from draftwise.serve.protocol import RequestError
+from draftwise.serve.rollout import TrialUnderWay
 from draftwise.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 from draftwise.serve.tools import CallReader, split_calls
 from draftwise.types import Event
@@ -41,14 +42,21 @@ log = logging.getLogger(__name__)
 
 def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_key: str | None = None,
                speculation: dict | None = None, drain_timeout: float = 30.0, experiment=None,
-               trust_request_special_tokens: bool = False) -> FastAPI:
+               trust_request_special_tokens: bool = False, rollouts=None) -> FastAPI:
     """The ASGI app. On uvicorn's shutdown (lifespan) it drains the scheduler, so an embedded server that stops
     lets its admitted requests finish; `draftwise serve` drains earlier, on the signal (see command.py).
     speculation: the GenerationConfig options (num_draft_tokens, adaptive) of requests that do not set them.
     experiment: A/B arms (experiment.Experiment) that pick the speculation of requests that leave it out.
     trust_request_special_tokens: read control tokens spelled in a request's text as the tokens (request_text.py);
-    only for a server whose every client may write the model's turns, system turns included."""
-    intake = Intake(scheduler.engine, model_id, speculation, experiment, trust_request_special_tokens)
+    only for a server whose every client may write the model's turns, system turns included.
+    rollouts: draft versions put on trial by POST /admin/drafts (rollout.Rollouts); not beside an experiment, as a
+    trial is an experiment of its own."""
+    if rollouts is not None and experiment is not None:
+        raise DraftwiseError("a server runs either an --experiment or draft rollouts, not both: a trial is an "
+                             "experiment of its own")
+    intake = Intake(scheduler.engine, model_id, speculation, experiment or rollouts, trust_request_special_tokens)
+    if rollouts is not None:
+        scheduler.request_observer, rollouts.observer = rollouts.observe, metrics.observe_trial
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +92,40 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
     @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "draftwise"}]}
+
+    def admin() -> object:
+        if rollouts is None:
+            raise RequestError("this server has no draft rollouts (serve a draft-model method with a --draft)",
+                               status=404, kind="invalid_request_error", code="no_rollouts", reason="not_found")
+        if not api_key:  # an admin route open to anyone would let anyone change what serves everyone
+            raise RequestError("the admin routes need a server started with --api-key", status=403,
+                               kind="permission_error", code="no_api_key", reason="unauthorized")
+        return rollouts
+
+    @api.get("/admin/drafts")
+    async def drafts():
+        return admin().summary()
+
+    @api.post("/admin/drafts")
+    async def put_draft_on_trial(request: Request):
+        """{"draft": "<base>@v<N>"}: load it beside the draft in front and put it on trial (202); the decision is
+        the GET's."""
+        trials = admin()
+        try:
+            body = json.loads(await _body(request))
+        except ValueError as err:
+            raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json", reason="invalid_json")
+        name = body.get("draft") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise RequestError('the body must be {"draft": NAME}, a draft version such as '
+                               'qwen2.5-coder-0.5b-instruct@v1', "draft")
+        try:
+            trial = await asyncio.to_thread(trials.start, name)
+        except TrialUnderWay as err:
+            raise RequestError(str(err), "draft", status=409, code="trial_under_way")
+        except DraftwiseError as err:  # a missing version, one already loaded, an engine without a draft model
+            raise RequestError(str(err), "draft")
+        return JSONResponse({"trial": trial.summary()}, status_code=202)
 
     @api.post("/v1/completions")
     async def completions(request: Request):

@@ -182,8 +182,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
                           guard=guard)
     model_id = args.model_id or args.target
+    rollouts = None
+    if engine.draft_maker is not None and experiment is None:  # (a draft that another could be tried beside)
+        from draftwise.loading import draft_version_loader
+        from draftwise.models import check_resolves
+        from draftwise.serve.rollout import Rollouts
+
+        rollouts = Rollouts(engine, draft_version_loader(engine, args.device), check=check_resolves)
     app = create_app(scheduler, model_id, metrics, args.api_key, speculation, args.drain_timeout, experiment,
-                     trust_request_special_tokens=args.trust_request_special_tokens)
+                     trust_request_special_tokens=args.trust_request_special_tokens, rollouts=rollouts)
     print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     if experiment is not None:
         print(f"draftwise: experiment {args.experiment}: {experiment.describe()}", file=sys.stderr)

@@ -62,6 +62,12 @@ class ServeMetrics:
         self.prompt_bytes = Gauge("draftwise_prompt_cache_bytes", "Bytes the prompt cache holds", registry=r)
         self.running = Gauge("draftwise_running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("draftwise_waiting_requests", "Requests waiting to join the batch", registry=r)
+        self.trials = Counter("draftwise_draft_trials", "Draft versions put on trial, by outcome (promoted, rolled "
+                              "back, failed)", ["outcome"], registry=r)
+        self.trial_speed = Gauge("draftwise_draft_trial_tokens_per_second",
+                                 "Mean decode tokens/s a request of the trial under way's arms", ["arm"], registry=r)
+        self.trial_acceptance = Gauge("draftwise_draft_trial_acceptance", "Draft tokens kept in the trial's arms",
+                                      ["arm"], registry=r)
         for arm in arms:  # shown at 0 before the first request, as unlabelled metrics are
             for metric in (self.emitted, self.ttft, self.tbt, self.e2e, self.guard_blocks):
                 metric.labels(arm)
@@ -82,6 +88,14 @@ class ServeMetrics:
             self.proposed_at.labels(str(i), arm).inc()
             if i < num_accepted:
                 self.accepted_at.labels(str(i), arm).inc()
+
+    def observe_trial(self, trial) -> None:
+        """A rollout's trial (rollout.Trial) after each request it judged, and at its decision."""
+        for arm, samples in trial.arms.items():
+            self.trial_speed.labels(arm).set(samples.mean)
+            self.trial_acceptance.labels(arm).set(samples.accepted / samples.proposed if samples.proposed else 0.0)
+        if trial.decided is not None:
+            self.trials.labels(trial.state).inc()
 
     def observe_emitted(self, n: int, arm: str = "") -> None:
         self.emitted.labels(arm).inc(n)

@@ -28,7 +28,7 @@ UNSUPPORTED = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
     "functions": (None, []),
 }
-SPECULATION_FIELDS = ("method", "num_draft_tokens", "adaptive", "jump_forward")
+SPECULATION_FIELDS = ("method", "num_draft_tokens", "adaptive", "jump_forward", "draft")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, limit, default_max, 1, None, integer=True)
     arm, asked = experiment.assign(body) if experiment is not None else ("", body.get("speculation"))
-    spec = speculation_options(asked, engine.methods_available)
+    spec = speculation_options(asked, engine.methods_available, engine.drafts_available)
     jump_forward = spec.pop("jump_forward", True)  # (the grammar's option, not the config's)
     options = dict(
         **(speculation or {}),
@@ -198,17 +198,18 @@ def _frame_tokens(tokenizer) -> bool:
     return OPEN in added and CLOSE in added
 
 
-def speculation_options(value, methods_available) -> dict:
+def speculation_options(value, methods_available, drafts_available: tuple[str, ...] = ()) -> dict:
     """The extra body field: false or "off" (the target alone), or {method, num_draft_tokens, adaptive,
-    jump_forward}, as GenerationConfig options, and jump_forward (the request's grammar's: parse() takes it out).
-    Also an experiment's arms (experiment.py), checked the same way."""
+    jump_forward, draft}, as GenerationConfig options, and jump_forward (the request's grammar's: parse() takes it
+    out). draft: a draft version loaded beside the server's own (a rollout's, rollout.py). Also an experiment's arms
+    (experiment.py), checked the same way."""
     if value is None or value is True or value == "on":
         return {}
     if value is False or value == "off":
         return {"method": "none"}
     if not isinstance(value, dict):
         raise RequestError("'speculation' must be false, \"off\", or an object {method, num_draft_tokens, adaptive, "
-                           "jump_forward}", "speculation")
+                           "jump_forward, draft}", "speculation")
     unknown = set(value) - set(SPECULATION_FIELDS)
     if unknown:
         raise RequestError(f"unknown 'speculation' fields: {', '.join(sorted(unknown))}; allowed: "
@@ -224,6 +225,11 @@ def speculation_options(value, methods_available) -> dict:
                                           integer=True, param="speculation.num_draft_tokens")
     if "adaptive" in value:
         out["adaptive"] = _flag(value, "adaptive", param="speculation.adaptive")
+    if "draft" in value:
+        if value["draft"] not in drafts_available:
+            raise RequestError(f"speculation draft {value['draft']!r} is not loaded on this server; loaded: "
+                               f"{', '.join(map(repr, drafts_available)) or 'none'}", "speculation.draft")
+        out["draft"] = value["draft"]
     if "jump_forward" in value:  # a grammar's forced tokens drafted for free (grammar.py): not a config option
         out["jump_forward"] = _flag(value, "jump_forward", param="speculation.jump_forward")
     return out

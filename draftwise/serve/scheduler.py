@@ -85,6 +85,8 @@ class Scheduler:
         self.metrics = metrics
         self.proposal_log = proposal_log
         self.guard = guard
+        # Called on the model thread with (arm, stats, finish reason) as each request ends: a rollout's judgement.
+        self.request_observer: Callable[[str, object, str | None], None] | None = None
         self._tickets: dict[Sequence, Ticket] = {}  # running sequences' tickets, for the proposal log
         if proposal_log is not None:
             engine.round_observer = self._log_round
@@ -309,6 +311,8 @@ class Scheduler:
                 # baseline the other arms are compared with (`draftwise log stats`).
                 if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
                     self._log_request(ticket, event)
+                if self.request_observer is not None:
+                    self.request_observer(ticket.arm, ticket.seq.stats, event.finish_reason)
         except Exception:  # the request is answered either way; a failed clean-up must not stop the loop
             log.exception("cleaning up request %s failed", ticket.request_id)
         finally:
