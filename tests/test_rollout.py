@@ -218,6 +218,8 @@ def test_a_damaged_draft_on_trial_changes_no_text_loses_no_request_and_is_rolled
     assert trial["state"] == "rolled back" and trial["reason"].startswith("slower"), trial
     assert trial["arms"]["candidate"]["acceptance"] < trial["arms"]["current"]["acceptance"]
     assert {"candidate", "current"} <= set(arms)
+    shown = admin.get("/dashboard/data").json()["drafts"]  # the dashboard's table of trials
+    assert shown["trials"][-1]["state"] == "rolled back" and shown["in_front"] == "the server's own draft"
     body = admin.get("/metrics").text
     assert 'draftwise_draft_trials_total{outcome="rolled back"} 1.0' in body
     assert "draftwise_draft_trial_tokens_per_second" in body

@@ -217,7 +217,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
             scheduler.cancel(ticket)
             reply.abandon()
 
-    app.state.dashboard = add_dashboard(app, api, metrics)  # GET /dashboard: live charts of these metrics
+    app.state.dashboard = add_dashboard(app, api, metrics, drafts=None if rollouts is None else rollouts.summary)  # GET /dashboard: live charts of these metrics
     app.include_router(api)
     return app
 

@@ -129,10 +129,10 @@ class MetricsHistory:
 
 
 def add_dashboard(app: FastAPI, api: APIRouter, metrics: ServeMetrics,
-                  interval_s: float = DEFAULT_INTERVAL_S) -> MetricsHistory:
+                  interval_s: float = DEFAULT_INTERVAL_S, drafts=None) -> MetricsHistory:
     """Add GET /dashboard (the page), /dashboard/static/NAME (uPlot) and /dashboard/data (the numbers, on `api`,
     behind its key check; add before app.include_router(api)). Run the returned history's sampling() for as long
-    as the server runs."""
+    as the server runs. drafts: () -> the draft in front and its trials (rollout.Rollouts.summary), if any."""
     history = MetricsHistory(metrics, interval_s)
     static = resources.files("draftwise.serve") / "static"
     page = (static / "dashboard.html").read_text(encoding="utf-8")
@@ -154,6 +154,7 @@ def add_dashboard(app: FastAPI, api: APIRouter, metrics: ServeMetrics,
 
     @api.get("/dashboard/data")
     async def data():
-        return {"interval_s": history.interval_s, "series": history.series(), "acceptance": history.acceptance()}
+        return {"interval_s": history.interval_s, "series": history.series(), "acceptance": history.acceptance(),
+                "drafts": None if drafts is None else drafts()}
 
     return history
