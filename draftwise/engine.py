@@ -20,7 +20,7 @@ import torch
 from draftwise.adaptive import DraftLengthPolicy
 from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, decayed
 from draftwise.backends.base import SharedBackend
-from draftwise.backends.hf import HFBackend
+from draftwise.backends.hf import HFBackend, embedding_rows
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
@@ -33,7 +33,7 @@ from draftwise.proposers.proposal_cache import ProposalCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.text import TextStream
-from draftwise.tokenizers import CROSS_TOKENIZER, encode_prompt, readable_ids
+from draftwise.tokenizers import CROSS_TOKENIZER, check_draft_reads_every_token, encode_prompt, readable_ids
 from draftwise.types import Draft, Event, Verdict
 from draftwise.verify.batch import DraftBatch, verify_batch
 
@@ -108,6 +108,9 @@ class Engine:
         self._drafts: dict[str, Callable] = {}
         self.draft_maker: Callable | None = None
         self.draft_in_front: str | None = None  # the loaded draft that draft-model methods use unless told (promote_draft)
+        # Drafts removed since they were loaded: a request that named one while it was there (a trial's, queued when
+        # the trial ended) drafts with the one in front instead; the text is the same either way.
+        self._retired: set[str] = set()
 
     @property
     def methods_available(self) -> tuple[str, ...]:
@@ -129,17 +132,22 @@ class Engine:
         if self.draft_maker is None:
             raise DraftwiseError("this engine drafts with no draft model of the target's tokenizer, so no other can "
                                  "be loaded beside it (serve a draft-model method with a --draft)")
-        on_draft, context = self.draft_maker(draft_model, {})
-        if context < self.max_context:
-            raise DraftwiseError(f"draft {name!r} reads {context} positions, fewer than this engine's "
+        check_draft_reads_every_token(self.tokenizer, self.target.embedding_rows, embedding_rows(draft_model))
+        on_draft, backend = self.draft_maker(draft_model, {})
+        if backend.max_context < self.max_context:
+            raise DraftwiseError(f"draft {name!r} reads {backend.max_context} positions, fewer than this engine's "
                                  f"{self.max_context}")
+        if self.prompt_cache is not None:  # its prompts' keys and values kept as the engine's own draft's are
+            backend.prefix_cache, backend.prefix_name = self.prompt_cache, f"draft@{name}"
         self._drafts = {**self._drafts, name: on_draft}  # (replaced whole: readers on the model thread see either)
+        self._retired.discard(name)
 
     def remove_draft(self, name: str) -> None:
         """Sequences open on it go on with it to their end; new ones can no longer name it."""
         if name == self.draft_in_front:
             raise DraftwiseError(f"draft {name!r} is the one in front: promote another first")
         self._drafts = {key: value for key, value in self._drafts.items() if key != name}
+        self._retired.add(name)
 
     def promote_draft(self, name: str | None) -> None:
         """Put a loaded draft in front: the draft-model methods draft with it unless a sequence names another (None:
@@ -221,6 +229,8 @@ class Engine:
     # -- sequences ---------------------------------------------------------------------------------------
     def open_sequence(self, prompt_ids: list[int], cfg: GenerationConfig) -> Sequence:
         """A live sequence with its own cache slots and proposer; checked before anything is allocated."""
+        if cfg.draft in self._retired:
+            cfg = replace(cfg, draft=None)
         method = self.check_open(prompt_ids, cfg)
         if cfg.draft is None and self.draft_in_front is not None and needs(method, DRAFT_MODEL):
             cfg = replace(cfg, draft=self.draft_in_front)  # (the sequence's record of the draft it drafts with)

@@ -22,8 +22,8 @@ from draftwise.proposers.feature_head import HeadProposer, attention_window
 from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.proposers.cross_vocab import VocabBridge, on_cross_draft
-from draftwise.tokenizers import (CROSS_TOKENIZER, SHARED_TOKENIZER, check_draft_reads_every_token, draft_path,
-                                  eos_ids)
+from draftwise.tokenizers import (CROSS_TOKENIZER, SHARED_TOKENIZER, check_draft_reads_every_token, check_same_tokenizer,
+                                  draft_path, eos_ids)
 
 
 HEAD_WIDTHS = (1, 4)  # a head forward: one new position, or one depth of a tree
@@ -156,7 +156,12 @@ def draft_version_loader(engine, device: str = "cpu"):
     from draftwise.models import resolve
 
     dtype = "float32" if engine.target.backend_name == "quant" else engine.speed_paths.get("dtype", "float32")
-    return lambda name: load_draft(resolve(name, progress=False), dtype, device, progress=False)
+
+    def load(name: str):
+        source = resolve(name, progress=False)
+        check_same_tokenizer(engine.tokenizer, load_tokenizer(str(source.path), source.gguf_file))
+        return load_draft(source, dtype, device, progress=False)
+    return load
 
 
 def check_pair_method(method: str, path: str) -> None:
@@ -264,8 +269,8 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
             parts = replace(parts, on_draft_model=lambda cls: on_cross_draft(cls, draft, bridge, token_ids))
         else:
             make_draft = draft_maker(target.vocab_size, keep, compact_draft, draft_kernels, draft_vocab)
-            on_draft, draft_context = make_draft(draft_model, paths, own=True)
-            max_context = min(max_context, draft_context)
+            on_draft, draft = make_draft(draft_model, paths, own=True)
+            max_context = min(max_context, draft.max_context)
             parts = replace(parts, on_draft_model=on_draft)
     proposer = new_proposer(method, parts)
     engine = engine_cls(target, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
@@ -275,7 +280,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
 
 def draft_maker(target_vocab_size: int, keep: list[int], compact_draft: bool, draft_kernels: tuple[str, ...],
                 draft_vocab: int):
-    """make(draft model, paths, own) -> (on_draft_model: proposer class -> a proposer on the draft, its context): the
+    """make(draft model, paths, own) -> (on_draft_model: proposer class -> a proposer on the draft, its backend): the
     engine's own draft (own: its first proposer takes the model's default slot) and any loaded beside it later
     (Engine.add_draft: each proposer on a slot of its own) made alike, on the same kernels."""
     def make(draft_model, paths: dict, own: bool = False):
@@ -283,7 +288,7 @@ def draft_maker(target_vocab_size: int, keep: list[int], compact_draft: bool, dr
 
         def on_draft_model(cls):
             return cls(draft if own else draft.open_slot(), target_vocab_size=target_vocab_size, token_ids=token_ids)
-        return on_draft_model, draft.max_context
+        return on_draft_model, draft
     return make
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 
 from conftest import tiny_model, tiny_tokenizer
 from draftwise.cli import main
@@ -76,6 +77,9 @@ def test_a_long_request_keeps_its_output_in_the_window():
     item = Served("r", 0.0, list(range(100)), 20)  # an output longer than the window: its start, after context
     ids, start = window(item, 32)
     assert ids[start] == 20 and start == 8 and len(ids) == 32
+    item = Served("r", 0.0, list(range(40)), 8)  # an output of exactly the window: its first token is still read
+    ids, start = window(item, 32)
+    assert start >= 1 and ids[start] == 8
 
 
 def test_distilling_raises_held_out_agreement_on_traffic_like_the_training(home):
@@ -117,14 +121,23 @@ def test_a_version_is_saved_whole_checked_and_loaded_by_name(home, capsys):
     assert source.path == folder.resolve() and source.adapter == made
     ids = torch.tensor([tiny_tokenizer()("Request 3: tell me")["input_ids"]])
     merged = apply_version(tiny_model("llama", 1, 1), made)
-    from peft import PeftModel
     beside = PeftModel.from_pretrained(tiny_model("llama", 1, 1), str(made))
     assert torch.allclose(merged(ids).logits, beside(ids).logits, atol=1e-5)
     assert not torch.allclose(merged(ids).logits, tiny_model("llama", 1, 1)(ids).logits, atol=1e-3)
 
-    # A second run makes the next version; a changed file is refused at load.
+    # A second run makes the next version; one distilled from a version loads on top of it; a changed file is
+    # refused at load.
     assert main(args) == 0
     assert versions("tiny-draft") == [1, 2]
+    on_v1 = [*args[:3], f"{folder}@v1", *args[4:]]
+    assert main(on_v1) == 0 and versions("tiny-draft") == [1, 2, 3]
+    v3 = version_folder("tiny-draft", 3)
+    assert check_files(v3)["from"] == f"{folder}@v1"
+    stacked = PeftModel.from_pretrained(apply_version(tiny_model("llama", 1, 1), made), str(v3))
+    alone = PeftModel.from_pretrained(tiny_model("llama", 1, 1), str(v3))
+    loaded = apply_version(tiny_model("llama", 1, 1), v3)
+    assert torch.allclose(loaded(ids).logits, stacked(ids).logits, atol=1e-5)
+    assert not torch.allclose(loaded(ids).logits, alone(ids).logits, atol=1e-3)  # the control: v1 really counts
     (made / "adapter_model.safetensors").write_bytes(b"damaged")
     with pytest.raises(ModelStoreError, match="changed since it was made"):
         apply_version(tiny_model("llama", 1, 1), made)

@@ -52,8 +52,15 @@ def test_a_draft_is_named_only_where_loaded_and_for_a_method_that_drafts_with_on
     eng.add_draft("v1", damaged())
     with pytest.raises(DraftwiseError, match="method 'lookup' drafts with no draft model"):
         eng.open_sequence(ids("The fox"), GenerationConfig(max_new_tokens=4, draft="v1", method="lookup"))
+    queued = eng.check_open(ids("The fox"), GenerationConfig(max_new_tokens=4, draft="v1"))  # named while loaded
     eng.remove_draft("v1")
     assert eng.drafts_available == ()
+    # ... and opened after its trial ended: it drafts with the draft in front (the text is the same either way)
+    seq = eng.open_sequence(ids("The fox"), GenerationConfig(max_new_tokens=4, draft="v1"))
+    assert queued == "draft" and seq.cfg.draft is None
+    eng.close_sequence(seq)
+    with pytest.raises(DraftwiseError, match="reads 40 token ids"):
+        eng.add_draft("small", tiny_model("llama", 1, 1, vocab_size=40))  # another vocabulary: refused at load
     lookup_only = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method="lookup")
     with pytest.raises(DraftwiseError, match="drafts with no draft model of the target's tokenizer"):
         lookup_only.add_draft("v1", damaged())
@@ -69,7 +76,7 @@ def looks_until_decided(rng, candidate_speed: float, looks: int = 150, alpha: fl
     for i in range(looks):
         current.add(rng.gauss(20.0, 3.0), 0, 0)
         candidate.add(rng.gauss(candidate_speed, 3.0), 0, 0)
-        if i >= 8 and likelihood_ratio(current, candidate) >= 1 / alpha:
+        if i >= 8 and likelihood_ratio(current, candidate, 0.2 * 20.0) >= 1 / alpha:
             return True
     return False
 

@@ -39,10 +39,12 @@ def drafts_home(base: str) -> Path:
     return store_home() / "drafts" / Path(os.path.abspath(base)).name.removesuffix(".gguf")
 
 
-def versions(base: str) -> list[int]:
-    """The version numbers of base, oldest first."""
+def versions(base: str, complete: bool = True) -> list[int]:
+    """The version numbers of base, oldest first (complete=False: also folders without a manifest, whose numbers a
+    new version must not take)."""
     home = drafts_home(base)
-    found = [int(p.name[1:]) for p in home.glob("v*") if re.fullmatch(r"v\d+", p.name) and (p / MANIFEST).is_file()]
+    found = [int(p.name[1:]) for p in home.glob("v*")
+             if re.fullmatch(r"v\d+", p.name) and (not complete or (p / MANIFEST).is_file())]
     return sorted(found)
 
 
@@ -76,7 +78,7 @@ def save_version(base: str, write, provenance: dict) -> tuple[str, Path]:
         home = drafts_home(base)
         home.mkdir(parents=True, exist_ok=True)
         while True:  # the next free number; another distill may take it first
-            version = max(versions(base), default=0) + 1
+            version = max(versions(base, complete=False), default=0) + 1
             record["version"] = f"{base}{SEPARATOR}v{version}"
             (work / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
             try:
@@ -101,11 +103,18 @@ def check_files(folder: Path) -> dict:
 
 
 def apply_version(model, folder: Path):
-    """model (the base draft, floats) with the version's adapter merged into its weights."""
+    """model (the base draft, floats) with the version's adapter merged into its weights: after those of the versions
+    it was distilled from (a version distilled from base@v1 learnt on top of v1's weights)."""
     from peft import PeftModel
 
-    check_files(folder)
-    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    record = check_files(folder)
+    parent_base, parent = split_version(str(record.get("from", "")))
+    if parent is not None:
+        model = apply_version(model, version_folder(parent_base, parent))
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    if hasattr(merged, "peft_config"):  # (left behind by the merge: a plain model again, for a version on top of it)
+        del merged.peft_config
+    return merged
 
 
 def _sha256(path: Path) -> str:

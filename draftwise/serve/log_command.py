@@ -98,12 +98,20 @@ def cmd_log_purge(args: argparse.Namespace) -> int:
                     args.older_than * 86400, requests=args.request or ())
     print(json.dumps(deleted) if args.json else f"deleted {deleted['requests']} requests and {deleted['rounds']} "
                                                  f"proposed tokens from {args.path}")
+    if not deleted["write_ahead_emptied"]:
+        print(f"the write-ahead file {args.path}-wal still holds their old pages (a reader held it); run the purge "
+              f"again when the log is idle", file=sys.stderr)
+        return 1
     return 0
+
+
+PURGE_TRIES = 10
 
 
 def purge(path: str | Path, everything: bool = False, older_than_s: float | None = None,
           requests: tuple[str, ...] = ()) -> dict:
-    """Delete requests and their rounds -> {"requests": n, "rounds": n}; then the write-ahead file is emptied."""
+    """Delete requests and their rounds, then empty the write-ahead file -> {"requests": n, "rounds": n,
+    "write_ahead_emptied": whether it could be}."""
     import time
 
     from draftwise.serve.proposal_log import delete_before
@@ -117,10 +125,16 @@ def purge(path: str | Path, everything: bool = False, older_than_s: float | None
                 marks = ", ".join("?" * len(requests))
                 rounds = db.execute(f"DELETE FROM rounds WHERE request_id IN ({marks})", requests).rowcount
                 gone = db.execute(f"DELETE FROM requests WHERE request_id IN ({marks})", requests).rowcount
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the old pages leave the write-ahead file too
+        # The old pages leave the write-ahead file too; a reader in the middle of a read (the server's writer, a
+        # stats run) holds them a moment: try again a few times.
+        for _ in range(PURGE_TRIES):
+            busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            if not busy:
+                break
+            time.sleep(0.5)
     finally:
         db.close()
-    return {"requests": gone, "rounds": rounds}
+    return {"requests": gone, "rounds": rounds, "write_ahead_emptied": not busy}
 
 
 def log_stats(path: str | Path, spans: int = 8) -> dict:

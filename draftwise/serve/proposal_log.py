@@ -45,6 +45,8 @@ CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, ts REAL NOT NULL, arm TEXT NOT NULL, method TEXT NOT NULL,
     prompt_ids TEXT NOT NULL, output_ids TEXT NOT NULL, finish TEXT, fallback TEXT);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS rounds_ts ON rounds (ts);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
 # Added to the requests table by connect(), in new logs and in logs written before them (NULL in old rows).
 REQUEST_TIMING = {"new_tokens": "INTEGER", "passes": "INTEGER", "proposed": "INTEGER", "accepted": "INTEGER",
@@ -55,6 +57,7 @@ REQUEST_COLUMNS = ("request_id", "ts", "arm", "method", "prompt_ids", "output_id
                    *REQUEST_TIMING)
 DEFAULT_MAX_ROWS = 5_000_000
 DEFAULT_QUEUE = 10_000  # batches of rows (one per round), not rows
+RETENTION_EVERY_S = 60.0  # how often rows past --proposal-log-days go, also while no request comes
 
 
 def round_rows(request_id: str, arm: str, step: int, offset: int, method: str, proposed: tuple[int, ...],
@@ -81,11 +84,14 @@ class ProposalLog:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))  # the owner's alone, from its first byte
-            os.chmod(self.path, 0o600)  # (an existing log too)
+            for path in (self.path, *(self.path.with_name(self.path.name + end) for end in ("-wal", "-shm"))):
+                if path.exists():
+                    os.chmod(path, 0o600)  # (an existing log's too)
             connect(self.path, create=True).close()  # a bad path fails at start, not in the writer
         except (OSError, sqlite3.Error) as err:
             raise DraftwiseError(f"cannot write the proposal log at {self.path}: {err}") from err
         self.max_rows, self.max_age_s = max_rows, max_age_s
+        self._next_retention = 0.0  # (monotonic) when the writer next drops the rows past max_age_s
         self.dropped = 0  # proposed-token rows lost: no room in the queue, or a write that failed
         self.requests_dropped = 0  # request rows lost the same ways: their arm's comparison in `log stats` lacks them
         self._counting = threading.Lock()  # (the model thread and the writer both count)
@@ -136,7 +142,10 @@ class ProposalLog:
             db = None
         try:
             while True:
-                batch = [self._queue.get()]
+                try:
+                    batch = [self._queue.get(timeout=None if self.max_age_s is None else RETENTION_EVERY_S)]
+                except queue.Empty:  # nothing to write: only the rows that aged out go
+                    batch = []
                 while len(batch) < 1000:
                     try:
                         batch.append(self._queue.get_nowait())
@@ -182,8 +191,9 @@ class ProposalLog:
                        "AND (COALESCE(proposed, 1) > 0 OR ts < (SELECT MIN(ts) FROM rounds))")
         last = db.execute("SELECT MAX(rowid) FROM requests").fetchone()[0] or 0
         db.execute("DELETE FROM requests WHERE rowid <= ?", (last - self.max_rows,))  # e.g. every arm "off"
-        if self.max_age_s is not None:
+        if self.max_age_s is not None and time.monotonic() >= self._next_retention:
             delete_before(db, time.time() - self.max_age_s)
+            self._next_retention = time.monotonic() + RETENTION_EVERY_S
 
 
 def delete_before(db: sqlite3.Connection, ts: float) -> tuple[int, int]:

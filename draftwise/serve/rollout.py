@@ -63,11 +63,11 @@ class Samples:
                 "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None}
 
 
-def likelihood_ratio(current: Samples, candidate: Samples, effect: float = EFFECT) -> float:
-    """The mSPRT's ratio for "the arms' means differ" against "they are equal", with a normal mixture of scale
-    effect x the current mean over the difference; 1/alpha or more rejects equality."""
+def likelihood_ratio(current: Samples, candidate: Samples, scale: float) -> float:
+    """The mSPRT's ratio for "the arms' means differ" against "they are equal", with a normal mixture of this scale
+    (tokens/s) over the difference; 1/alpha or more rejects equality."""
     v = current.variance / current.n + candidate.variance / candidate.n
-    tau2 = (effect * current.mean) ** 2
+    tau2 = scale ** 2
     if v <= 0 or tau2 <= 0:
         return 1.0
     d = candidate.mean - current.mean
@@ -84,6 +84,9 @@ class Trial:
     decided: float | None = None
     arms: dict[str, Samples] = field(default_factory=lambda: {CURRENT: Samples(), CANDIDATE: Samples()})
     ratio: float = 1.0
+    # The mixture's scale, set once at the first judgement (EFFECT x the current arm's mean then): a scale that moved
+    # with the data at every look would void the test's guarantee.
+    scale: float | None = None
 
     def summary(self) -> dict:
         return {"candidate": self.candidate, "current": self.current or "the server's own draft", "state": self.state,
@@ -139,7 +142,10 @@ class Rollouts:
         if body.get("speculation") is not None:
             return "", body["speculation"]
         trial = self.trial
-        if trial is not None and trial.state == "testing" and self.rng.random() < self.share:
+        # A seeded request stays on the current arm: the same seed must give the same text, and a sampled text
+        # depends on the rounds' shapes, which the draft sets.
+        seeded = body.get("seed") is not None
+        if trial is not None and trial.state == "testing" and not seeded and self.rng.random() < self.share:
             return CANDIDATE, {"draft": trial.candidate}
         return (CURRENT if trial is not None and trial.state == "testing" else ""), None  # (the draft in front)
 
@@ -161,7 +167,9 @@ class Rollouts:
         current, candidate = trial.arms[CURRENT], trial.arms[CANDIDATE]
         if min(current.n, candidate.n) < self.min_requests:
             return
-        trial.ratio = likelihood_ratio(current, candidate)
+        if trial.scale is None:
+            trial.scale = EFFECT * current.mean
+        trial.ratio = likelihood_ratio(current, candidate, trial.scale)
         pace = f"{candidate.mean:.2f} against {current.mean:.2f} tokens/s over {candidate.n} and {current.n} requests"
         if trial.ratio >= 1 / self.alpha:
             if candidate.mean > current.mean:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path,
     """(the draft with its trained adapter (a peft model), what was measured). work: the folder for checkpoints."""
     from peft import LoraConfig, get_peft_model
 
+    # (peft asks transformers a question transformers 5 renamed: its warning says nothing to a user of distill)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
     train, held_out = time_split(served_requests(logs), recipe.held_out)
     log(f"{len(train)} requests to learn from ({Span.of(train).tokens} output tokens), the latest "
         f"{len(held_out)} held out")
@@ -132,6 +136,7 @@ def agreement(model, items: list[Served], seq_len: int, progress: bool = False, 
     result = Agreement()
     for item in tqdm(items, desc=desc, unit="request", disable=not progress, dynamic_ncols=True, leave=False):
         ids, start = window(item, seq_len)
+        start = max(start, 1)  # the first token has nothing before it to be predicted from
         logits = _answer_logits(model, ids, start)  # [A, V]
         wanted = torch.tensor(ids[start:], device=logits.device)  # [A]
         result.matched += int((logits.argmax(-1) == wanted).sum())
@@ -140,10 +145,11 @@ def agreement(model, items: list[Served], seq_len: int, progress: bool = False, 
 
 
 def _answer_logits(model, ids: list[int], start: int) -> torch.Tensor:
-    """[A, V]: the draft's logits for each output token, read at the token before it (A = len(ids) - start)."""
+    """[A, V]: the draft's logits for each output token from start (>= 1) on, read at the token before it
+    (A = len(ids) - start)."""
     device = next(model.parameters()).device
     logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]  # [L, V]
-    return logits[max(start, 1) - 1 : len(ids) - 1].float()
+    return logits[start - 1 : len(ids) - 1].float()
 
 
 class _Trainer:
@@ -154,7 +160,8 @@ class _Trainer:
         self.device = self.params[0].device
         self.autocast = native_bf16(self.device.type)  # bfloat16 matmuls only where computed natively
         self.optimizer = torch.optim.AdamW(self.params, lr=recipe.lr, weight_decay=0.0)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_scale(s, recipe.warmup_steps, total_steps))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_scale(step, recipe.warmup_steps, total_steps))
         self._started = time.perf_counter()
 
     def step(self, item: Served) -> float:

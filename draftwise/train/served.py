@@ -83,5 +83,6 @@ def window(item: Served, seq_len: int) -> tuple[list[int], int]:
     ids, start = item.ids, item.answer_start
     if len(ids) <= seq_len:
         return ids, start
-    begin = len(ids) - seq_len if len(ids) - seq_len <= start else max(0, start - seq_len // 4)
+    # (strictly before the output: its first token is read at the token before it)
+    begin = len(ids) - seq_len if len(ids) - seq_len < start else max(0, start - seq_len // 4)
     return ids[begin : begin + seq_len], start - begin
