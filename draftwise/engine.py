@@ -490,9 +490,10 @@ class Engine:
         started = time.perf_counter()
         self._step_rows = decayed(self._step_rows, len(seqs))
         ks = self._draft_lengths(seqs)  # how much each drafts: what the measured costs and acceptance say pays
+        chosen = time.perf_counter()
         drafts = self._propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
         proposed = time.perf_counter()
-        too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - started)
+        too_slow = self._fall_back_where_drafting_failed(seqs, drafts, ks, proposed - chosen)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         verdicts: dict[int, Verdict] = {}
         features: dict[int, torch.Tensor] = {}
@@ -518,7 +519,7 @@ class Engine:
             for seq in too_slow:  # their drafts were good, and are used: the next rounds go without
                 self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
-        times = StepTimes(proposed - started, verified - proposed)
+        times = StepTimes(proposed - chosen, verified - proposed)  # (the choice is the step's overhead, below)
         if verdicts and timed:  # adapt: what this shape of step cost, which the next rounds' lengths are priced by
             self._observe_costs(seqs, drafts, ks, live, times)
         for i, err in failed.items():  # (after the costs: the pass itself ran for them)
@@ -527,6 +528,10 @@ class Engine:
         # accept: each text grows by its kept draft tokens and the target's own next token (and acceptance learns)
         events = {seq: self._emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
+        if verdicts and timed:  # what the step cost beside drafting and its pass, which every step pays
+            drafted = any(len(drafts[i]) for i in verdicts)
+            self.draft_policy.costs.observe_overhead(len(verdicts), drafted,
+                                                     times.total_s - times.draft_s - times.verify_s)
         for seq in seqs:
             seq.stats.decode_s += times.total_s
         self.last_step = times

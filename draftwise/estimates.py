@@ -53,6 +53,25 @@ def interpolate(table: dict[int, float], n: float) -> float:
     return (1 - share) * table[below] + share * table[above]
 
 
+def along(table: dict[int, float], n: float) -> float:
+    """table[n] if measured, else on the line through the measured points: between the nearest two, or past the
+    ends on the nearest two's slope (bounded below: no less than the last point past it, no less than the first
+    point's share per unit before it); one point: in proportion to it."""
+    if n in table:
+        return table[n]
+    if len(table) == 1:
+        (m, value), = table.items()
+        return value * n / m
+    points = sorted(table)
+    if points[0] < n < points[-1]:
+        return interpolate(table, n)
+    if n > points[-1]:  # more than timed: on at the last two's slope, never below the last
+        a, b = points[-2:]
+        return max(table[b] + (table[b] - table[a]) / (b - a) * (n - b), table[b])
+    a, b = points[:2]  # fewer than timed: back at the first two's slope, never below the first's share
+    return max(table[a] + (table[b] - table[a]) / (b - a) * (n - a), table[a] * n / a)
+
+
 def nearest(keys, n: int) -> int:
     """The measured batch size closest to n (the smaller one on a tie: it costs less, so it is the optimist)."""
     return min(keys, key=lambda m: (abs(m - n), m))
@@ -157,7 +176,15 @@ class StepCosts:
     """Seconds of a step's parts, by the number of rows (sequences) in it."""
 
     _verify_s: dict[int, Timings] = field(default_factory=dict)  # rows -> seconds per pass by width n
-    _draft_s: Timings = field(default_factory=Timings)  # seconds per draft forward by rows
+    # rows -> seconds of a round's drafting by its draft forwards. By forwards, not per forward: a round's first
+    # forward reads what the last round kept beside its own token (up to k + 1 positions) and the later ones one
+    # each, so a forward's average falls with k, and a price per forward learnt from short rounds overcharges long
+    # ones (at 1 row, 14 ms a forward priced from rounds of 1 and 2, 12 ms run in rounds of 4: adaptive k chose 1
+    # and 2 where 4 ran faster).
+    _draft_s: dict[int, Timings] = field(default_factory=dict)
+    # (rows, whether the step drafted) -> seconds a step spends outside drafting and its pass (choosing, committing,
+    # accepting), decayed: a step costs it whatever it drafts, so fewer, longer rounds save it.
+    _overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     steps: int = 0  # steps timed: the clock that stale timings are judged by
     catch_up_s: float | None = None  # seconds per token a lagging draft reads (None: never timed), decayed
 
@@ -189,9 +216,35 @@ class StepCosts:
     def _widths(self, rows: int) -> dict[int, float]:
         return self._verify_s[rows].priced(self.steps)
 
+    def draft_round(self, rows: int, forwards: int) -> float:
+        """Seconds of a round's `forwards` draft forwards in a step of this many rows (the nearest measured rows; an
+        unmeasured count on the line through the measured ones)."""
+        if forwards <= 0 or not self._draft_s:
+            return 0.0
+        return along(self._forwards(rows), forwards)
+
     def draft(self, rows: int) -> float:
-        by_rows = self._draft_s.priced(self.steps)
-        return by_rows[nearest(by_rows, rows)] if by_rows else 0.0
+        """Seconds one more draft forward adds to a round: the slope of draft_round (one count measured: its mean)."""
+        if not self._draft_s:
+            return 0.0
+        table = self._forwards(rows)
+        (f1, s1), (f2, s2) = sorted(table.items())[-2:] if len(table) > 1 else [(0, 0.0), *table.items()]
+        slope = (s2 - s1) / (f2 - f1)
+        # (noise can tilt two close counts the wrong way: then the mean of every forward timed)
+        return slope if slope > 0 else sum(table.values()) / sum(table)
+
+    def _forwards(self, rows: int) -> dict[int, float]:
+        return self._draft_s[nearest(self._draft_s, rows)].priced(self.steps)
+
+    def overhead(self, rows: int, drafted: bool) -> float:
+        """Seconds a step of this many rows spends outside drafting and its pass (the nearest measured rows)."""
+        same = [r for r, d in self._overhead_s if d == drafted]
+        if not same:
+            return 0.0
+        return self._overhead_s[nearest(same, rows), drafted]
+
+    def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
+        decay_into(self._overhead_s, (rows, drafted), max(0.0, seconds))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A lagging draft read `tokens` tokens of its text in `seconds` (Engine.catch_up_draft)."""
@@ -205,7 +258,7 @@ class StepCosts:
         self._verify_s.setdefault(rows, Timings()).observe(k + 1, verify_s, self.steps)
         steps = k if draft_steps is None else draft_steps
         if steps > 0:
-            self._draft_s.observe(rows, draft_s / steps, self.steps)
+            self._draft_s.setdefault(rows, Timings()).observe(steps, draft_s, self.steps)
 
 
 class TreeSpread:

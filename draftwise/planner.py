@@ -11,12 +11,13 @@ of the continuations times a^d). The row then emits on average
 
 A step of `rows` rows drafts in lockstep, then verifies every row in one target pass padded to the widest:
 
-    seconds = forwards * forward_s + verify(rows, width + 1)
+    seconds = draft_round(rows, forwards) + verify(rows, width + 1) + overhead(rows)
     rate    = (sum of the offering rows' tokens + 1 for each other row) / seconds
 
 forwards: the deepest offer's draft forwards (a chain's k, a tree's depth, 0 for a guess already made, prompt
-lookup's: it is free); forward_s: seconds per draft forward (the measured one at this many rows, unless the proposer
-timed its own); width: the most nodes any row offers. verify and forward_s come from Prices: what the engine
+lookup's: it is free); draft_round: their seconds (measured by forwards at this many rows, unless the proposer timed
+its own forward); width: the most nodes any row offers; overhead: what a step costs outside both (choosing,
+committing, accepting), which fewer, longer rounds save. They come from Prices: what the engine
 measured (estimates.StepCosts), or flat prices (one pass costs the same at any width: a calibration's, or
 Leviathan's units, in which rate is his speedup (1 - a^(k+1)) / ((1 - a)(k c + 1))). A plain step offers nothing:
 rows / verify(rows, 1); a candidate pays only if its rate beats that.
@@ -39,7 +40,13 @@ class Prices(Protocol):
     """Seconds of a step's parts: estimates.StepCosts is the engine's, measured as it runs."""
 
     def draft(self, rows: int) -> float:
-        """Seconds of one draft forward in a step of this many rows."""
+        """Seconds one more draft forward adds to a round in a step of this many rows."""
+
+    def draft_round(self, rows: int, forwards: int) -> float:
+        """Seconds of a round's `forwards` draft forwards in a step of this many rows."""
+
+    def overhead(self, rows: int, drafted: bool) -> float:
+        """Seconds a step spends outside its draft forwards and its pass (drafted: it offered a guess)."""
 
     def verify(self, rows: int, n: float) -> float:
         """Seconds of a target pass of this many rows, each n positions wide."""
@@ -55,6 +62,12 @@ class FlatPrices:
 
     def draft(self, rows: int) -> float:
         return self.draft_s
+
+    def draft_round(self, rows: int, forwards: int) -> float:
+        return self.draft_s * forwards
+
+    def overhead(self, rows: int, drafted: bool) -> float:
+        return 0.0
 
     def verify(self, rows: int, n: float) -> float:
         return self.pass_s
@@ -100,12 +113,13 @@ class Offer:
 
 
 def round_seconds(prices: Prices, rows: int, width: float, forwards: int = 0, forward_s: float | None = None) -> float:
-    """What a step costs: `forwards` draft forwards at forward_s each (default: prices' at this many rows), then
-    one pass of `rows` rows padded to width + 1 positions."""
-    if not forwards:
-        return prices.verify(rows, width + 1)
-    forward_s = prices.draft(rows) if forward_s is None else forward_s
-    return forward_s * forwards + prices.verify(rows, width + 1)
+    """What a step costs: `forwards` draft forwards (a round's as prices time them at this many rows, or forward_s
+    each: a proposer's own timing), then one pass of `rows` rows padded to width + 1 positions, and the step's
+    overhead outside both."""
+    drafting = 0.0
+    if forwards:
+        drafting = prices.draft_round(rows, forwards) if forward_s is None else forward_s * forwards
+    return drafting + prices.verify(rows, width + 1) + prices.overhead(rows, width > 0)
 
 
 def rate(prices: Prices, rows: int, offers: Sequence[Offer] = (), forward_s: float | None = None) -> float:

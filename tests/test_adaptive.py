@@ -804,3 +804,48 @@ def test_a_row_whose_draft_lags_is_priced_as_the_plain_row_it_runs_as():
 
     assert lengths(lagging=False) == [1, 1]
     assert lengths(lagging=True) == [0, 0]  # (priced as two drafting rows: [1, 0])
+
+
+def test_a_rounds_forwards_are_priced_as_timed_by_count_not_at_the_short_rounds_mean():
+    """A round's first draft forward reads what the last round kept (up to k + 1 positions), the later ones one
+    each: measured on the quant backend at 1 row, 14 ms for rounds of 1, 50 for rounds of 4. Priced per forward
+    from the short rounds, 3 forwards cost 42 ms; by count they cost 38, and k = 3 is chosen over 2."""
+    policy = DraftLengthPolicy()
+    for width, ms in zip(range(1, 6), (32.8, 38.1, 43.4, 47.7, 58.9)):  # the same pass widths, as measured
+        policy.costs.observe(1, width - 1, 0.0 if width == 1 else 0.014 if width == 2 else 0.050, ms / 1000,
+                             draft_steps=0 if width == 1 else 1 if width == 2 else 4)
+    costs = policy.costs
+    assert costs.draft_round(1, 1) == pytest.approx(0.014) and costs.draft_round(1, 4) == pytest.approx(0.050)
+    assert costs.draft_round(1, 3) == pytest.approx(0.038) and costs.draft_round(1, 6) == pytest.approx(0.074)
+    assert costs.draft(1) == pytest.approx(0.012)  # one more forward: the slope
+    assert policy.choose([0.85], k_max=4, rows=1) == 3
+    per_forward = DraftLengthPolicy()  # the control: priced at the short rounds' 14 ms a forward
+    for width, ms in zip(range(1, 6), (32.8, 38.1, 43.4, 47.7, 58.9)):
+        per_forward.costs.observe(1, width - 1, 0.014 * (width - 1), ms / 1000)
+    assert per_forward.choose([0.85], k_max=4, rows=1) == 2
+
+
+def test_a_steps_overhead_is_priced_so_fewer_longer_rounds_win_where_it_is_large():
+    """Every step pays its choosing, committing and accepting whatever it drafts: with none priced, a round of 1
+    and a round of 3 that make tokens equally fast per second of drafting and passes tie; with 20 ms a step, the
+    round of 3, which pays it once for more tokens, wins."""
+    costs = StepCosts()
+    for width in range(1, 5):
+        costs.observe(1, width - 1, 0.010 * (width - 1), 0.030 + 0.015 * (width - 1))
+    from draftwise import planner
+
+    one, three = planner.Offer.of_chain(0.9, 1), planner.Offer.of_chain(0.9, 3)
+    assert planner.rate(costs, 1, [three]) < planner.rate(costs, 1, [one])  # no overhead: the short round wins
+    costs.observe_overhead(1, True, 0.020)
+    costs.observe_overhead(1, False, 0.004)
+    assert planner.rate(costs, 1, [three]) > planner.rate(costs, 1, [one])
+    assert costs.overhead(2, True) == pytest.approx(0.020)  # the nearest rows measured
+
+
+def test_the_engine_times_a_steps_overhead_apart_from_drafting_and_the_pass():
+    eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
+                             method="draft")
+    eng.generate("The quick brown fox", max_new_tokens=12, ignore_eos=True)
+    costs = eng.draft_policy.costs
+    assert costs.overhead(1, True) > 0 or costs.overhead(1, False) > 0
+    assert costs.overhead(1, True) < 0.5  # (seconds: a step's bookkeeping, not its forwards)

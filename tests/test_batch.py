@@ -311,7 +311,7 @@ def test_a_stream_never_read_holds_no_slot_and_a_failed_open_gives_its_slot_back
     assert [e.token_id for e in eng.stream(PROMPTS[1], max_new_tokens=4, ignore_eos=True)][:4] == \
         reference("llama", PROMPTS[1], 4)
     held = eng.open_sequence(tiny_tokenizer()(PROMPTS[0])["input_ids"], greedy(4))  # takes the default slot
-    monkeypatch.setattr(eng, "_new_proposer", lambda method: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr(eng, "_new_proposer", lambda method, draft=None: (_ for _ in ()).throw(MemoryError("no room")))
     with pytest.raises(MemoryError):
         eng.open_sequence(tiny_tokenizer()(PROMPTS[1])["input_ids"], greedy(4))  # a slot of its own, then fails
     assert eng.target.open_slots == slots

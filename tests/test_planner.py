@@ -38,6 +38,13 @@ class RecordingPrices:
         self.asked.append(("draft", rows))
         return self.draft_s
 
+    def draft_round(self, rows, forwards):
+        self.asked.append(("draft", rows))
+        return self.draft_s * forwards
+
+    def overhead(self, rows, drafted):
+        return 0.0
+
     def verify(self, rows, n):
         self.asked.append(("verify", rows, n))
         return self.pass_s

@@ -241,14 +241,16 @@ class HybridProposer(Proposer):
         sequence may follow them (not a fixed k, whose draws a seed must reproduce), else None."""
         return followed_costs(self.sizing, self.costs)  # (the tree hybrid's: its sizing's)
 
-    def _measured(self) -> tuple[float, StepCosts] | None:
-        """Seconds per draft-model forward and the step costs that price a round's pick, once both are measured and
-        the sequence follows them; else None: by rule. The tree hybrid's sizing times its own forwards; the chain's
-        are the engine's (0 until one is timed)."""
+    def _measured(self) -> tuple[float | None, StepCosts] | None:
+        """Seconds per draft-model forward (None: the step costs' own timing of a round's forwards) and the step
+        costs that price a round's pick, once both are measured and the sequence follows them; else None: by rule.
+        The tree hybrid's sizing times its own forwards; the chain's are the engine's (none until one is timed)."""
         costs = self._followed_costs()
         if costs is None:
             return None
-        forward_s = self.sizing.forward_s if self.sizing is not None else costs.draft(self._rows) or None
+        if self.sizing is None:  # (the engine's timing of a round's forwards prices the chain: forward_s None)
+            return (None, costs) if costs.draft(self._rows) else None
+        forward_s = self.sizing.forward_s
         return None if forward_s is None else (forward_s, costs)
 
     def _lookup_wins(self, guess: Draft, match: int, k: int) -> bool:

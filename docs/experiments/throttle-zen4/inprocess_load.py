@@ -12,6 +12,7 @@ from draftwise.tokenizers import encode_prompt
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--method", default="hybrid")
+ap.add_argument("--request-method", default=None, help="the method requests ask for (default: the engine's own)")
 ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
 ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
 ap.add_argument("--c", type=int, default=4)
@@ -73,7 +74,8 @@ def catch(seq, max_tokens=None):
 engine.step, engine.catch_up_draft = step, catch
 
 def run_mode(mode):
-    cfg = {"on": dict(), "always": dict(adaptive=False), "off": dict(method="none")}[mode]
+    asked = {} if a.request_method is None else {"method": a.request_method}
+    cfg = {"on": dict(asked), "always": dict(asked, adaptive=False), "off": dict(method="none")}[mode]
     cfg = GenerationConfig.from_options(max_new_tokens=a.max_tokens, temperature=0.0, ignore_eos=False, **cfg)
     todo = list(range(len(ids)))
     done = threading.Event(); lock = threading.Lock(); state = {"inflight": 0, "tokens": 0, "left": len(ids)}
