@@ -51,11 +51,12 @@ def serve(log, requests, method="draft"):
     return [finals[i] for i in range(len(requests))]
 
 
-def rows(path):
+def rows(path, table="rounds"):
+    """Every row of a log's table (rounds, or requests), as dicts, in the order written."""
     db = sqlite3.connect(path)
     db.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in db.execute("SELECT * FROM rounds ORDER BY id")]
+        return [dict(r) for r in db.execute(f"SELECT * FROM {table} ORDER BY rowid")]
     finally:
         db.close()
 
@@ -378,17 +379,8 @@ def test_rows_older_than_the_retention_go_and_purge_takes_an_age(tmp_path, capsy
     log = ProposalLog(path, max_age_s=3600)
     log.record_request("new", "default", "draft", [1], [2], "stop")  # each write drops what is past the retention
     log.close()
-    assert {r["request_id"] for r in _requests(path)} == {"kept", "new"}
+    assert {r["request_id"] for r in rows(path, "requests")} == {"kept", "new"}
     assert main(["log", "purge", str(path), "--older-than", "0"]) == 0
-    assert "deleted 2 requests" in capsys.readouterr().out and _requests(path) == []
+    assert "deleted 2 requests" in capsys.readouterr().out and rows(path, "requests") == []
     with pytest.raises(DraftwiseError, match="proposal-log-days must be > 0"):
         ProposalLog(path, max_age_s=0)
-
-
-def _requests(path):
-    db = sqlite3.connect(path)
-    db.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in db.execute("SELECT * FROM requests")]
-    finally:
-        db.close()
