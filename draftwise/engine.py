@@ -517,7 +517,7 @@ class Engine:
                     seq.target.trim(len(seq.context) - 1)
                     failed[i] = err
             for seq in too_slow:  # their drafts were good, and are used: the next rounds go without
-                self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - started):.0f} ms, over the "
+                self._fall_back(seq, TimeoutError(f"drafting took {1000 * (proposed - chosen):.0f} ms, over the "
                                                   f"{1000 * self.draft_timeout_s:.0f} ms limit"))
         times = StepTimes(proposed - chosen, verified - proposed)  # (the choice is the step's overhead, below)
         if verdicts and timed:  # adapt: what this shape of step cost, which the next rounds' lengths are priced by

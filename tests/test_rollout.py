@@ -110,9 +110,10 @@ class FakeStats:
 
 class FakeEngine:
     def __init__(self):
-        self.loaded, self.in_front = {}, None
+        self.loaded, self.draft_in_front = {}, None
 
     drafts_available = property(lambda self: tuple(self.loaded))
+    in_front = property(lambda self: self.draft_in_front)
 
     def add_draft(self, name, model):
         self.loaded[name] = model
@@ -121,7 +122,7 @@ class FakeEngine:
         del self.loaded[name]
 
     def promote_draft(self, name):
-        self.in_front = name
+        self.draft_in_front = name
 
 
 def trial_of(rollouts, name):

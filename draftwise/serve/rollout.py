@@ -106,9 +106,13 @@ class Rollouts:
         self.engine, self.load, self.check, self.rng = engine, load, check, rng or random.Random()
         self.observer = lambda trial: None
         self.share, self.alpha, self.min_requests, self.max_requests = share, alpha, min_requests, max_requests
-        self.in_front: str | None = None
         self.trials: list[Trial] = []
         self._lock = threading.Lock()
+
+    @property
+    def in_front(self) -> str | None:
+        """The version the draft-model methods draft with (None: the draft the server started with)."""
+        return self.engine.draft_in_front
 
     @property
     def trial(self) -> Trial | None:
@@ -122,7 +126,7 @@ class Rollouts:
         with self._lock:
             if self.trial is not None:
                 raise TrialUnderWay(f"draft {self.trial.candidate!r} is on trial; wait for its decision")
-            if candidate == self.in_front or candidate in self.engine.drafts_available:
+            if candidate in self.engine.drafts_available:  # (the one in front among them)
                 raise DraftwiseError(f"draft {candidate!r} is already loaded here")
             trial = Trial(candidate, self.in_front)
             self.trials.append(trial)
@@ -183,7 +187,7 @@ class Rollouts:
         trial.state, trial.reason, trial.decided = state, reason, time.time()
         log.info("draft %s %s: %s", trial.candidate, state, reason)
         if state == "promoted":
-            previous, self.in_front = self.in_front, trial.candidate
+            previous = self.in_front
             self.engine.promote_draft(trial.candidate)
             if previous is not None:
                 self.engine.remove_draft(previous)  # (its open sequences finish on it)

@@ -76,7 +76,7 @@ class Outcome:
     logs: list[str] = field(default_factory=list)
 
 
-def run_key(logs: list[str], train: list[Served], base: str, recipe: Recipe) -> str:
+def run_key(train: list[Served], base: str, recipe: Recipe) -> str:
     """What a checkpoint belongs to: the same base, recipe and training requests, or it is not resumed."""
     ids = [s.request_id for s in train]
     return hashlib.sha256(json.dumps([base, asdict(recipe), ids]).encode()).hexdigest()[:16]
@@ -98,7 +98,7 @@ def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path,
     config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0, target_modules=list(recipe.modules),
                         task_type="CAUSAL_LM")
     model = get_peft_model(draft_model, config)
-    trainer = _Trainer(model, recipe, total_steps=recipe.epochs * len(train), key=run_key(logs, train, base, recipe))
+    trainer = _Trainer(model, recipe, total_steps=recipe.epochs * len(train), key=run_key(train, base, recipe))
     checkpoint = work / "checkpoint.pt"
     done = trainer.resume(checkpoint)
     if done:

@@ -97,7 +97,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if draft_source.adapter is not None:
         model = apply_version(model, draft_source.adapter)  # a version improves on its own weights
     base = split_version(args.draft)[0]  # a version's successor is a version of the same base
-    work = store_home() / "tmp" / f"distill-{drafts_home(base).name}-{run_key(args.logs, train, args.draft, recipe)}"
+    work = store_home() / "tmp" / f"distill-{drafts_home(base).name}-{run_key(train, args.draft, recipe)}"
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     trained, outcome = distill(model, args.draft, args.logs, recipe, work, progress=progress, log=log)
     provenance = {"from": args.draft, "target": args.target, **asdict(outcome)}
