@@ -70,10 +70,7 @@ class DraftLengthPolicy:
             # rival too dear for good, and no fresher, wider pass would bound it (on the quant backend at 4 rows:
             # 71 ms priced, 55 ms run, and drafting chosen where it lost a tenth).
             return 0
-        by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
-        best = max(range(k_max + 1), key=by_k.__getitem__)
-        self.wants_drafting = best > 0
-        self._savings[rows] = planner.saving_per_token(by_k[0], by_k[best])
+        best = self.judge(rates, k_max, rows, fixed, spreads, free)
         if best > 0:
             self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
             return best
@@ -83,6 +80,21 @@ class DraftLengthPolicy:
         # A probe; if drafting still does not win after it, the next comes twice as many steps later.
         self._steps_without_draft, self._probe_gap = 0, min(2 * self._probe_gap, MAX_PROBE_GAP)
         return min(1, k_max)
+
+    def judge(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = (),
+              spreads: list[float] = (), free: list[int] = ()) -> int:
+        """The best k for these rows (choose's arguments), which sets whether drafting pays (wants_drafting) and what
+        it saves a token at this many rows (catch_up_pays). The engine also judges a batch whose drafts lag as if
+        every one of them were filled: priced by the one row that is, drafting is a wide pass for one row's guesses
+        and never pays in a batch, so no other draft would be filled and the one that was is wasted (the quant
+        backend at 8 rows filled one 72-token draft after another, 160 ms each, and drafted none)."""
+        if not self.costs.measured:
+            return k_max  # (nothing to price by: as choose, try the full width)
+        by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
+        best = max(range(k_max + 1), key=by_k.__getitem__)
+        self.wants_drafting = best > 0
+        self._savings[rows] = planner.saving_per_token(by_k[0], by_k[best])
+        return best
 
     @property
     def probe_due(self) -> bool:

@@ -369,7 +369,10 @@ class Engine:
         pools = self._carried.setdefault((_pool_method(seq.method, seq.cfg.draft), seq.cfg.sampling.greedy), {})
         for name, estimate in _estimates(seq).items():
             if estimate.observed_rate is not None:
-                pools.setdefault(name, Acceptance(0.0, 0.0)).fold(estimate.kept, estimate.rejections)  # no prior
+                # From the prior, as a sequence's own estimate: a pool that has seen one probe keep its one token
+                # would start every newcomer at a = 1.0 (the quant backend at 8 rows then priced drafting 4 tokens
+                # twice as fast as a plain step, and filled 8 drafts for rounds that ran at a third of it).
+                pools.setdefault(name, Acceptance()).fold(estimate.kept, estimate.rejections)
 
     def _release(self, target, proposer) -> None:
         if target is self.target.default:
@@ -592,18 +595,23 @@ class Engine:
             if seq.proposer is not None:
                 seq.proposer.prepare_round(depth, rows)
         settled = self._settled_rounds(seqs, depths)
-        adaptive = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
+        everyone = [seq for seq in seqs if seq.proposer is not None and seq.acceptance and not _judges_rounds(seq)]
         # Where none of them can draft (every draft lags), priced as if they could: whether drafting would pay is
         # what decides if their drafts are filled (wants_catch_up); their k is 0 whatever the choice.
-        adaptive = [seq for seq in adaptive if seq not in settled] or adaptive
+        adaptive = [seq for seq in everyone if seq not in settled] or everyone
         fixed = [seq.cfg.num_draft_tokens for seq in seqs
                  if seq.proposer is not None and not seq.acceptance and seq.draft_behind <= MAX_DRAFT_LAG]
-        shared = self.draft_policy.choose([_drafting_acceptance(seq).rate for seq in adaptive],
-                                          max(seq.cfg.num_draft_tokens for seq in adaptive), rows,
-                                          fixed, [seq.spread.side_nodes for seq in adaptive],
-                                          [seq.proposer.armed_nodes for seq in settled if seq not in adaptive]
-                                          ) if adaptive else 0
-        if adaptive:
+
+        def priced(choice, rows_drafting: list[Sequence]) -> int:
+            return choice([_drafting_acceptance(seq).rate for seq in rows_drafting],
+                          max(seq.cfg.num_draft_tokens for seq in rows_drafting), rows,
+                          fixed, [seq.spread.side_nodes for seq in rows_drafting],
+                          [seq.proposer.armed_nodes for seq in settled if seq not in rows_drafting])
+
+        shared = priced(self.draft_policy.choose, adaptive) if adaptive else 0
+        if len(adaptive) < len(everyone):  # whether to fill the lagging drafts: judged as if all were filled
+            priced(self.draft_policy.judge, everyone)
+        if everyone:
             self.draft_wanted = self.draft_policy.wants_drafting
         ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)

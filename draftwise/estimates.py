@@ -158,6 +158,10 @@ class Timings:
         at = self._timed_at.get(shape)
         return at is not None and now - at >= self._fresh_for.get(shape, STALE_STEPS)
 
+    def fresh(self, now: int) -> dict[int, float]:
+        """Seconds by shape, of the shapes not stale at step `now`."""
+        return {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+
     def priced(self, now: int) -> dict[int, float]:
         """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""
         if self._priced is None or self._priced[0] != now:
@@ -165,7 +169,7 @@ class Timings:
         return self._priced[1]
 
     def _price(self, now: int) -> dict[int, float]:
-        fresh = {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+        fresh = self.fresh(now)
         if not fresh or len(fresh) == len(self.seconds):
             return self.seconds
         return {shape: s if shape in fresh else min(s, interpolate(fresh, shape)) for shape, s in self.seconds.items()}
@@ -201,17 +205,57 @@ class StepCosts:
         return self.knows(rows, n) and not self._verify_s[rows].stale(n, self.steps)
 
     def verify(self, rows: int, n: int) -> float:
-        near = self._widths(nearest(self._verify_s, rows))
+        timings = self._verify_s[nearest(self._verify_s, rows)]
+        near = timings.fresh(self.steps)
         if n in near:
             return near[n]
+        # Unmeasured, or stale (priced at most as the fresh imply, Timings): from the fresh timings.
+        estimate = self._unmeasured(rows, n, timings.priced(self.steps))
+        return min(timings.seconds[n], estimate) if n in timings.seconds else estimate
+
+    def _unmeasured(self, rows: int, n: int, near: dict[int, float]) -> float:
         # An unmeasured width at a batch size whose plain step is known: that step times what the width costs
         # over a plain step at the nearest batch size that measured both, so that a batch size only just reached
         # (a row joined) inherits its neighbour's verdict on drafting instead of finding every width free.
         shaped = [r for r, widths in self._verify_s.items() if 1 in widths.seconds and len(widths.seconds) > 1]
         if 1 in near and shaped:
             ref = self._widths(nearest(shaped, rows))
-            return near[1] * interpolate(ref, n) / ref[1]
-        return interpolate(near, n)
+            estimate = near[1] * interpolate(ref, n) / ref[1]
+        else:
+            estimate = interpolate(near, n)
+        # No less than a pass of as many positions has cost: a width's ratio learnt at 1 row (nearly flat while
+        # decoding is memory-bound) says nothing of 8 rows, where the pass has turned compute-bound, and a batch
+        # size that never drafted would price every width at its plain step. Priced so, the quant backend at 8
+        # rows (82 ms plain, 140 ms 2 wide) found drafting 4 tokens twice as fast as a plain step, filled lagging
+        # drafts for it, and lost 4% to off without drafting a round that paid.
+        return max(estimate, self._by_positions(rows, n))
+
+    def _by_positions(self, rows: int, n: int) -> float:
+        """What a pass of rows x n positions costs, from the fresh passes of no more rows by their positions (the
+        cheapest shape of each count): between the fewest and the most, interpolated; past the most, on the slope of
+        plain steps by rows (what a position costs once the batch is compute-bound; a width's own slope, timed at one
+        or two widths, is too short a line to follow). 0.0 before any pass is timed. Of no more rows: as many
+        positions in more rows cost no less (each row its own cache to attend over), so those bound it from below,
+        where a pass of more rows would overprice a wide one of few. Fresh ones only: a stale shape is priced as the
+        fresh imply (Timings), which this is part of."""
+        table: dict[int, float] = {}
+        plain: dict[int, float] = {}
+        for fewer in (r for r in self._verify_s if r <= rows):
+            fresh = self._verify_s[fewer].fresh(self.steps)
+            for width, seconds in fresh.items():
+                table[fewer * width] = min(seconds, table.get(fewer * width, seconds))
+            if 1 in fresh:
+                plain[fewer] = fresh[1]
+        positions, most = rows * n, max(table, default=0)
+        if not table:
+            return 0.0
+        if positions <= most:
+            return interpolate(table, positions)
+        if len(plain) < 2:
+            return table[most]
+        fewest, widest = min(plain), max(plain)
+        slope = max(0.0, (plain[widest] - plain[fewest]) / (widest - fewest))
+        return table[most] + slope * (positions - most)
 
     def _widths(self, rows: int) -> dict[int, float]:
         return self._verify_s[rows].priced(self.steps)
