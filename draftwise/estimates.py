@@ -143,6 +143,7 @@ class Timings:
         # priced() as of one step: the cost model reads a table dozens of times a round (each k, each tree size),
         # and it changes only with the clock or a timing.
         self._priced: tuple[int, dict[int, float]] | None = None
+        self._fresh: tuple[int, dict[int, float]] | None = None
 
     def observe(self, shape: int, seconds: float, now: int) -> None:
         if self.stale(shape, now):
@@ -151,7 +152,7 @@ class Timings:
             self._fresh_for[shape] = min(2 * fresh_for, MAX_STALE_STEPS) if confirmed else STALE_STEPS
         decay_into(self.seconds, shape, seconds)
         self._timed_at[shape] = now
-        self._priced = None
+        self._priced = self._fresh = None
 
     def stale(self, shape: int, now: int) -> bool:
         """Whether this shape was timed, but not in the STALE_STEPS steps before `now` (more, once confirmed)."""
@@ -159,8 +160,10 @@ class Timings:
         return at is not None and now - at >= self._fresh_for.get(shape, STALE_STEPS)
 
     def fresh(self, now: int) -> dict[int, float]:
-        """Seconds by shape, of the shapes not stale at step `now`."""
-        return {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+        """Seconds by shape, of the shapes not stale at step `now` (as of one step, as priced)."""
+        if self._fresh is None or self._fresh[0] != now:
+            self._fresh = now, {shape: s for shape, s in self.seconds.items() if not self.stale(shape, now)}
+        return self._fresh[1]
 
     def priced(self, now: int) -> dict[int, float]:
         """Seconds by shape as priced at step `now`: fresh ones as timed, stale ones at most as the fresh imply."""
@@ -190,6 +193,8 @@ class StepCosts:
     # accepting), decayed: a step costs it whatever it drafts, so fewer, longer rounds save it.
     _overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     steps: int = 0  # steps timed: the clock that stale timings are judged by
+    # (steps, rows -> _positions' tables) as of one step
+    _positions_at: tuple[int, dict] = field(default_factory=lambda: (-1, {}))
     catch_up_s: float | None = None  # seconds per token a lagging draft reads (None: never timed), decayed
 
     @property
@@ -238,14 +243,7 @@ class StepCosts:
         positions in more rows cost no less (each row its own cache to attend over), so those bound it from below,
         where a pass of more rows would overprice a wide one of few. Fresh ones only: a stale shape is priced as the
         fresh imply (Timings), which this is part of."""
-        table: dict[int, float] = {}
-        plain: dict[int, float] = {}
-        for fewer in (r for r in self._verify_s if r <= rows):
-            fresh = self._verify_s[fewer].fresh(self.steps)
-            for width, seconds in fresh.items():
-                table[fewer * width] = min(seconds, table.get(fewer * width, seconds))
-            if 1 in fresh:
-                plain[fewer] = fresh[1]
+        table, plain = self._positions(rows)
         positions, most = rows * n, max(table, default=0)
         if not table:
             return 0.0
@@ -256,6 +254,23 @@ class StepCosts:
         fewest, widest = min(plain), max(plain)
         slope = max(0.0, (plain[widest] - plain[fewest]) / (widest - fewest))
         return table[most] + slope * (positions - most)
+
+    def _positions(self, rows: int) -> tuple[dict[int, float], dict[int, float]]:
+        """_by_positions' tables for passes of no more than `rows` rows: seconds by positions, and plain steps' by rows
+        (as of one step: the cost model prices dozens of shapes a round)."""
+        if self._positions_at[0] != self.steps:
+            self._positions_at = self.steps, {}
+        if rows not in self._positions_at[1]:
+            table: dict[int, float] = {}
+            plain: dict[int, float] = {}
+            for fewer in (r for r in self._verify_s if r <= rows):
+                fresh = self._verify_s[fewer].fresh(self.steps)
+                for width, seconds in fresh.items():
+                    table[fewer * width] = min(seconds, table.get(fewer * width, seconds))
+                if 1 in fresh:
+                    plain[fewer] = fresh[1]
+            self._positions_at[1][rows] = table, plain
+        return self._positions_at[1][rows]
 
     def _widths(self, rows: int) -> dict[int, float]:
         return self._verify_s[rows].priced(self.steps)
