@@ -96,6 +96,10 @@ class Engine:
         # Called with (seq, draft, verdict, step times) after each verified round, before its tokens join the
         # text (so len(seq.context) is where the draft starts): the server's proposal log.
         self.round_observer: Callable[[Sequence, Draft, Verdict, StepTimes], None] | None = None
+        # Called with (seq, start, features [n, H]) as the target's last hidden states at positions start .. start +
+        # n - 1 of a sequence's text are computed (its prompt's at prefill, its kept positions at each verification):
+        # the server's feature capture (serve/feature_capture.py). Set, every pass returns them.
+        self.feature_sink: Callable[[Sequence, int, torch.Tensor], None] | None = None
         # The server's fallback: a proposer that raises (or, with draft_timeout_s, drafts too slowly) is dropped
         # and its sequence goes on with the target alone, still exact. Off, a proposer's error ends the request.
         self.fall_back_on_proposer_error = False
@@ -417,9 +421,12 @@ class Engine:
         done = seq.prefilled
         end = len(seq.prompt_ids) - 1 if max_tokens is None else min(len(seq.prompt_ids) - 1, done + max_tokens)
         if end > done:
-            features = seq.target.append(seq.prompt_ids[done:end], hidden=_reads_features(seq.proposer))
-            if features is not None:
+            reads = _reads_features(seq.proposer)
+            features = seq.target.append(seq.prompt_ids[done:end], hidden=reads or self.feature_sink is not None)
+            if features is not None and reads:
                 seq.proposer.add_features(done, features)
+            if features is not None and self.feature_sink is not None:
+                self.feature_sink(seq, done, features)
             seq.prefilled = end
         elif seq.acceptance is None:
             self.catch_up_draft(seq, max_tokens)
@@ -515,7 +522,7 @@ class Engine:
             verified = time.perf_counter()
             for i, seq in enumerate(seqs):
                 try:
-                    self._commit_caches(seq, ks[i], drafts[i], verdicts.get(i), features.get(i))
+                    self._commit_caches(seq, ks[i], drafts[i], verdicts.get(i), features.get(i), self.feature_sink)
                 except Exception as err:  # this sequence's alone: it ends with it, its target holding the text
                     seq.target.trim(len(seq.context) - 1)
                     failed[i] = err
@@ -631,13 +638,13 @@ class Engine:
 
     def _verify(self, seqs: list[Sequence], drafts: list,
                 live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
-        """Each live sequence's verdict, and for those whose proposer reads the target's features, the pass's
-        features of its row ([n_i, H])."""
+        """Each live sequence's verdict, and for those whose proposer reads the target's features (every one, with a
+        feature_sink), the pass's features of its row ([n_i, H])."""
         if not live:
             return {}, {}
         rows = [(seqs[i].target, [seqs[i].context[-1], *drafts[i].token_ids]) for i in live]
         trees = [drafts[i].layout for i in live]
-        hidden = any(_reads_features(seqs[i].proposer) for i in live)
+        hidden = self.feature_sink is not None or any(_reads_features(seqs[i].proposer) for i in live)
         out = self.target.forward_batch(rows, trees=trees, hidden=hidden)
         per_row, features = out if hidden else (out, [])
         # A grammar's mask on p at every position the row scores: the verdict is then the constrained target's.
@@ -673,18 +680,23 @@ class Engine:
 
     @staticmethod
     def _commit_caches(seq: Sequence, k: int, draft, verdict: Verdict | None,
-                       features: torch.Tensor | None = None) -> None:
+                       features: torch.Tensor | None = None, sink=None) -> None:
         """Both caches hold exactly the accepted text, even when the round failed. A proposer that reads the
-        target's features gets those of the kept positions (the text's last token and the accepted drafts). The
-        proposer hears of its own tokens only: what a grammar forced after them is text it catches up on."""
+        target's features gets those of the kept positions (the text's last token and the accepted drafts), and
+        so does the engine's feature_sink. The proposer hears of its own tokens only: what a grammar forced after
+        them is text it catches up on."""
         base = len(seq.context) - 1
         kept = verdict.num_accepted if verdict else 0
         path = list(range(kept)) if verdict is None or verdict.path is None else list(verdict.path)
         if path != list(range(kept)):
             seq.target.keep(base + 1, [base + 1 + node for node in path])  # a tree's path, into place
         seq.target.trim(base + 1 + kept if verdict else base)
-        if verdict is not None and features is not None and _reads_features(seq.proposer):
-            seq.proposer.add_features(base, features[[0, *(1 + node for node in path)]])  # [kept + 1, H]
+        if verdict is not None and features is not None:
+            kept_features = features[[0, *(1 + node for node in path)]]  # [kept + 1, H]
+            if _reads_features(seq.proposer):
+                seq.proposer.add_features(base, kept_features)
+            if sink is not None:
+                sink(seq, base, kept_features)
         if k > 0:
             own = draft.own if isinstance(draft, Draft) else kept
             if verdict is not None:  # (a tree drafted in the proposer's own cache keeps its path there)

@@ -104,6 +104,13 @@ def add_serve(commands, formatter) -> None:
                         "export`)")
     s.add_argument("--proposal-log-rows", type=int, default=5_000_000, metavar="N",
                    help="most rows the proposal log keeps; the oldest go first (default: %(default)s)")
+    s.add_argument("--capture-features", metavar="DIR",
+                   help="keep what a feature head learns from, as the target computes it while serving: its last "
+                        "hidden state at every position of each finished request, one file per request, for "
+                        "`draftwise train-head --captured DIR` (users' text: folder 0700, files 0600)")
+    s.add_argument("--capture-features-mb", type=float, default=2048, metavar="MB",
+                   help="size budget of --capture-features; the earliest requests' files go first (default: "
+                        "%(default)s)")
     s.add_argument("--proposal-log-days", type=float, metavar="DAYS",
                    help="keep the proposal log's rows (users' prompts and outputs, as token ids) this many days "
                         "at most; `draftwise log purge` deletes on demand (default: kept until --proposal-log-rows)")
@@ -139,7 +146,7 @@ def _check_limits(args: argparse.Namespace) -> None:
              "--max-waiting": (args.max_waiting, 0, " (0: every request that cannot run at once gets 429)"),
              "--proposal-cache-tokens": (args.proposal_cache_tokens, 0, " (0 turns it off)"),
              "--prompt-cache-mb": (args.prompt_cache_mb, 0, " (0 turns the prompt cache off)"),
-             "--drain-timeout": (args.drain_timeout, 0, "")}
+             "--drain-timeout": (args.drain_timeout, 0, ""), "--capture-features-mb": (args.capture_features_mb, 1, "")}
     for flag, (value, low, note) in least.items():
         if not (math.isfinite(value) and value >= low):  # (a float flag takes "nan" and "inf")
             raise DraftwiseError(f"{flag} must be a number >= {low}{note}, got {value}")
@@ -149,6 +156,19 @@ def _check_limits(args: argparse.Namespace) -> None:
     if args.api_key is not None and not args.api_key.strip():  # an empty key would quietly turn the check off
         raise DraftwiseError("--api-key (or $DRAFTWISE_API_KEY) is empty: give a key, or leave both unset to serve "
                              "without one")
+
+
+def _feature_capture(args: argparse.Namespace, engine):
+    """The --capture-features folder's writer, or None; an error where the target's backend gives no hidden states."""
+    if not args.capture_features:
+        return None
+    from draftwise.methods import BACKENDS, INTERNALS
+    from draftwise.serve.feature_capture import FeatureCapture
+
+    if INTERNALS not in BACKENDS[engine.target.backend_name]:
+        raise DraftwiseError(f"--capture-features needs the target's hidden states, which the "
+                             f"{engine.target.backend_name} backend does not give; serve with --backend quant or hf")
+    return FeatureCapture(args.capture_features, int(args.capture_features_mb * 2**20))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -170,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = ProposalLog(args.proposal_log, max_rows=args.proposal_log_rows, max_age_s=max_age_s) \
         if args.proposal_log else None
     engine = Engine.from_pretrained(args.target, draft, args.method, **options.engine_options(args))
+    capture = _feature_capture(args, engine)
     if args.prompt_cache_mb:
         engine.enable_prompt_cache(int(args.prompt_cache_mb * 2**20))
     if args.proposal_cache_tokens:
@@ -180,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting,
                           prefill_chunk=args.prefill_chunk, metrics=metrics, proposal_log=log,
                           draft_timeout_s=None if args.draft_timeout_ms is None else args.draft_timeout_ms / 1000,
-                          guard=guard)
+                          guard=guard, feature_capture=capture)
     model_id = args.model_id or args.target
     rollouts = None
     if engine.draft_maker is not None and experiment is None:  # (a draft that another could be tried beside)
@@ -209,6 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http.join(timeout=10)
         if log is not None:
             log.close()
+        if capture is not None:
+            capture.close()
     return 0 if server.started else 1
 
 

@@ -25,6 +25,7 @@ from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 from draftwise.sequence import Sequence
 from draftwise.serve.guard import Guard, GuardedText
+from draftwise.serve.feature_capture import FeatureCapture
 from draftwise.serve.proposal_log import ProposalLog, round_rows
 from draftwise.types import Event
 
@@ -72,9 +73,10 @@ class Ticket:
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_waiting: int = 64, prefill_chunk: int = 128,
                  metrics=None, proposal_log: ProposalLog | None = None, draft_timeout_s: float | None = None,
-                 guard: Guard | None = None):
+                 guard: Guard | None = None, feature_capture: FeatureCapture | None = None):
         """A failing proposer puts its sequence on the target alone (still exact), as does one whose step drafted
-        for longer than draft_timeout_s; counted in metrics and the proposal log."""
+        for longer than draft_timeout_s; counted in metrics and the proposal log. feature_capture: where each
+        finished request's target features go (serve/feature_capture.py)."""
         if max_batch < 1 or max_waiting < 0 or prefill_chunk < 1:
             raise DraftwiseError("max_batch and prefill_chunk must be >= 1 and max_waiting >= 0")
         if draft_timeout_s is not None and draft_timeout_s <= 0:
@@ -90,6 +92,9 @@ class Scheduler:
         self._tickets: dict[Sequence, Ticket] = {}  # running sequences' tickets, for the proposal log
         if proposal_log is not None:
             engine.round_observer = self._log_round
+        self.feature_capture = feature_capture
+        if feature_capture is not None:
+            engine.feature_sink = feature_capture.observe
         self.fault_injector: Callable[[Sequence], None] | None = None  # tests: raise inside one sequence's round
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
@@ -311,6 +316,11 @@ class Scheduler:
                 # baseline the other arms are compared with (`draftwise log stats`).
                 if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
                     self._log_request(ticket, event)
+                if self.feature_capture is not None:  # (an answer cut short by an error or a cancel: not kept)
+                    if event.finish_reason in ("stop", "length"):
+                        self.feature_capture.finish(ticket.seq, ticket.request_id)
+                    else:
+                        self.feature_capture.forget(ticket.seq)
                 if self.request_observer is not None:
                     self.request_observer(ticket.arm, ticket.seq.stats, event.finish_reason)
         except Exception:  # the request is answered either way; a failed clean-up must not stop the loop

@@ -61,6 +61,10 @@ def add_train_head(commands, formatter) -> None:
     p.add_argument("--read-current", action=argparse.BooleanOptionalAction, default=DEFAULTS.reads_current,
                    help="give each head input the embedding of the token its feature was computed at, beside the "
                         "next one's, so that its attention can copy from earlier text (default: %(default)s)")
+    p.add_argument("--captured", metavar="DIR",
+                   help="train on the requests a server captured (`draftwise serve --capture-features DIR`) instead "
+                        "of the corpus: their features are the target's own as it served them, so no target pass "
+                        "runs here; the latest fifth is held out for validation")
     p.add_argument("--json", action="store_true", help="print the training record as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_head)
@@ -78,6 +82,21 @@ def feature_layers(text: str) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
+def _captured(folder: str) -> list:
+    """The --captured folder's files, earliest first, or an error that says why there are none."""
+    from pathlib import Path
+
+    from draftwise.serve.feature_capture import captured_files
+
+    if not Path(folder).is_dir():
+        raise DraftwiseError(f"--captured {folder}: no such folder (a server writes it with --capture-features)")
+    files = captured_files(folder)
+    if len(files) < 2:
+        raise DraftwiseError(f"--captured {folder}: {len(files)} captured request(s); training holds the latest "
+                             "fifth out, so it needs at least 2 (serve longer with --capture-features)")
+    return files
+
+
 def cmd_train_head(args: argparse.Namespace) -> int:
     from draftwise.loading import load_models
     from draftwise.models.store import head_home
@@ -93,6 +112,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise DraftwiseError(f"--seq-len must be >= 8 (a sequence teaches its positions past the second), got {args.seq_len}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise DraftwiseError(f"--lr must be a number > 0, got {args.lr}")
+    captured = _captured(args.captured) if args.captured else None
     out = prepare_out(args.out or head_home(args.target), "the head")  # now, not after the target loads
     cfg = TrainConfig(max_tokens=args.max_tokens, seq_len=args.seq_len, epochs=args.epochs, lr=args.lr,
                       intermediate_size=args.intermediate_size, readout=args.readout, answers=args.answers,
@@ -103,7 +123,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     target_model, tokenizer, *_ = load_models(args.target, None, args.dtype, args.device, progress=progress)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        record = train_head(target_model, tokenizer, out, cfg, progress=progress, target_name=args.target, log=log)
+        record = train_head(target_model, tokenizer, out, cfg, progress=progress, target_name=args.target, log=log,
+                            captured=captured)
     except ValueError as err:
         raise DraftwiseError(str(err)) from err
     if args.json:

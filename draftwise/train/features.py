@@ -61,11 +61,14 @@ def collect(model, sequences: list[list[int]], folder: Path, progress: bool = Tr
 
 
 def load_shards(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
-    """Every sequence of the shards: {"ids": [L] long, "features": [L, H], "next": [L] long}."""
+    """Every sequence of the shards: {"ids": [L] long, "features": [L, H], "next": [L] long}, and "answer_start"
+    where the shard holds it (a server's captured request: serve/feature_capture.py)."""
     out = []
     for path in paths:
         tensors = load_file(str(path))
         for i in range(sum(name.startswith("ids.") for name in tensors)):
             out.append({"ids": tensors[f"ids.{i}"].long(), "features": tensors[f"features.{i}"],
                         "next": tensors[f"next.{i}"].long()})
+            if f"answer_start.{i}" in tensors:
+                out[-1]["answer_start"] = int(tensors[f"answer_start.{i}"][0])
     return out

@@ -44,6 +44,7 @@ from draftwise.train.features import collect, load_shards
 from draftwise.train.schedule import lr_scale
 
 VAL_EVERY = 20  # one source file in 20 is held back for validation
+CAPTURED_HELD_OUT = 0.2  # of a server's captured requests, the latest share held out (train_head(captured=...))
 CHECKPOINT_FILE = "checkpoint.pt"
 TARGET_FILE = "target.json"  # the target (class, dtype, device, weights) whose run the folder holds
 REGRESSION_WEIGHT = 0.1
@@ -86,10 +87,13 @@ class Accuracy:
 
 
 def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
-               pieces: list[Piece] | None = None, target_name: str = "", log=print) -> dict:
+               pieces: list[Piece] | None = None, target_name: str = "", log=print,
+               captured: list[Path] | None = None) -> dict:
     """Train a head for target_model and save it under out; returns the training record (also in its config).
 
-    pieces: the sequences to train on (default: the target's own answers and the corpus of corpus.py)."""
+    pieces: the sequences to train on (default: the target's own answers and the corpus of corpus.py).
+    captured: instead, a server's captured requests (serve/feature_capture.py, earliest first), whose features the
+    target computed while serving: no target pass here; the latest CAPTURED_HELD_OUT of them are held out."""
     started = time.perf_counter()
     layers = target_model.config.get_text_config().num_hidden_layers
     if any(not 0 <= layer < layers for layer in cfg.feature_layers):
@@ -97,28 +101,23 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
                          f"are 0 to {layers - 1}")
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, target_fingerprint(target_model))
-    from_corpus = pieces is None
-    # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
-    # it (backends/kernels.py; same values, and faster than torch's dense linear where the timing picked another).
-    running = on_timed_kernels(target_model)
-    torch.manual_seed(cfg.seed)  # after the plan, whose timings draw random inputs only when not cached
-    if from_corpus:
-        pieces = own_answers(running, tokenizer, cfg, out, progress)
-        pieces += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
-    # (a fused head's features are wider: kept apart from the last hidden state's alone)
+    from_corpus = pieces is None and captured is None
+    torch.manual_seed(cfg.seed)
     folder = "features" + "".join(f"-{layer}" for layer in cfg.feature_layers)
-    shards = collect(running, [piece.ids for piece in pieces], out / folder, progress, cfg.feature_layers)
-    del running  # its packed weights: as large as the target's own
-    data = load_shards(shards)
-    for sequence, piece in zip(data, pieces):
-        sequence["answer_start"] = piece.answer_start
-    # Held back by source file: a file's pieces, and the answers about it, are all on one side of the split.
-    held = [_held_back(piece.source) for piece in pieces]
+    if captured is not None:
+        if cfg.feature_layers:
+            raise ValueError("a captured request holds the last hidden state alone: no --feature-layers")
+        # (earliest first, as the files are named; a head learns from a sequence's third position on)
+        shards, data = captured, [s for s in load_shards(captured) if len(s["ids"]) >= 3]
+        held = _held_out_latest(len(data))
+    else:
+        shards, data, held = _collected(target_model, tokenizer, cfg, out, progress, pieces, folder)
     val = [s for s, h in zip(data, held) if h]
     train = [s for s, h in zip(data, held) if not h]
     if not train or not val:
-        raise ValueError(f"{len(data)} sequences from {len({p.source for p in pieces})} sources cannot be split into "
-                         f"training and validation (1 source in {VAL_EVERY} is held back); give more")
+        how = (f"the latest {CAPTURED_HELD_OUT:.0%} held out" if captured is not None else
+               f"1 source in {VAL_EVERY} held back")
+        raise ValueError(f"{len(data)} sequences cannot be split into training and validation ({how}); give more")
     collected_s = time.perf_counter() - started
     # (a fused head's shards are named as the plain head's: its folder tells a checkpoint of the other apart)
     names = "".join(path.name for path in shards) + (folder if cfg.feature_layers else "")
@@ -167,7 +166,8 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
         "corpus": f"{cfg.answers} of the target's own answers to requests built from, and {cfg.max_tokens} tokens "
                   "of, the third-party package sources and docs installed beside draftwise (draftwise/train/)"
                   + (f", and its answers to {cfg.everyday} everyday requests" if cfg.everyday else "")
-                  if from_corpus else "given sequences",
+                  if from_corpus else f"{len(captured)} requests a server captured, the latest "
+                  f"{CAPTURED_HELD_OUT:.0%} held out" if captured is not None else "given sequences",
         "sequences": len(data), "train_tokens": sum(len(s["ids"]) for s in train),
         "val_tokens": sum(len(s["ids"]) for s in val), "config": asdict(cfg),
         "longest_sequence": max(trained_lengths),
@@ -189,6 +189,34 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     save_config(head, out)  # (head.config.training is the record itself)
     (out / "training.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def _collected(target_model, tokenizer, cfg: TrainConfig, out: Path, progress: bool, pieces: list[Piece] | None,
+               folder: str) -> tuple[list[Path], list[dict], list[bool]]:
+    """The target's features over `pieces` (default: its own answers and the corpus), collected into out/folder:
+    (shards, sequences, whether each is held back)."""
+    # The answers and the features come from the target on the kernels timed for this machine, as the engine runs
+    # it (backends/kernels.py; same values, and faster than torch's dense linear where the timing picked another).
+    running = on_timed_kernels(target_model)
+    torch.manual_seed(cfg.seed)  # after the plan, whose timings draw random inputs only when not cached
+    if pieces is None:
+        pieces = own_answers(running, tokenizer, cfg, out, progress)
+        pieces += training_sequences(tokenizer, cfg.seq_len, cfg.max_tokens)
+    # (a fused head's features are wider: kept apart from the last hidden state's alone)
+    shards = collect(running, [piece.ids for piece in pieces], out / folder, progress, cfg.feature_layers)
+    del running  # its packed weights: as large as the target's own
+    data = load_shards(shards)
+    for sequence, piece in zip(data, pieces):
+        sequence["answer_start"] = piece.answer_start
+    # Held back by source file: a file's pieces, and the answers about it, are all on one side of the split.
+    return shards, data, [_held_back(piece.source) for piece in pieces]
+
+
+def _held_out_latest(count: int) -> list[bool]:
+    """Of `count` captured requests, earliest first: the latest CAPTURED_HELD_OUT (at least one) held out, by time,
+    never at random among requests of the same hour."""
+    held = max(1, round(count * CAPTURED_HELD_OUT)) if count > 1 else 0
+    return [i >= count - held for i in range(count)]
 
 
 def target_fingerprint(model) -> dict:
