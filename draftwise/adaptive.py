@@ -115,7 +115,8 @@ class DraftLengthPolicy:
         saving = self.saving_per_token(rows)
         if saving is None or self.costs.catch_up_s is None:
             return True
-        return planner.catch_up_pays(saving, tokens_to_come, behind, self.costs.catch_up_s)
+        margin = planner.CATCH_UP_MARGIN if rows > 1.5 else 1.0  # (rows: decayed, so not exactly 1 alone)
+        return planner.catch_up_pays(saving, tokens_to_come, behind, self.costs.catch_up_s, margin)
 
     def sequence_joined(self) -> None:
         """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""

@@ -35,7 +35,12 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterable, Protocol, Sequence
 
-CATCH_UP_MARGIN = 2.0  # how many times over a lagging draft's filling must be repaid (catch_up_pays)
+# How many times over a lagging draft's filling must be repaid in a batch (catch_up_pays): the reading's cost is sure,
+# the saving a prediction, and a filled draft in a batch drafts only once its batch-mates' are filled too (at 2
+# requests on the quant backend, fillings priced to repay 1.2 times over cost 5% of the run and enabled 14 drafting
+# steps of 581). A sequence alone drafts as soon as its own is filled: there, once (a margin of 2 kept one request in
+# three of `draft-tree` from drafting at all, at 0.89x off).
+CATCH_UP_MARGIN = 2.0
 
 
 class Prices(Protocol):
@@ -156,15 +161,13 @@ def saving_per_token(plain_rate: float, rate: float) -> float:
     return max(0.0, 1.0 / plain_rate - 1.0 / rate) if plain_rate > 0 and rate > 0 else 0.0
 
 
-def catch_up_pays(saving: float, tokens_to_come: float, behind: int, catch_up_s: float) -> bool:
+def catch_up_pays(saving: float, tokens_to_come: float, behind: int, catch_up_s: float, margin: float = 1.0) -> bool:
     """Whether filling a draft `behind` tokens behind its text, at catch_up_s seconds a token, is repaid by drafting
     for the tokens its sequence has still to come, each `saving` seconds (saving_per_token) cheaper. A draft model
     reads a new request's whole prompt before it drafts: for a short answer to a long prompt in a batch, where
-    drafting saves little a token, that reading costs more than the drafting it enables saves. Repaid CATCH_UP_MARGIN
-    times over: the reading's cost is sure, the saving a prediction (a newcomer's rate is its kind's prior, and a
-    filled draft in a batch drafts only once its batch-mates' are filled too); at 2 requests on the quant backend,
-    fillings priced to repay 1.2 times over cost 5% of the run and enabled 14 drafting steps of 581."""
-    return saving * tokens_to_come > CATCH_UP_MARGIN * catch_up_s * behind
+    drafting saves little a token, that reading costs more than the drafting it enables saves. Repaid `margin`
+    times over (DraftLengthPolicy: CATCH_UP_MARGIN in a batch)."""
+    return saving * tokens_to_come > margin * catch_up_s * behind
 
 
 def break_even_chance(prices: Prices, rows: int) -> float:

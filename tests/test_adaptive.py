@@ -909,3 +909,15 @@ def test_the_engine_times_a_steps_overhead_apart_from_drafting_and_the_pass():
     costs = eng.draft_policy.costs
     assert costs.overhead(1, True) > 0 or costs.overhead(1, False) > 0
     assert costs.overhead(1, True) < 0.5  # (seconds: a step's bookkeeping, not its forwards)
+
+
+def test_a_batch_fills_a_lagging_draft_where_it_repays_twice_a_sequence_alone_where_it_repays_once():
+    """Alone, a filled draft drafts at once; in a batch only once its batch-mates' are filled too, on a predicted
+    saving (the margin, planner.CATCH_UP_MARGIN)."""
+    policy = DraftLengthPolicy()
+    policy.costs.catch_up_s = 0.0025  # 300 tokens behind: 0.75 s of reading
+    saving = planner.saving_per_token(30.0, 33.0)  # 3 ms a token
+    policy._savings = {1: saving, 2: saving}
+    assert policy.catch_up_pays(300, 300, rows=1)  # 0.91 s saved
+    assert not policy.catch_up_pays(300, 300, rows=2)
+    assert policy.catch_up_pays(300, 600, rows=2)  # 1.82 s saved
