@@ -22,8 +22,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # What people touch: the commands and their shared options, the HTTP API, the bench and the load driver, and
     # training (apart from the inference path: the rule below keeps the others from importing it).
     ("commands", ("draftwise.bench", "draftwise.serve", "draftwise.train", "draftwise.options")),
-    # The loop that batches many sequences, with what it keeps per request (the guard, the proposal log).
-    ("scheduler", ("draftwise.serve.scheduler", "draftwise.serve.guard", "draftwise.serve.proposal_log")),
+    # The loop that batches many sequences, with what it keeps per request (the guard, the proposal log, the
+    # captured features).
+    ("scheduler", ("draftwise.serve.scheduler", "draftwise.serve.guard", "draftwise.serve.proposal_log",
+                   "draftwise.serve.feature_capture")),
     ("public API", ("draftwise",)),  # Engine, Result, DraftwiseError (Engine imported lazily)
     # The round for a batch of sequences, the state it keeps per sequence and the draft-length policy.
     ("engine", ("draftwise.engine", "draftwise.sequence", "draftwise.adaptive")),
