@@ -691,9 +691,10 @@ class Engine:
         if path != list(range(kept)):
             seq.target.keep(base + 1, [base + 1 + node for node in path])  # a tree's path, into place
         seq.target.trim(base + 1 + kept if verdict else base)
-        if verdict is not None and features is not None:
+        reads = _reads_features(seq.proposer)
+        if verdict is not None and features is not None and (reads or sink is not None):
             kept_features = features[[0, *(1 + node for node in path)]]  # [kept + 1, H]
-            if _reads_features(seq.proposer):
+            if reads:
                 seq.proposer.add_features(base, kept_features)
             if sink is not None:
                 sink(seq, base, kept_features)

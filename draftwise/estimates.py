@@ -244,9 +244,9 @@ class StepCosts:
         where a pass of more rows would overprice a wide one of few. Fresh ones only: a stale shape is priced as the
         fresh imply (Timings), which this is part of."""
         table, plain = self._positions(rows)
-        positions, most = rows * n, max(table, default=0)
         if not table:
             return 0.0
+        positions, most = rows * n, max(table)
         if positions <= most:
             return interpolate(table, positions)
         if len(plain) < 2:

@@ -102,7 +102,7 @@ def test_a_finished_request_is_written_whole_private_and_within_budget(tmp_path)
     for _ in range(3):
         seq = batched(eng, PROMPTS[:1])[0]
         small.observe(seq, 0, torch.zeros(len(seq.context) - 1, 64))
-        small.finish(seq, "req-x")
+        small.finish(seq, "req-x", seq.finish)
     small.close()
     assert len(captured_files(tmp_path / "small")) == 1 and small.written == 3
 
@@ -114,7 +114,7 @@ def test_a_request_missing_its_first_positions_is_not_captured(tmp_path):
     eng = engine("draft", sink=capture.observe)
     eng.enable_prompt_cache(16 << 20)
     first, again = batched(eng, PROMPTS[:1]), batched(eng, PROMPTS[:1])
-    capture.finish(first[0], "req-a"), capture.finish(again[0], "req-b")
+    capture.finish(first[0], "req-a", "length"), capture.finish(again[0], "req-b", "length")
     capture.close()
     assert again[0].stats.prompt_cached > 0
     assert capture.written == 1 and capture.incomplete == 1
@@ -127,7 +127,7 @@ def test_a_full_queue_drops_the_request_not_the_server(tmp_path):
     capture._queue = queue.Queue(1)
     capture._queue.put("a request the writer has not reached")  # the writer far behind
     capture.observe(seq, 0, torch.zeros(len(seq.context) - 1, 64))
-    capture.finish(seq, "req-a")  # returns at once
+    capture.finish(seq, "req-a", "length")  # returns at once
     assert capture.dropped == 1 and capture.written == 0
     writers.put(None)  # (the writer's own queue: it stops)
 
@@ -139,7 +139,7 @@ def test_a_head_trains_from_captured_requests_alone_and_holds_out_the_latest(tmp
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
     for prompt in prompts:
         seq = batched(eng, [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True))[0]
-        capture.finish(seq, f"req-{prompt[:4]}")
+        capture.finish(seq, f"req-{prompt[:4]}", seq.finish)
     capture.close()
     files = captured_files(folder)
     assert len(files) == len(prompts)
@@ -175,3 +175,13 @@ def test_a_backend_without_hidden_states_refuses_capture():
 
     with pytest.raises(DraftwiseError, match="--capture-features needs the target's hidden states"):
         _feature_capture(Namespace(capture_features="/tmp/x", capture_features_mb=1.0), Eng())
+
+
+def test_an_answer_that_ends_at_its_eos_is_kept_one_cut_short_is_not(tmp_path):
+    capture = FeatureCapture(tmp_path / "c", max_bytes=1 << 30)
+    eng = engine("draft", sink=capture.observe)
+    for reason in ("eos", "stop", "content_filter", "error", "cancelled"):
+        seq = batched(eng, PROMPTS[:1])[0]
+        capture.finish(seq, f"req-{reason}", reason)
+    capture.close()
+    assert capture.written == 2 and not capture._parts

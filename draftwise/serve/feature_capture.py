@@ -37,6 +37,7 @@ from draftwise.files import write_whole
 
 DEFAULT_QUEUE = 64  # requests waiting for the writer
 PREFIX = "capture-"
+ANSWERED = ("eos", "stop", "length")  # the finish reasons of a whole answer (types.Event)
 
 
 class FeatureCapture:
@@ -64,10 +65,11 @@ class FeatureCapture:
         """features [n, H]: the target's last hidden state at positions start .. start + n - 1 of seq's text."""
         self._parts.setdefault(seq, []).append((start, features.detach().to("cpu", copy=True)))
 
-    def finish(self, seq, request_id: str) -> None:
-        """The request has ended: its contiguous positions from the first, queued for the writer (or counted)."""
+    def finish(self, seq, request_id: str, finish_reason: str | None) -> None:
+        """The request has ended: if with its answer (ANSWERED), its contiguous positions from the first, queued for
+        the writer (or counted); an answer cut short (an error, a cancel, the guard) is not kept."""
         parts = self._parts.pop(seq, None)
-        if not parts:
+        if not parts or finish_reason not in ANSWERED:
             return
         features = _contiguous(parts)
         if features is None:
@@ -84,10 +86,6 @@ class FeatureCapture:
             self._queue.put_nowait((record, meta))
         except queue.Full:
             self.dropped += 1
-
-    def forget(self, seq) -> None:
-        """A request that ended without an answer worth keeping (failed, cancelled): nothing of it is written."""
-        self._parts.pop(seq, None)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to timeout_s), then stop the writer."""

@@ -316,11 +316,8 @@ class Scheduler:
                 # baseline the other arms are compared with (`draftwise log stats`).
                 if self.proposal_log is not None and (ticket.seq.method != "none" or ticket.arm):
                     self._log_request(ticket, event)
-                if self.feature_capture is not None:  # (an answer cut short by an error or a cancel: not kept)
-                    if event.finish_reason in ("stop", "length"):
-                        self.feature_capture.finish(ticket.seq, ticket.request_id)
-                    else:
-                        self.feature_capture.forget(ticket.seq)
+                if self.feature_capture is not None:
+                    self.feature_capture.finish(ticket.seq, ticket.request_id, event.finish_reason)
                 if self.request_observer is not None:
                     self.request_observer(ticket.arm, ticket.seq.stats, event.finish_reason)
         except Exception:  # the request is answered either way; a failed clean-up must not stop the loop

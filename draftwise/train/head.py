@@ -102,11 +102,11 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     out.mkdir(parents=True, exist_ok=True)
     _claim(out, target_fingerprint(target_model))
     from_corpus = pieces is None and captured is None
-    torch.manual_seed(cfg.seed)
     folder = "features" + "".join(f"-{layer}" for layer in cfg.feature_layers)
     if captured is not None:
         if cfg.feature_layers:
             raise ValueError("a captured request holds the last hidden state alone: no --feature-layers")
+        torch.manual_seed(cfg.seed)  # (_collected seeds after its kernel plan)
         # (earliest first, as the files are named; a head learns from a sequence's third position on)
         shards, data = captured, [s for s in load_shards(captured) if len(s["ids"]) >= 3]
         held = _held_out_latest(len(data))
