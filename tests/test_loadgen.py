@@ -174,6 +174,11 @@ def test_urls_and_request_bodies():
     assert "speculation" not in request_body("m", plain, "on")
     assert request_body("m", plain, "always")["speculation"] == {"adaptive": False}
     assert request_body("m", plan, "always", "lookup")["speculation"] == {"method": "lookup", "adaptive": False}
+    # METHOD:DRAFT drafts with a version loaded beside the server's own draft; off stays the target alone.
+    versions = plan_from_args(_args("--url", "http://h:1", "--methods", "hybrid,hybrid:d@v1", "--per-category", "1"))
+    assert versions.methods == ("hybrid", "hybrid:d@v1")
+    assert request_body("m", versions, "on", "hybrid:d@v1")["speculation"] == {"method": "hybrid", "draft": "d@v1"}
+    assert request_body("m", versions, "off", "hybrid:d@v1")["speculation"] == {"method": "none"}
     # Every level sends the same requests: one per prompt, at least the largest concurrency.
     assert [plain.count(c) for c in (1, 2, 4, 8)] == [max(len(plain.prompts), 8)] * 4
     fixed = plan_from_args(_args("--url", "http://h:1", "--requests", "3", "--per-category", "1"))
@@ -183,7 +188,8 @@ def test_urls_and_request_bodies():
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--speculation", "on,maybe"], "--speculation"), (["--requests", "0"], "--requests"),
-    (["--repeats", "0"], "--repeats"), (["--methods", " , "], "--methods"),
+    (["--repeats", "0"], "--repeats"), (["--methods", " , "], "--methods"), (["--methods", "draft:"], "--methods"),
+    (["--methods", ":d@v1"], "--methods"),
     (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"), (["--timeout", "inf"], "--timeout"),
     (["--categories", "nope"], "unknown category"),
 ])

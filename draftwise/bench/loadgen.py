@@ -182,6 +182,13 @@ async def first_model(http, url: str) -> str:
         raise DraftwiseError(f"GET {url}/v1/models did not list a model; give one with --model") from None
 
 
+def method_speculation(method: str) -> dict:
+    """'hybrid' -> {"method": "hybrid"}; 'hybrid:NAME@v1' -> the same method drafting with NAME@v1, a draft version
+    loaded beside the server's own (a trial's candidate), so that two drafts compare in one server, interleaved."""
+    name, _, draft = method.partition(":")
+    return {"method": name, "draft": draft} if draft else {"method": name}
+
+
 def request_body(model: str, plan: LoadPlan, mode: str, method: str | None = None) -> dict:
     """The body shared by a cell's requests (method: what mode on or always asks for; None, the server's own); the
     prompt goes in per request."""
@@ -190,7 +197,7 @@ def request_body(model: str, plan: LoadPlan, mode: str, method: str | None = Non
     if mode == OFF:
         body["speculation"] = {"method": "none"}
         return body
-    speculation = {"method": method} if method else {}
+    speculation = method_speculation(method) if method else {}
     if mode == "always":
         speculation["adaptive"] = False
     if speculation:

@@ -77,7 +77,8 @@ def add_loadgen(commands, formatter) -> None:
     work.add_argument("--methods", "--method", dest="methods", metavar="NAME,...",
                       help="in modes on and always, ask for each of these speculation methods in turn, "
                            "comma-separated (default: the server's own); the server must offer them (the warm-up "
-                           "of one it lacks stops the run with the list it offers)")
+                           "of one it lacks stops the run with the list it offers). METHOD:DRAFT drafts with a "
+                           "version loaded beside the server's draft (a trial's), e.g. hybrid,hybrid:NAME@v1")
     work.add_argument("--repeats", type=int, default=1, metavar="N",
                       help="run every level's cells N times, interleaved (default: %(default)s)")
     work.add_argument("--requests", type=int, metavar="N",
@@ -112,8 +113,10 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     if not modes or any(m not in MODES for m in modes):
         raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}; got {args.speculation!r}")
     methods = tuple(dict.fromkeys(m.strip() for m in (args.methods or "").split(",") if m.strip())) or (None,)
-    if args.methods is not None and methods == (None,):
-        raise DraftwiseError(f"--methods takes a comma list of method names, got {args.methods!r}")
+    halves = [m.partition(":")[::2] for m in methods if m and ":" in m]  # METHOD:DRAFT, both named
+    if (args.methods is not None and methods == (None,)) or not all(all(halves_) for halves_ in halves):
+        raise DraftwiseError(f"--methods takes a comma list of method names, each optionally METHOD:DRAFT, got "
+                             f"{args.methods!r}")
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
     return LoadPlan(
         url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
