@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean llama-server
+.PHONY: install demo test clean llama-server loop
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ $(STAMP): pyproject.toml
 # (or bfloat16) runs the transformers backend in that dtype.
 demo: install
 	$(PY) scripts/demo.py $(if $(DTYPE),--backend hf --dtype $(DTYPE))
+
+# The closed loop on a simulated service (scripts/closed_loop.py): serve with a proposal log, play the earlier
+# traffic, distill a draft version, put it on trial without a restart, measure both drafts on the later traffic and
+# play it until the trial decides. Its work folder: loop-run (WORK=DIR to choose). About an hour and a half on 2 cores.
+loop: install
+	$(PY) scripts/closed_loop.py $(if $(WORK),--work $(WORK))
 
 # llama.cpp's llama-server, for the bench's lcpp-* peers: built once from the llama.cpp that llama-cpp-python
 # vendors (pinned in the script) into $DRAFTWISE_HOME/llama.cpp/<version>/bin; SDIST=file.tar.gz skips the download.
