@@ -16,7 +16,7 @@ from draftwise.bench.loadgen import (
     summarise, take_chunk, throttle_table,
 )
 from draftwise.bench.interleave import order_for_repeat
-from draftwise.bench.loadgen_command import add_loadgen, plan_from_args
+from draftwise.bench.loadgen_command import add_loadgen, plan_from_args, without_secrets
 
 # -- the summary math -----------------------------------------------------------------------------------
 
@@ -183,6 +183,13 @@ def test_urls_and_request_bodies():
     assert [plain.count(c) for c in (1, 2, 4, 8)] == [max(len(plain.prompts), 8)] * 4
     fixed = plan_from_args(_args("--url", "http://h:1", "--requests", "3", "--per-category", "1"))
     assert [fixed.count(c) for c in (1, 2, 4, 8)] == [3, 3, 4, 8]  # never below the concurrency
+
+
+def test_the_report_keeps_the_command_without_the_api_key():
+    argv = ["--url", "http://h:1", "--api-key", "s3cret", "--api-key=0ther", "--max-tokens", "8"]
+    kept = " ".join(without_secrets(argv))
+    assert "s3cret" not in kept and "0ther" not in kept and "--max-tokens 8" in kept and "--api-key" in kept
+    assert "s3cret" in " ".join(argv)  # (the control: it was there to hide)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -126,6 +126,19 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     )
 
 
+def without_secrets(argv: list[str]) -> list[str]:
+    """argv as the report keeps it: an --api-key's value is a secret, and reports are shared (the variable that
+    holds it is named instead)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if i and argv[i - 1] == "--api-key":
+            arg = f"${API_KEY_ENV}"
+        elif arg.startswith("--api-key="):
+            arg = f"--api-key=${API_KEY_ENV}"
+        out.append(arg)
+    return out
+
+
 def _int_list(text: str, name: str) -> tuple[int, ...]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -153,7 +166,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
         rows = summarise(records)
         if records:
             write_results(out, plan, records, rows,
-                          command="draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+                          command="draftwise " + " ".join(shlex.quote(a) for a in without_secrets(sys.argv[1:])))
             print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
                   file=sys.stderr)
     verdicts = throttle_table(rows)
