@@ -89,18 +89,23 @@ class Loop:
         distilled = json.loads(cli("distill", self.log, "--draft", DRAFT, "--target", TARGET, "--json",
                                    capture=True).strip().splitlines()[-1])
         version = distilled["version"]
+        report = self.keep({"target": TARGET, "draft": DRAFT, "version": version, "backend": a.backend,
+                            "distill": {k: distilled[k] for k in ("agreement_before", "agreement_after",
+                                                                  "held_out_tokens", "steps", "train_s",
+                                                                  "trained_on", "held_out", "recipe")}})
         step(f"5/6 {version} on trial beside {DRAFT}; both measured on the later traffic, interleaved")
         self.put_on_trial(version)
         later_from = time.time()
-        measured = self.measure(version)
-        agreement = self.later_agreement(version, later_from)
+        self.keep(report, measured=self.measure(version))
+        self.keep(report, later_agreement=self.later_agreement(version, later_from))
         step("6/6 the later traffic, left to the server, until the trial decides")
-        trial = self.until_decided()
-        return {"target": TARGET, "draft": DRAFT, "version": version, "backend": a.backend,
-                "distill": {k: distilled[k] for k in ("agreement_before", "agreement_after", "held_out_tokens",
-                                                      "steps", "train_s", "trained_on", "held_out", "recipe")},
-                "later_agreement": agreement, "measured": measured, "trial": trial,
-                "minutes": round((time.time() - self.started) / 60, 1)}
+        return self.keep(report, trial=self.until_decided(), minutes=round((time.time() - self.started) / 60, 1))
+
+    def keep(self, report: dict, **results) -> dict:
+        """report with results added, written to WORK/partial.json: a run stopped part way keeps what it measured."""
+        report.update(results)
+        (self.work / "partial.json").write_text(json.dumps(report, indent=1))
+        return report
 
     @property
     def log(self) -> Path:
