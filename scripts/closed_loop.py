@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -226,8 +227,7 @@ def decode_rates(requests: list[dict]) -> dict[str, dict]:
     out = {}
     for method, repeats in runs.items():
         rates = sorted(tokens / seconds for tokens, seconds in repeats.values())
-        out[method] = {"decode_tokens_per_s": rates[len(rates) // 2] if len(rates) % 2 else
-                       (rates[len(rates) // 2 - 1] + rates[len(rates) // 2]) / 2, "decode_runs": rates}
+        out[method] = {"decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
     return out
 
 

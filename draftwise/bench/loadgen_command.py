@@ -113,8 +113,8 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     if not modes or any(m not in MODES for m in modes):
         raise DraftwiseError(f"--speculation takes a comma list of: {', '.join(MODES)}; got {args.speculation!r}")
     methods = tuple(dict.fromkeys(m.strip() for m in (args.methods or "").split(",") if m.strip())) or (None,)
-    halves = [m.partition(":")[::2] for m in methods if m and ":" in m]  # METHOD:DRAFT, both named
-    if (args.methods is not None and methods == (None,)) or not all(all(halves_) for halves_ in halves):
+    unnamed = [m for m in methods if m and ":" in m and not all(m.partition(":")[::2])]  # METHOD:DRAFT, both named
+    if (args.methods is not None and methods == (None,)) or unnamed:
         raise DraftwiseError(f"--methods takes a comma list of method names, each optionally METHOD:DRAFT, got "
                              f"{args.methods!r}")
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
