@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	# ray: serve --replicas (an optional extra; its tests run here).
 	# --backend llamacpp: llama-cpp-python compiles llama.cpp for this CPU (about 6 minutes on 2 idle cores, once;
 	# pip keeps the built wheel). No curl: nothing is ever downloaded at run time.
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-		$(PY) -m pip install -q -e '.[test,llamacpp]'
+		$(PY) -m pip install -q -e '.[test,llamacpp,ray]'
 	touch $(STAMP)
 
 # Pulls the Qwen2.5-Coder 1.5B target and 0.5B draft on first use (about 5 minutes), then streams a

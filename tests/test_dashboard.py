@@ -88,7 +88,7 @@ def wait_for_samples_after(url: str, moment: float, seconds: float = 10.0) -> di
 # -- the history -----------------------------------------------------------------------------------------
 def test_a_point_holds_rates_and_means_of_what_happened_between_two_readings():
     metrics = ServeMetrics()
-    history = MetricsHistory(metrics, interval_s=1.0)
+    history = MetricsHistory(metrics.registry, interval_s=1.0)
     history.sample()
     assert not history.points  # one reading is no interval yet
     metrics.observe_emitted(30)
@@ -112,7 +112,7 @@ def test_a_point_holds_rates_and_means_of_what_happened_between_two_readings():
 
 
 def test_the_history_keeps_only_its_last_points():
-    history = MetricsHistory(ServeMetrics(), interval_s=1.0, maxlen=3)
+    history = MetricsHistory(ServeMetrics().registry, interval_s=1.0, maxlen=3)
     for _ in range(10):
         history.sample()
     assert len(history.series()["t"]) == 3

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -125,6 +126,25 @@ def add_serve(commands, formatter) -> None:
                         "it off (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default: 30)")
+    d = p.add_argument_group("replicas (on Ray Serve: pip install 'draftwise[ray]')")
+    d.add_argument("--replicas", type=int, metavar="N",
+                   help="serve N replicas behind one endpoint, each one engine with its own batching scheduler, on "
+                        "a Ray cluster: a local one, or --ray-address's. Requests go to the replica whose prompt "
+                        "cache holds the longest prefix of them unless it is much busier (--routing). Without it, "
+                        "one process serves and Ray is not imported")
+    d.add_argument("--max-replicas", type=int, metavar="M",
+                   help="autoscale between --replicas and M replicas on the requests in flight per replica "
+                        "(default: a fixed --replicas)")
+    d.add_argument("--target-ongoing-requests", type=float, default=4.0, metavar="R",
+                   help="the requests in flight per replica that autoscaling aims at (default: %(default)s)")
+    d.add_argument("--threads-per-replica", type=int, metavar="T",
+                   help="CPU threads (and Ray CPUs) each replica takes (default: this machine's cores / --replicas)")
+    d.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",
+                   help="prefix: the replica whose prompt cache is warm for the request, unless much busier; "
+                        "pow2: the less busy of two random replicas, Ray's default (default: %(default)s)")
+    d.add_argument("--ray-address", metavar="ADDRESS",
+                   help="join this Ray cluster ('auto': the one started on this machine by `ray start`) instead of "
+                        "starting a local one")
     p.set_defaults(func=cmd_serve)
 
 
@@ -171,7 +191,34 @@ def _feature_capture(args: argparse.Namespace, engine):
     return FeatureCapture(args.capture_features, int(args.capture_features_mb * 2**20))
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+@dataclass
+class Served:
+    """One server's parts, built from `draftwise serve`'s options: the single process's, or one replica's."""
+    engine: object
+    scheduler: object
+    app: object
+    model_id: str
+    log: object = None  # the proposal log, closed after the model loop ends
+    capture: object = None  # the --capture-features writer, likewise
+    experiment: object = None
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        if self.capture is not None:
+            self.capture.close()
+
+
+def check_serve_options(args: argparse.Namespace) -> dict:
+    """Every option checked before anything is opened or loaded; the requests' speculation defaults."""
+    speculation = request_defaults(args)
+    _check_limits(args)
+    return speculation
+
+
+def build_server(args: argparse.Namespace) -> Served:
+    """Load the models and put the scheduler and the HTTP app around them. Call it on the thread that will run
+    the model loop (scheduler.run): that thread's OpenMP team is the one the models' kernels use."""
     from draftwise import Engine
     from draftwise.serve.app import create_app
     from draftwise.serve.experiment import Experiment
@@ -180,8 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from draftwise.serve.proposal_log import ProposalLog
     from draftwise.serve.scheduler import Scheduler
 
-    speculation = request_defaults(args)  # (checked here, before anything else is opened or loaded)
-    _check_limits(args)  # (before the guard, arms and log files are opened or made)
+    speculation = check_serve_options(args)
     draft = None if args.draft in (None, "none") else args.draft
     # A bad guard, arms file or log path fails here, before the models load.
     guard = load_guard(args.guard, args.block_regex, args.guard_window)
@@ -204,7 +250,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           guard=guard, feature_capture=capture)
     model_id = args.model_id or args.target
     rollouts = None
-    if engine.draft_maker is not None and experiment is None:  # (a draft that another could be tried beside)
+    if engine.draft_maker is not None and experiment is None and not getattr(args, "replicas", None):
+        # (a draft that another could be tried beside; a trial across replicas would need one judge for all)
         from draftwise.loading import draft_version_loader
         from draftwise.models import check_resolves
         from draftwise.serve.rollout import Rollouts
@@ -212,11 +259,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rollouts = Rollouts(engine, draft_version_loader(engine, args.device), check=check_resolves)
     app = create_app(scheduler, model_id, metrics, args.api_key, speculation, args.drain_timeout, experiment,
                      trust_request_special_tokens=args.trust_request_special_tokens, rollouts=rollouts)
-    print(f"draftwise: serving {model_id} ({engine.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    if experiment is not None:
-        print(f"draftwise: experiment {args.experiment}: {experiment.describe()}", file=sys.stderr)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), scheduler,
-                            args.drain_timeout)
+    return Served(engine, scheduler, app, model_id, log, capture, experiment)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from draftwise.serve.replicas import serve_replicas
+
+        return serve_replicas(args)
+    served = build_server(args)
+    scheduler = served.scheduler
+    print(f"draftwise: serving {served.model_id} ({served.engine.method}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    if served.experiment is not None:
+        print(f"draftwise: experiment {args.experiment}: {served.experiment.describe()}", file=sys.stderr)
+    server = DrainingServer(uvicorn.Config(served.app, host=args.host, port=args.port, log_level="warning"),
+                            scheduler, args.drain_timeout)
     # The model loop runs here, on the thread that loaded the models, and HTTP on another: every thread that runs
     # torch gets its own OpenMP team, and two teams contending for the same few cores slow every forward.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,10 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
         http.join(timeout=10)
-        if log is not None:
-            log.close()
-        if capture is not None:
-            capture.close()
+        served.close()
     return 0 if server.started else 1
 
 

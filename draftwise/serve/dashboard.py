@@ -85,10 +85,12 @@ def point(prev: Reading, cur: Reading) -> dict:
 class MetricsHistory:
     """The last `maxlen` intervals of the server's metrics, one point per interval_s seconds."""
 
-    def __init__(self, metrics: ServeMetrics, interval_s: float = DEFAULT_INTERVAL_S, maxlen: int = HISTORY_POINTS):
+    def __init__(self, registry: CollectorRegistry, interval_s: float = DEFAULT_INTERVAL_S,
+                 maxlen: int = HISTORY_POINTS):
+        """registry: a server's (ServeMetrics.registry), or the merged metrics of many replicas (replicas.py)."""
         if interval_s <= 0:
             raise ValueError(f"the dashboard's sampling interval must be > 0 seconds, got {interval_s}")
-        self.registry = metrics.registry
+        self.registry = registry
         self.interval_s = interval_s
         self.points: deque[dict] = deque(maxlen=maxlen)
         self._last: Reading | None = None
@@ -133,7 +135,7 @@ def add_dashboard(app: FastAPI, api: APIRouter, metrics: ServeMetrics,
     """Add GET /dashboard (the page), /dashboard/static/NAME (uPlot) and /dashboard/data (the numbers, on `api`,
     behind its key check; add before app.include_router(api)). Run the returned history's sampling() for as long
     as the server runs. drafts: () -> the draft in front and its trials (rollout.Rollouts.summary), if any."""
-    history = MetricsHistory(metrics, interval_s)
+    history = MetricsHistory(metrics.registry, interval_s)
     static = resources.files("draftwise.serve") / "static"
     page = (static / "dashboard.html").read_text(encoding="utf-8")
     files = {name: ((static / name).read_bytes(), kind) for name, kind in STATIC.items()}
@@ -154,7 +156,12 @@ def add_dashboard(app: FastAPI, api: APIRouter, metrics: ServeMetrics,
 
     @api.get("/dashboard/data")
     async def data():
-        return {"interval_s": history.interval_s, "series": history.series(), "acceptance": history.acceptance(),
-                "drafts": None if drafts is None else drafts()}
+        return dashboard_data(history, drafts)
 
     return history
+
+
+def dashboard_data(history: MetricsHistory, drafts=None) -> dict:
+    """The body of /dashboard/data."""
+    return {"interval_s": history.interval_s, "series": history.series(), "acceptance": history.acceptance(),
+            "drafts": None if drafts is None else drafts()}
