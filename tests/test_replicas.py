@@ -107,6 +107,19 @@ def test_replicas_give_the_single_servers_greedy_texts_streamed_or_whole(cluster
     assert all(replica for _, _, replica in got)  # (every answer names its replica)
 
 
+def test_replicas_answer_errors_as_the_single_server_does(cluster, single):
+    import httpx
+
+    for path, body in [("/v1/chat/completions", {"model": NAME, "messages": []}),
+                       ("/v1/completions", {"model": "nope", "prompt": "x"}), ("/nowhere", None)]:
+        one = httpx.post(single + path, json=body, timeout=30) if body else httpx.get(single + path, timeout=30)
+        many = httpx.post(cluster["url"] + path, json=body, timeout=30) if body else \
+            httpx.get(cluster["url"] + path, timeout=30)
+        assert (many.status_code, many.json()) == (one.status_code, one.json())
+    trial = httpx.post(cluster["url"] + "/admin/drafts", json={"draft": "x@v1"}, timeout=30)
+    assert trial.status_code == 404 and "single-process" in trial.json()["error"]["message"]
+
+
 def test_a_chats_next_turn_goes_to_the_replica_that_served_its_first(cluster):
     client = _client(cluster["url"])
     for prompt in PROMPTS:

@@ -143,10 +143,11 @@ class DraftwiseReplica:
 
 
 # -- routing ---------------------------------------------------------------------------------------------------
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+class PrefixAffinityRouter(RequestRouter):
     """The replica that was sent the longest prefix of a request's text first, unless it has `imbalance` more
     requests in flight than the least busy; then, or with no prefix known, two random replicas (Ray probes both
-    and takes the less busy)."""
+    and takes the less busy). Not first-in-first-out (FIFOMixin): that hands the replica chosen for one request
+    to whichever request waits longest, and a chat's next turn would land where another's cache is."""
 
     def initialize_state(self, imbalance: int = 4, max_blocks: int = 200_000):
         self.imbalance = imbalance
@@ -215,6 +216,11 @@ class Ingress:
             await asyncio.sleep(self.history.interval_s)
 
     async def __call__(self, request: Request) -> Response:
+        if request.url.path.startswith("/admin/drafts"):  # (each replica would judge its own trial)
+            return JSONResponse({"error": {
+                "message": "draft trials (POST /admin/drafts) run on a single-process server; a server with "
+                           "--replicas has none", "type": "invalid_request_error", "param": None,
+                "code": "no_rollouts"}}, status_code=404)
         call = HTTPCall(request.method, request.url.path, request.url.query.encode(), list(request.headers.raw),
                         await _bounded_body(request))
         for attempt in range(self.retries + 1):
