@@ -3,7 +3,11 @@ client. Greedy texts as a single-process server's; a chat's next turn on the rep
 proposal log for all; a replica killed under load loses no request silently, and Ray brings it back."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,24 +42,40 @@ def _args(*extra: str):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ray import serve
-
-    from draftwise.serve.replicas import APP_NAME, NAMESPACE, build_app, check_replica_options, start_board
-
-    log = tmp_path_factory.mktemp("replicas") / "proposals.sqlite"
-    args = _args("--replicas", "2", "--threads-per-replica", "1", "--proposal-log", str(log))
-    check_replica_options(args)
-    port = _free_port()
-    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             object_store_memory=96 * 2**20)
+    """`draftwise serve --replicas 2` as a user runs it: its own local Ray cluster, on 127.0.0.1."""
+    folder = tmp_path_factory.mktemp("replicas")
+    log, port = folder / "proposals.sqlite", _free_port()
+    command = [sys.executable, "-m", "draftwise", "serve", "--target", NAME, "--draft", "none", "--method", "lookup",
+               "--prompt-cache-mb", "64", "--drain-timeout", "20", "--replicas", "2", "--threads-per-replica", "1",
+               "--proposal-log", str(log), "--port", str(port)]
+    with open(folder / "serve.log", "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        board = start_board()
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
-        yield {"url": f"http://127.0.0.1:{port}", "log": log, "board": board}
+        deadline = time.monotonic() + 240
+        while not _healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, \
+                f"serve --replicas did not come up:\n{(folder / 'serve.log').read_text()[-3000:]}"
+            time.sleep(1)
+        yield {"url": url, "log": log, "server": server}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +184,8 @@ def _logged_requests(path) -> int:
 
 
 def _replica_actors() -> list:
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace="draftwise", log_to_driver=False)  # the server's cluster
     return [a for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith("SERVE_REPLICA::draftwise#DraftwiseReplica")]
 
@@ -171,6 +193,7 @@ def _replica_actors() -> list:
 def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cluster, single):
     from ray import serve
 
+    _replica_actors()  # (connects to the server's Ray cluster)
     expected = {p: _chat(_client(single), _user(p), tokens=64)[:2] for p in PROMPTS}
     client = _client(cluster["url"])
     # The replica that has the shared system prompt cached: prefix routing sends it most of the load below.
@@ -222,3 +245,19 @@ def test_bad_replica_options_are_refused_before_anything_starts(flags, message):
     with pytest.raises(DraftwiseError) as caught:
         check_replica_options(_args(*flags))
     assert message in str(caught.value)
+
+
+def test_sigterm_lets_a_running_stream_finish_then_stops_the_server(cluster):
+    """The last test: it stops the server."""
+    client, got = _client(cluster["url"]), {}
+
+    def stream():
+        got["reply"] = _chat(client, _user(PROMPTS[1]), stream=True, tokens=96)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        time.sleep(1.0)  # (under way)
+        cluster["server"].send_signal(signal.SIGTERM)
+        running.result(timeout=120)
+    assert got["reply"][1] in ("length", "stop") and got["reply"][0]
+    assert cluster["server"].wait(90) == 0

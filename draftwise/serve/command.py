@@ -264,9 +264,10 @@ def build_server(args: argparse.Namespace) -> Served:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
+        check_serve_options(args)  # (before Ray starts)
         from draftwise.serve.replicas import serve_replicas
 
-        return serve_replicas(args)
+        return serve_replicas(args, build_server)
     served = build_server(args)
     scheduler = served.scheduler
     print(f"draftwise: serving {served.model_id} ({served.engine.method}) on http://{args.host}:{args.port}/v1",

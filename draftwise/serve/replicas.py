@@ -17,7 +17,6 @@ Ray is imported only here, and only `--replicas` imports this module.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import json
@@ -80,16 +79,14 @@ class MetricsBoard:
 
 
 # -- one replica -----------------------------------------------------------------------------------------------
-def _model_loop(args: argparse.Namespace, ready: concurrent.futures.Future) -> None:
+def _model_loop(build, args, ready: concurrent.futures.Future) -> None:
     """Load the models and run the model loop, on this one thread: the OpenMP team that loads them is the one
     whose threads run every forward (a second team on the same cores slows each one; serve/command.py)."""
     import torch
 
-    from draftwise.serve.command import build_server
-
     try:
         torch.set_num_threads(args.threads_per_replica)
-        served = build_server(args)
+        served = build(args)
     except BaseException as err:  # noqa: BLE001 (the replica's constructor raises it)
         ready.set_exception(err)
         return
@@ -103,10 +100,11 @@ def _model_loop(args: argparse.Namespace, ready: concurrent.futures.Future) -> N
 class DraftwiseReplica:
     """One draftwise server: engine, scheduler and app; HTTP calls arrive from the ingress over Ray."""
 
-    async def __init__(self, args: argparse.Namespace):
+    async def __init__(self, build, args):
+        """build(args): the server's parts (serve/command.py's build_server), made on the model loop's thread."""
         self.name = serve.get_replica_context().replica_id.unique_id
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._model = threading.Thread(target=_model_loop, args=(args, ready), name="draftwise-model", daemon=True)
+        self._model = threading.Thread(target=_model_loop, args=(build, args, ready), name="draftwise-model", daemon=True)
         self._model.start()
         self.served = await asyncio.wrap_future(ready)
         self.app = self.served.app
@@ -159,7 +157,7 @@ class PrefixAffinityRouter(RequestRouter):
         two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         text = _text(pending_request)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        best, chars = self.index.longest(text, by_id) if text else (None, 0)
+        best, _ = self.index.longest(text, by_id) if text else (None, 0)
         if best is None:
             return [two]
         queue = self.replica_queue_len_cache
@@ -303,8 +301,9 @@ def _replica_lost(err: Exception) -> JSONResponse:
 
 
 # -- the application -------------------------------------------------------------------------------------------
-def build_app(args: argparse.Namespace):
-    """The Ray Serve application of `draftwise serve --replicas N` (args: serve's parsed options)."""
+def build_app(build, args):
+    """The Ray Serve application of `draftwise serve --replicas N`. args: serve's parsed options; build(args): one
+    server's parts (serve/command.py's build_server)."""
     low, high = args.replicas, args.max_replicas or args.replicas
     replica_options = dict(
         ray_actor_options={"num_cpus": args.threads_per_replica},
@@ -320,13 +319,13 @@ def build_app(args: argparse.Namespace):
             target_ongoing_requests=args.target_ongoing_requests)
     else:
         replica_options["num_replicas"] = low
-    replicas = serve.deployment(DraftwiseReplica, name="DraftwiseReplica", **replica_options).bind(args)
+    replicas = serve.deployment(DraftwiseReplica, name="DraftwiseReplica", **replica_options).bind(build, args)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
                                max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replicas)
 
 
-def check_replica_options(args: argparse.Namespace) -> None:
+def check_replica_options(args) -> None:
     if args.replicas < 1:
         raise DraftwiseError(f"--replicas must be >= 1, got {args.replicas}")
     if args.max_replicas is not None and args.max_replicas < args.replicas:
@@ -344,13 +343,10 @@ def start_board():
     return MetricsBoard.options(name=BOARD, namespace=NAMESPACE, get_if_exists=True).remote()
 
 
-def serve_replicas(args: argparse.Namespace) -> int:
+def serve_replicas(args, build) -> int:
     """Start (or join, with --ray-address) a Ray cluster, run the application on it until SIGTERM or Ctrl-C,
     then delete it: Ray lets each replica's requests finish, up to --drain-timeout."""
     from draftwise.models import resolve
-    from draftwise.serve.command import check_serve_options
-
-    check_serve_options(args)
     check_replica_options(args)
     for name in (args.target, args.draft):  # pulled once here, not by every replica at once
         if name not in (None, "none"):
@@ -365,7 +361,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         board = start_board()  # (held: an actor nobody refers to is collected)
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app(build, args), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"draftwise: serving {args.model_id or args.target} on {args.replicas} replica(s) "
               f"({args.routing} routing) at http://{args.host}:{args.port}/v1", file=sys.stderr)
         while not stop.wait(1):

@@ -28,6 +28,7 @@ import ray
 from ray import serve
 
 from draftwise.cli import build_parser
+from draftwise.serve.command import build_server
 from draftwise.serve.replicas import APP_NAME, NAMESPACE, build_app, check_replica_options, start_board
 
 REPO = Path(__file__).resolve().parents[3]
@@ -69,7 +70,7 @@ def one_round(args, routing: str, url: str, docs) -> dict:
         ["serve", "--target", args.target, "--draft", "none", "--method", args.method, "--replicas",
          str(args.replicas), "--routing", routing, "--prompt-cache-mb", "512"])
     check_replica_options(serve_args)
-    serve.run(build_app(serve_args), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(build_server, serve_args), name=APP_NAME, route_prefix="/", blocking=False)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     began = time.perf_counter()
     chats, rows, order = [Chat(name, text) for name, text in docs], [], random.Random(0)
