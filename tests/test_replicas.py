@@ -224,7 +224,8 @@ def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cl
     deadline = time.monotonic() + 120  # Ray replaces the lost replica
     while time.monotonic() < deadline:
         replicas = serve.status().applications["draftwise"].deployments["DraftwiseReplica"].replica_states
-        if replicas.get("RUNNING", 0) == 2 and victim_id not in {a["name"].rsplit("#", 1)[-1] for a in _replica_actors()}:
+        alive = {a["name"].rsplit("#", 1)[-1] for a in _replica_actors()}
+        if replicas.get("RUNNING", 0) == 2 and victim_id not in alive:
             break
         time.sleep(1)
     else:

@@ -45,6 +45,7 @@ try:
     from ray.exceptions import RayError
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
     from ray.serve.request_router import FIFOMixin, RequestRouter
+    from ray.serve.schema import LoggingConfig
 except ImportError as err:  # (the extra is not installed: say how to get it)
     raise DraftwiseError("--replicas runs the replicas on Ray Serve, which is not installed here: "
                          "pip install 'draftwise[ray]'") from err
@@ -104,7 +105,8 @@ class DraftwiseReplica:
         """build(args): the server's parts (serve/command.py's build_server), made on the model loop's thread."""
         self.name = serve.get_replica_context().replica_id.unique_id
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._model = threading.Thread(target=_model_loop, args=(build, args, ready), name="draftwise-model", daemon=True)
+        self._model = threading.Thread(target=_model_loop, args=(build, args, ready), name="draftwise-model",
+                                       daemon=True)
         self._model.start()
         self.served = await asyncio.wrap_future(ready)
         self.app = self.served.app
@@ -305,7 +307,9 @@ def build_app(build, args):
     """The Ray Serve application of `draftwise serve --replicas N`. args: serve's parsed options; build(args): one
     server's parts (serve/command.py's build_server)."""
     low, high = args.replicas, args.max_replicas or args.replicas
+    quiet = LoggingConfig(enable_access_log=False)  # (Ray logs a line per call: two per request)
     replica_options = dict(
+        logging_config=quiet,
         ray_actor_options={"num_cpus": args.threads_per_replica},
         max_ongoing_requests=args.max_batch * 2,  # a full batch and as many waiting; the rest wait in the router
         graceful_shutdown_timeout_s=args.drain_timeout,
@@ -321,7 +325,7 @@ def build_app(build, args):
         replica_options["num_replicas"] = low
     replicas = serve.deployment(DraftwiseReplica, name="DraftwiseReplica", **replica_options).bind(build, args)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
-                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=quiet)
     return ingress.bind(replicas)
 
 
