@@ -22,10 +22,6 @@ class HTTPCall:
     headers: list[tuple[bytes, bytes]]
     body: bytes
 
-    def header(self, name: str) -> str:
-        wanted = name.lower().encode()
-        return next((value.decode("latin-1") for key, value in self.headers if key.lower() == wanted), "")
-
 
 @dataclass(frozen=True)
 class ResponseStart:
@@ -34,7 +30,7 @@ class ResponseStart:
     headers: list[tuple[bytes, bytes]]
 
 
-async def run_call(app, call: HTTPCall, client: tuple[str, int] = ("127.0.0.1", 0)) -> AsyncIterator:
+async def run_call(app, call: HTTPCall) -> AsyncIterator:
     """Yield the app's ResponseStart, then each non-empty body chunk as it is sent. Closing the iterator early
     (the client left) tells the app its client disconnected, as uvicorn would, so the request's slot is freed."""
     sent: asyncio.Queue = asyncio.Queue()
@@ -54,7 +50,7 @@ async def run_call(app, call: HTTPCall, client: tuple[str, int] = ("127.0.0.1", 
 
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": call.method, "scheme": "http", "path": call.path, "raw_path": call.path.encode(),
-             "query_string": call.query, "root_path": "", "headers": call.headers, "client": client,
+             "query_string": call.query, "root_path": "", "headers": call.headers, "client": ("127.0.0.1", 0),
              "server": ("127.0.0.1", 0), "state": {}}
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))  # the app returned (or raised): nothing more comes

@@ -250,7 +250,7 @@ def build_server(args: argparse.Namespace) -> Served:
                           guard=guard, feature_capture=capture)
     model_id = args.model_id or args.target
     rollouts = None
-    if engine.draft_maker is not None and experiment is None and not getattr(args, "replicas", None):
+    if engine.draft_maker is not None and experiment is None and args.replicas is None:
         # (a draft that another could be tried beside; a trial across replicas would need one judge for all)
         from draftwise.loading import draft_version_loader
         from draftwise.models import check_resolves

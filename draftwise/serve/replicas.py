@@ -156,7 +156,7 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
-        two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        two = _two(candidate_replicas)
         text = _text(pending_request)
         by_id = {r.replica_id: r for r in candidate_replicas}
         best, _ = self.index.longest(text, by_id) if text else (None, 0)
@@ -182,7 +182,12 @@ class PowerOfTwoRouter(FIFOMixin, RequestRouter):
     """Ray's default policy without locality: two random replicas, the less busy taken (the baseline)."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))] if candidate_replicas else []
+        return [_two(candidate_replicas)] if candidate_replicas else []
+
+
+def _two(candidates: list) -> list:
+    """Two of the candidates at random (or the one there is): power of two choices' draw."""
+    return random.sample(candidates, min(2, len(candidates)))
 
 
 def _text(pending_request) -> str:
@@ -235,12 +240,12 @@ class Ingress:
                             "retrying on another" if attempt < self.retries else "giving up")
                 if attempt == self.retries:
                     return _replica_lost(err)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() not in HOP_HEADERS}
         if call.path in WHOLE_VIEWS and start.status == 200:  # (the replica checked the API key)
             stream.cancel()
             if call.path == "/metrics":
-                return Response(merge_metrics(await _board().texts.remote()), media_type=start_type(start))
+                return Response(merge_metrics(await _board().texts.remote()), media_type=headers["content-type"])
             return JSONResponse(dashboard_data(self.history))
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() not in HOP_HEADERS}
         if attempt:
             headers["x-draftwise-retried"] = str(attempt)  # (served again after its first replica failed)
         if first is None:
@@ -262,10 +267,6 @@ async def _bounded_body(request: Request) -> bytes:
 
 def _board():
     return ray.get_actor(BOARD, namespace=NAMESPACE)
-
-
-def start_type(start: ResponseStart) -> str:
-    return next((v.decode() for k, v in start.headers if k.lower() == b"content-type"), "text/plain")
 
 
 async def _next(stream):
@@ -314,8 +315,7 @@ def build_app(build, args):
         max_ongoing_requests=args.max_batch * 2,  # a full batch and as many waiting; the rest wait in the router
         graceful_shutdown_timeout_s=args.drain_timeout,
         health_check_period_s=5,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[args.routing],
-                                                  request_routing_stats_period_s=1.0),
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[args.routing]),
     )
     if high > low:
         replica_options["autoscaling_config"] = AutoscalingConfig(
@@ -351,6 +351,7 @@ def serve_replicas(args, build) -> int:
     """Start (or join, with --ray-address) a Ray cluster, run the application on it until SIGTERM or Ctrl-C,
     then delete it: Ray lets each replica's requests finish, up to --drain-timeout."""
     from draftwise.models import resolve
+
     check_replica_options(args)
     for name in (args.target, args.draft):  # pulled once here, not by every replica at once
         if name not in (None, "none"):
