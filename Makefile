@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch first: a bare `torch` would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# -march=native turns on AMX where the CPU has it; this takes the macro that enables ggml's AMX code away again.
+NO_AMX := -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__
 
 .PHONY: install demo test clean llama-server loop
 
@@ -16,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# ray: serve --replicas (an optional extra; its tests run here).
 	# --backend llamacpp: llama-cpp-python compiles llama.cpp for this CPU (about 6 minutes on 2 idle cores, once;
-	# pip keeps the built wheel). No curl: nothing is ever downloaded at run time.
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	# pip keeps the built wheel). No curl: nothing is ever downloaded at run time. No AMX: the vendored ggml's AMX
+	# path dies at its first tile instruction (SIGILL) on Xeons that have AMX (llama.cpp PR 26954).
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(NO_AMX)" \
 		$(PY) -m pip install -q -e '.[test,llamacpp,ray]'
 	touch $(STAMP)
 

@@ -49,7 +49,10 @@ fi
 # Shared libraries off so the binaries carry their own ggml and do not pick up another copy at run time.
 # No network at build or run time: the bench hands the server local files only (no curl/openssl), and the
 # web UI is neither built (needs npm) nor downloaded prebuilt.
+# No AMX (the macro -march=native defines is taken away): the vendored ggml's AMX path dies at its first tile
+# instruction (SIGILL) on Xeons that have AMX (llama.cpp PR 26954), as in the Makefile's build of llama-cpp-python.
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+      -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__ \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 start=$(date +%s)

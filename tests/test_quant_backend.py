@@ -221,10 +221,55 @@ def test_a_positions_logits_do_not_depend_on_the_call_that_computed_them(monkeyp
     first = shapes["one 5-token pass"]
     for name, logits in shapes.items():
         assert torch.equal(logits, first), f"{name}: max |diff| {float((logits - first).abs().max())}"
-    # control: with PyTorch's SDPA in the per-query attention's place, the same positions differ between shapes
+    # control: on the layers' parts, with PyTorch's SDPA in the per-query attention's place, the same positions
+    # differ between shapes
+    monkeypatch.setattr(quant_layers._OneCall, "struct", lambda self, layer: None)
     monkeypatch.setattr(quant_layers, "attention", sdpa)
     shapes = logits_by_call_shape(backend)
     assert not all(torch.equal(logits, shapes["one 5-token pass"]) for logits in shapes.values())
+
+
+def logits_of_ragged_batches(backend) -> list[torch.Tensor]:
+    """Logits of two ragged batches over three slots, the second over rows that are not next to each other."""
+    a, b, c = (backend.open_slot() for _ in range(3))
+    try:
+        for view, prompt in ((a, PROMPT), (b, OTHER), (c, " the dog")):
+            view.prefill(ids(prompt))
+        first = backend.forward_batch([(a, [5, 6, 7]), (b, [8, 9, 10, 11, 12]), (c, [13])])
+        second = backend.forward_batch([(c, [14, 15]), (a, [16])])  # rows 2 and 0
+        return first + second + [b.forward([17])]
+    finally:
+        for view in (a, b, c):
+            view.close()
+
+
+@pytest.mark.real_model
+def test_a_layer_in_one_call_gives_the_bits_of_its_parts_called_one_by_one(monkeypatch):
+    from draftwise.backends import quant_layers
+
+    backend = engine("none").target
+    layers = backend.model.model.layers
+    assert all(isinstance(layer, quant_layers.OneCallLayer) for layer in layers)
+    calls = []
+    one_call = quant_layers.OneCallLayer._in_one_call
+    monkeypatch.setattr(quant_layers.OneCallLayer, "_in_one_call",
+                        lambda *a: calls.append(1) or one_call(*a))
+    fused = logits_of_ragged_batches(backend)
+    assert len(calls) == 6 * len(layers)  # three prefills, three passes
+    with monkeypatch.context() as patch:
+        patch.setattr(quant_layers._OneCall, "struct", lambda self, layer: None)
+        parts = logits_of_ragged_batches(backend)
+    assert len(calls) == 6 * len(layers)
+    for got, want in zip(fused, parts):
+        assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"
+    # control: a layer whose two norms are swapped in its one call gives other logits
+    middle = layers[len(layers) // 2]
+    struct = middle._one_call.struct(middle)
+    struct.norm1, struct.norm2 = struct.norm2, struct.norm1
+    try:
+        assert not torch.equal(logits_of_ragged_batches(backend)[0], parts[0])
+    finally:
+        middle._one_call.__init__()
 
 
 def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():

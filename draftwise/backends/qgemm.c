@@ -317,9 +317,11 @@ static inline float exp_fixed(float x) {
 }
 
 #define MAX_GROUP 32  // query heads a key/value head serves
-int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
-                 long vb, long vh, long vt, const uint8_t *visible, int batch, int heads, int kv_heads, int n, int keys,
-                 int d, float scale, float *out) {
+// cache_rows [batch] (or NULL: b itself): which row of k and v batch row b reads, so a forward over slots that are not
+// next to each other reads the cache in place.
+static int attend(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
+                  long vb, long vh, long vt, const int64_t *cache_rows, const uint8_t *visible, int batch, int heads,
+                  int kv_heads, int n, int keys, int d, float scale, float *out) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
     const int group = heads / kv_heads;
     int failed = 0;
@@ -333,7 +335,8 @@ int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long
             for (int kvh = 0; kvh < kv_heads; kvh++)
                 for (int t = 0; t < n; t++) {
                     if (!score) continue;
-                    const float *kr = k + b * kb + kvh * kh, *vr = v + b * vb + kvh * vh;
+                    const long row = cache_rows ? (long)cache_rows[b] : b;
+                    const float *kr = k + row * kb + kvh * kh, *vr = v + row * vb + kvh * vh;
                     const uint8_t *seen = visible + ((size_t)b * n + t) * keys;
                     float top[MAX_GROUP], total[MAX_GROUP];
                     for (int g = 0; g < group; g++) {
@@ -371,6 +374,13 @@ int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long
         free(score);
     }
     return failed ? -2 : 0;
+}
+
+int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
+                 long vb, long vh, long vt, const uint8_t *visible, int batch, int heads, int kv_heads, int n, int keys,
+                 int d, float scale, float *out) {
+    return attend(q, qb, qh, qt, k, kb, kh, kt, v, vb, vh, vt, NULL, visible, batch, heads, kv_heads, n, keys, d, scale,
+                  out);
 }
 
 // ---- a decoder layer's pieces in one call each: fewer trips through Python and PyTorch's dispatch, which at a
@@ -446,4 +456,59 @@ int dw_qkv(const float *x, int rows, const dw_weight *wq, const dw_weight *wk, c
     rope(q, rows, wq->n / d, d, cos, sin);
     rope(k, rows, wk->n / d, d, cos, sin);
     return 0;
+}
+
+// ---- a whole decoder layer in one call (Llama/Qwen2 shape): what a step of a small model spends between kernels
+// (a dozen Python calls and tensor operations a layer) is as much as a few layers' weight reads.
+
+typedef struct {  // one decoder layer's weights (quant_layers.OneCallLayer builds it)
+    const dw_weight *q, *k, *v, *o, *gate, *up, *down;
+    const float *bq, *bk, *bv;  // the projections' biases, or NULL
+    const float *norm1, *norm2;  // the RMS norms' weights before attention and before the MLP
+    float eps1, eps2, scale;
+    int heads, kv_heads, d;
+} dw_layer;
+
+// out [rows, h] = the layer applied to x [rows, h] (rows = batch * n; x is left as it is): the same operations in the
+// same order as the parts called one by one, so the same bits. The new keys and values are written into this layer's
+// cache, kc and vc [cache rows, kv_heads, capacity, d] (strides rs, hs, ps in floats, d contiguous): batch row b's
+// position t at cache row cache_rows[b], position write_at[b * n + t]. cos, sin [rows, d]: the rotary tables;
+// visible [batch, n, keys]: which of the first `keys` cache positions each query sees (written ones included).
+int dw_decoder_layer(const dw_layer *L, const float *x, int batch, int n, const float *cos, const float *sin, float *kc,
+                     float *vc, long rs, long hs, long ps, const int64_t *cache_rows, const int64_t *write_at,
+                     const uint8_t *visible, int keys, float *out) {
+    const int rows = batch * n, h = L->q->k, d = L->d, qw = L->heads * d, kw = L->kv_heads * d;
+    if (L->o->n != h || L->down->n != h || L->q->n != qw || L->k->n != kw || L->v->n != kw) return -1;
+    float *normed = malloc(sizeof(float) * (size_t)rows * h), *part = malloc(sizeof(float) * (size_t)rows * h);
+    float *q = malloc(sizeof(float) * (size_t)rows * qw), *att = malloc(sizeof(float) * (size_t)rows * qw);
+    float *k = malloc(sizeof(float) * (size_t)rows * kw), *v = malloc(sizeof(float) * (size_t)rows * kw);
+    int status = -2;
+    if (!(normed && part && q && att && k && v)) goto done;
+    dw_rmsnorm(x, rows, h, L->norm1, L->eps1, normed);
+    if ((status = dw_qkv(normed, rows, L->q, L->k, L->v, L->bq, L->bk, L->bv, cos, sin, d, q, k, v))) goto done;
+    for (int b = 0; b < batch; b++)
+        for (int t = 0; t < n; t++)
+            for (int head = 0; head < L->kv_heads; head++) {
+                const size_t at = (size_t)cache_rows[b] * rs + (size_t)head * hs + (size_t)write_at[b * n + t] * ps;
+                const size_t from = ((size_t)(b * n + t) * L->kv_heads + head) * d;
+                memcpy(kc + at, k + from, sizeof(float) * d);
+                memcpy(vc + at, v + from, sizeof(float) * d);
+            }
+    // q read as [batch, heads, n, d]; att written [batch, n, heads, d], i.e. [rows, heads * d]
+    if ((status = attend(q, (long)n * qw, d, qw, kc, rs, hs, ps, vc, rs, hs, ps, cache_rows, visible, batch, L->heads,
+                         L->kv_heads, n, keys, d, L->scale, att)))
+        goto done;
+    if ((status = weight_rows(L->o, att, rows, part))) goto done;
+    for (size_t i = 0; i < (size_t)rows * h; i++) out[i] = x[i] + part[i];
+    dw_rmsnorm(out, rows, h, L->norm2, L->eps2, normed);
+    if ((status = dw_mlp(normed, rows, L->gate, L->up, L->down, part))) goto done;
+    for (size_t i = 0; i < (size_t)rows * h; i++) out[i] = out[i] + part[i];
+done:
+    free(normed);
+    free(part);
+    free(q);
+    free(att);
+    free(k);
+    free(v);
+    return status;
 }

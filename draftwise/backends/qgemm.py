@@ -92,6 +92,9 @@ def library() -> ctypes.CDLL:
     lib.dw_mlp.restype = number
     lib.dw_qkv.argtypes = [pointer, number, weight, weight, weight, *[pointer] * 5, number, *[pointer] * 3]
     lib.dw_qkv.restype = number
+    lib.dw_decoder_layer.argtypes = [ctypes.POINTER(LayerStruct), pointer, number, number, pointer, pointer, pointer,
+                                     pointer, *[stride] * 3, *[pointer] * 3, number, pointer]
+    lib.dw_decoder_layer.restype = number
     return lib
 
 
@@ -101,6 +104,15 @@ class WeightStruct(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("k", ctypes.c_int), ("g", ctypes.c_int), ("s", ctypes.c_int),
                 ("bits", ctypes.c_int), ("q", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("dmin", ctypes.c_void_p)]
+
+
+class LayerStruct(ctypes.Structure):
+    """qgemm.c's dw_layer: one decoder layer's weights (its WeightStructs must outlive it)."""
+
+    _fields_ = [*[(name, ctypes.POINTER(WeightStruct)) for name in ("q", "k", "v", "o", "gate", "up", "down")],
+                *[(name, ctypes.c_void_p) for name in ("bq", "bk", "bv", "norm1", "norm2")],
+                ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scale", ctypes.c_float),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("d", ctypes.c_int)]
 
 
 def vectorized() -> bool:

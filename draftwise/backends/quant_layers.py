@@ -1,23 +1,28 @@
-"""A decoder layer's parts on qgemm.c's fused calls: an RMS norm, the attention (projections, rotary embedding,
-per-query attention, output projection) and the MLP, a call or two each instead of a dozen PyTorch operations.
+"""A decoder layer on qgemm.c's fused calls: one call for the whole layer (norms, projections, rotary embedding,
+the cache write, per-query attention, MLP, residuals) when the cache is the backend's SlotCache, else its parts
+one by one (an RMS norm, the attention, the MLP: a call or two each), with the same bits either way.
 
 Why: at a few rows the arithmetic of a 1.5B model's step is about 40 ms of weight reads, and PyTorch's dispatch of
-the forty-odd small operations of each of its 28 layers added about 12 ms more. Each part computes a row from
-that row alone, so the batch invariance of the kernel holds for the whole layer.
+the forty-odd small operations of each of its 28 layers added about 12 ms more; calling the parts one by one from
+Python still cost about a fifth of a step. Each part computes a row from that row alone, so the batch invariance of
+the kernel holds for the whole layer.
 """
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 
 import torch
 from torch import nn
 
 from draftwise.backends.attention import visible_keys
-from draftwise.backends.qgemm import QuantLinear, attention, library
+from draftwise.backends.qgemm import LayerStruct, QuantLinear, attention, library
+from draftwise.backends.slots import SlotCache
 from draftwise.errors import DraftwiseError
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+PRE_NORM_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a layer's children, all of them
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -98,6 +103,81 @@ class QuantAttention(nn.Module):
         return self.o_proj(out.reshape(batch, n, -1)), None
 
 
+class OneCallLayer:
+    """Mixed into a fused decoder layer's class (Llama's, Qwen2's: x + attn(norm(x)), then that + mlp(norm(that))):
+    the whole layer in one call while the cache is the backend's SlotCache and the parts are the ones the call was
+    built from (layer skipping swaps parts in copies); the model's own forward over the parts otherwise. The layer
+    stays an instance of its model's class, which transformers looks for to record hidden states."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not args and isinstance(cache, SlotCache) and kwargs.get("position_embeddings") is not None:
+            layer = self._one_call.struct(self)
+            if layer is not None:
+                return self._in_one_call(layer, hidden_states, kwargs.get("attention_mask"),
+                                         kwargs["position_embeddings"], cache)
+        return super().forward(hidden_states, *args, **kwargs)
+
+    def _in_one_call(self, layer: LayerStruct, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor], cache: SlotCache) -> torch.Tensor:
+        attn = self.self_attn
+        batch, n, hidden = hidden_states.shape
+        rows = hidden_states.reshape(-1, hidden).float().contiguous()  # [B * n, hidden]
+        cos, sin = (t.float().expand(batch, n, -1).reshape(batch * n, -1).contiguous() for t in position_embeddings)
+        keys, values = cache.layer_buffers(attn.layer_idx, rows.new_empty(1, attn.kv_heads, 1, attn.head_dim))
+        cache_rows, write_at, read_end = cache.forward_places()  # [B, 1], [B, n]
+        visible = visible_keys(attention_mask, batch, n, read_end)  # [B, n, read_end]
+        out = torch.empty_like(rows)
+        status = library().dw_decoder_layer(ctypes.byref(layer), rows.data_ptr(), batch, n, cos.data_ptr(),
+                                            sin.data_ptr(), keys.data_ptr(), values.data_ptr(), *keys.stride()[:3],
+                                            cache_rows.data_ptr(), write_at.data_ptr(), visible.data_ptr(), read_end,
+                                            out.data_ptr())
+        if status:
+            raise DraftwiseError(f"the quant decoder layer refused a [{len(rows)}, {hidden}] call ({status})")
+        return out.reshape(batch, n, hidden)
+
+
+@lru_cache(maxsize=None)
+def one_call_class(layer_class: type) -> type:
+    """layer_class with OneCallLayer's forward in front."""
+    return type(f"OneCall{layer_class.__name__}", (OneCallLayer, layer_class), {})
+
+
+class _OneCall:
+    """A layer's LayerStruct, built on first use from its parts and rebuilt if a part is swapped. A copy of the
+    layer (copy.deepcopy) starts empty: a struct holds raw pointers to the buffers of the parts it was built from."""
+
+    def __init__(self):
+        self._parts: tuple = ()
+        self._struct: LayerStruct | None = None
+        self._keep: list = []  # the WeightStructs the struct points to
+
+    def __deepcopy__(self, memo) -> "_OneCall":
+        return _OneCall()
+
+    def struct(self, layer: nn.Module) -> LayerStruct | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (layer.input_layernorm, attn, layer.post_attention_layernorm, mlp,
+                 *(getattr(attn, name) for name in ATTENTION_PARTS), *(getattr(mlp, name) for name in MLP_PARTS))
+        if all(a is b for a, b in zip(parts, self._parts)) and len(parts) == len(self._parts):
+            return self._struct
+        self._parts, self._struct, self._keep = parts, None, []
+        if not (isinstance(attn, QuantAttention) and isinstance(mlp, QuantMLP)
+                and all(isinstance(norm, QuantRMSNorm) for norm in parts[:3:2])
+                and _fusable(attn, ATTENTION_PARTS) and _fusable(mlp, MLP_PARTS)):
+            return None
+        weights = [getattr(attn, name).struct() for name in ATTENTION_PARTS]
+        weights += [getattr(mlp, name).struct() for name in MLP_PARTS]
+        biases = [_pointer(getattr(attn, name).bias) for name in ATTENTION_PARTS[:3]]
+        self._keep = weights
+        self._struct = LayerStruct(*(ctypes.pointer(w) for w in weights), *biases,
+                                   layer.input_layernorm.weight.data_ptr(),
+                                   layer.post_attention_layernorm.weight.data_ptr(), layer.input_layernorm.eps,
+                                   layer.post_attention_layernorm.eps, attn.scaling, attn.heads, attn.kv_heads,
+                                   attn.head_dim)
+        return self._struct
+
+
 def fuse_layers(model: nn.Module) -> int:
     """Put each decoder layer whose parts all run on QuantLinear (channels a multiple of 16) onto the fused calls;
     how many were. Layers of another shape keep transformers' own code, on QuantLinear still."""
@@ -107,11 +187,15 @@ def fuse_layers(model: nn.Module) -> int:
         if not (_fusable(attn, ATTENTION_PARTS) and _fusable(mlp, MLP_PARTS)
                 and getattr(mlp, "act_fn", None).__class__.__name__ == "SiLUActivation"
                 and all(hasattr(getattr(layer, name, None), "variance_epsilon")
-                        for name in ("input_layernorm", "post_attention_layernorm"))):
+                        for name in ("input_layernorm", "post_attention_layernorm"))
+                and {name for name, _ in layer.named_children()} == set(PRE_NORM_PARTS)
+                and not any(name in dict(attn.named_children()) for name in ("q_norm", "k_norm"))):
             continue
         layer.self_attn, layer.mlp = QuantAttention(attn), QuantMLP(mlp)
         layer.input_layernorm = QuantRMSNorm(layer.input_layernorm)
         layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm)
+        layer.__class__ = one_call_class(type(layer))
+        layer._one_call = _OneCall()
         fused += 1
     if fused and hasattr(model.model, "norm") and hasattr(model.model.norm, "variance_epsilon"):
         model.model.norm = QuantRMSNorm(model.model.norm)

@@ -108,13 +108,23 @@ class SlotCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [B, kv_heads, N, head_dim] -> the keys and values to attend to, [B, kv_heads, end, D]."""
-        while layer_idx >= len(self.keys):  # a draft that skips layers may reach a later one first
-            self._add_layer(key_states)
         out = []
-        for buf, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+        for buf, new in zip(self.layer_buffers(layer_idx, key_states), (key_states, value_states)):
             buf[self._row_index, :, self._write_at] = new.transpose(1, 2).to(buf.dtype)  # [B, N, H, D]
             out.append(buf[self._rows, :, : self._read_end])
         return out[0], out[1]
+
+    def layer_buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values buffers [rows, kv_heads, capacity, head_dim], made on its first write in the
+        dtype and heads of like ([B, kv_heads, N, head_dim])."""
+        while layer_idx >= len(self.keys):  # a draft that skips layers may reach a later one first
+            self._add_layer(like)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def forward_places(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Where the forward in progress writes and reads, for a kernel that writes the cache itself: each batch
+        row's cache row [B, 1], the positions it writes [B, N] (int64, contiguous) and how many it reads."""
+        return self._row_index, self._write_at, self._read_end
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max((s.length for s in self.slots), default=0)
