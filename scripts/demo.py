@@ -1,5 +1,7 @@
 """`make demo`: the default pair, streamed with draft tokens marked, then the same prompt through the
-target alone, prompt lookup and the hybrid, to show the speed-up and that the greedy text is unchanged.
+target alone, prompt lookup and the hybrid, to show the speed-up and that the greedy text is unchanged; and, for
+scale, llama.cpp (llama-cpp-python, installed beside draftwise) decoding the same GGUF file alone, greedy, on the
+same threads: what a CPU user would run instead.
 
 `--backend auto` (the default) runs the GGUF files' own 4- and 6-bit blocks on draftwise's integer kernel where
 this CPU has AVX512-VNNI (the quant backend), and transformers' weights in --dtype elsewhere.
@@ -11,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
 from draftwise import Engine
 from draftwise.cli import fmt_optional, stats_line, stream_to_terminal
 from draftwise.config import DTYPES
+from draftwise.errors import DraftwiseError
 from draftwise.loading import QUANT_ASSEMBLY, auto_backend, load_models
+from draftwise.models.store import resolve
 from draftwise.tokenizers import encode_prompt
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((method, engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=K)))
     baseline = rows[1][1]
     print_table(rows, baseline)
+    print_llama_cpp(encode_prompt(tokenizer, PROMPT, chat=False), rows)
     different = [(method, r) for method, r in rows if r.token_ids != baseline.token_ids]
     for method, r in different:
         explain_difference(method, r.token_ids, baseline.token_ids, speculative, tokenizer)
@@ -75,6 +81,39 @@ def print_table(rows, baseline) -> None:
         )
     print(f"backend {baseline.stats.speed_paths.get('backend')}, dtype {baseline.stats.speed_paths.get('dtype')}; kernels: target {baseline.stats.speed_paths.get('target_kernels')}, "
           f"draft {rows[0][1].stats.speed_paths.get('draft_kernels')}", file=sys.stderr)
+
+
+def print_llama_cpp(prompt_ids: list[int], rows) -> None:
+    """llama.cpp's plain greedy decoding of the target's own GGUF file, timed as draftwise's tokens/s (decode only),
+    and each method's speed against it."""
+    try:
+        from draftwise.backends.llamacpp_api import LlamaContext, LlamaSettings
+
+        gguf = resolve(TARGET, pull_missing=False).published_gguf(TARGET, "llama.cpp")
+        # llama.cpp's defaults (its repacked weights), on the threads torch uses here
+        context = LlamaContext(str(gguf), 1, len(prompt_ids) + NEW_TOKENS + 8,
+                               LlamaSettings(threads=torch.get_num_threads(), repack=True))
+    except DraftwiseError as err:
+        print(f"\nllama.cpp not compared: {err}", file=sys.stderr)
+        return
+    try:
+        logits = context.decode(prompt_ids, list(range(len(prompt_ids))), [0] * len(prompt_ids),
+                                [False] * (len(prompt_ids) - 1) + [True])
+        tokens = [int(logits[-1].argmax())]
+        start = time.perf_counter()
+        while len(tokens) < NEW_TOKENS:
+            logits = context.decode(tokens[-1:], [len(prompt_ids) + len(tokens) - 1], [0], [True])
+            tokens.append(int(logits[-1].argmax()))
+        rate = (NEW_TOKENS - 1) / (time.perf_counter() - start)
+    finally:
+        context.close()
+    baseline = dict(rows)["none"].token_ids
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b), NEW_TOKENS)
+    ratios = ", ".join(f"{method} {r.stats.tokens_per_s / rate:.2f}x" for method, r in rows)
+    same = "the same text as none" if agree == NEW_TOKENS else \
+        f"its text leaves none's at new token {agree} (its kernels round otherwise)"
+    print(f"\nllama.cpp on the same GGUF file, no speculation: {rate:.2f} tokens/s, {same}; against it: {ratios}",
+          file=sys.stderr)
 
 
 def explain_difference(method: str, tokens: list[int], baseline: list[int], engine: Engine, tokenizer) -> None:
