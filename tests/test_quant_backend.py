@@ -272,6 +272,24 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_parts_called_one_by_one(monke
         middle._one_call.__init__()
 
 
+@pytest.mark.real_model
+def test_a_layer_in_one_call_refuses_a_cache_it_would_write_wrongly():
+    backend = engine("none").target
+    view = backend.open_slot()
+    saved = None
+    try:
+        view.prefill(ids(PROMPT)[:4])
+        saved = backend.cache.keys[0]
+        backend.cache.keys[0] = saved.to(torch.bfloat16)  # float32 rows written into it would be garbage
+        with pytest.raises(DraftwiseError, match="writes a float32 cache; layer 0's holds torch.bfloat16"):
+            view.forward([5])
+        assert view.cache_len == 4  # the failed pass moved nothing
+    finally:
+        if saved is not None:
+            backend.cache.keys[0] = saved
+        view.close()
+
+
 def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
     weight = torch.randn(48, 896, generator=torch.Generator().manual_seed(4)).numpy()  # 896: 28 groups, 7 a super
     blocks = gguf_weights.quantize_4bit(weight)

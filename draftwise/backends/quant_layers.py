@@ -125,6 +125,9 @@ class OneCallLayer:
         rows = hidden_states.reshape(-1, hidden).float().contiguous()  # [B * n, hidden]
         cos, sin = (t.float().expand(batch, n, -1).reshape(batch * n, -1).contiguous() for t in position_embeddings)
         keys, values = cache.layer_buffers(attn.layer_idx, rows.new_empty(1, attn.kv_heads, 1, attn.head_dim))
+        if keys.dtype != torch.float32 or keys.stride(-1) != 1:  # the C call writes float32 rows in place
+            raise DraftwiseError(f"the quant decoder layer writes a float32 cache; layer {attn.layer_idx}'s holds "
+                                 f"{keys.dtype}")
         cache_rows, write_at, read_end = cache.forward_places()  # [B, 1], [B, n]
         visible = visible_keys(attention_mask, batch, n, read_end)  # [B, n, read_end]
         out = torch.empty_like(rows)
