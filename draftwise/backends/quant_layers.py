@@ -25,6 +25,21 @@ MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 PRE_NORM_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # a layer's children, all of them
 
 
+_last_rotary: list = [None, None]  # (transformers' cos table, the tables as rows): every layer of a pass gets the same
+
+
+def rotary_rows(position_embeddings: tuple[torch.Tensor, torch.Tensor], batch: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables (cos, sin [B, n, d] or [1, n, d]) as float32 rows [B * n, d], contiguous for the C calls.
+    Made once a pass: the model hands every layer the same tables."""
+    cos = position_embeddings[0]
+    # (holding cos keeps its identity from being reused by another tensor)
+    if _last_rotary[0] is not cos or len(_last_rotary[1][0]) != batch * n:
+        rows = tuple(t.float().expand(batch, n, -1).reshape(batch * n, -1).contiguous() for t in position_embeddings)
+        _last_rotary[:] = [cos, rows]
+    return _last_rotary[1]
+
+
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -86,7 +101,7 @@ class QuantAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         batch, n, hidden = hidden_states.shape
         rows = hidden_states.reshape(-1, hidden).float().contiguous()  # [B * n, hidden]
-        cos, sin = (t.float().expand(batch, n, -1).reshape(batch * n, -1).contiguous() for t in position_embeddings)
+        cos, sin = rotary_rows(position_embeddings, batch, n)  # [B * n, d] each
         q = torch.empty(batch, n, self.heads, self.head_dim)
         k = torch.empty(batch, n, self.kv_heads, self.head_dim)
         v = torch.empty_like(k)
@@ -123,9 +138,9 @@ class OneCallLayer:
         attn = self.self_attn
         batch, n, hidden = hidden_states.shape
         rows = hidden_states.reshape(-1, hidden).float().contiguous()  # [B * n, hidden]
-        cos, sin = (t.float().expand(batch, n, -1).reshape(batch * n, -1).contiguous() for t in position_embeddings)
+        cos, sin = rotary_rows(position_embeddings, batch, n)  # [B * n, d] each
         keys, values = cache.layer_buffers(attn.layer_idx, rows.new_empty(1, attn.kv_heads, 1, attn.head_dim))
-        if keys.dtype != torch.float32 or keys.stride(-1) != 1:  # the C call writes float32 rows in place
+        if keys.dtype != torch.float32:  # the C call writes float32 rows in place
             raise DraftwiseError(f"the quant decoder layer writes a float32 cache; layer {attn.layer_idx}'s holds "
                                  f"{keys.dtype}")
         cache_rows, write_at, read_end = cache.forward_places()  # [B, 1], [B, n]
@@ -162,7 +177,7 @@ class _OneCall:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (layer.input_layernorm, attn, layer.post_attention_layernorm, mlp,
                  *(getattr(attn, name) for name in ATTENTION_PARTS), *(getattr(mlp, name) for name in MLP_PARTS))
-        if all(a is b for a, b in zip(parts, self._parts)) and len(parts) == len(self._parts):
+        if len(parts) == len(self._parts) and all(a is b for a, b in zip(parts, self._parts)):
             return self._struct
         self._parts, self._struct, self._keep = parts, None, []
         if not (isinstance(attn, QuantAttention) and isinstance(mlp, QuantMLP)
