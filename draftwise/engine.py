@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftwise.adaptive import DraftLengthPolicy
-from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, decayed
+from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts, decayed
 from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend, embedding_rows
 from draftwise.backends.prefix_cache import PrefixCache
@@ -85,7 +85,10 @@ class Engine:
         self.open_sequences = 0  # sequences open now (catch_up_rows)
         self._step_rows: float | None = None  # rows of the recent steps, decayed (catch_up_rows)
         self.last_step = StepTimes()
-        self.draft_policy = DraftLengthPolicy()  # its step costs are the engine's, shared by every sequence
+        self.draft_policy = DraftLengthPolicy()  # its costs: those of the step's drafter (_step_costs)
+        # drafter (_pool_method) -> its step costs: one table of target passes, its own draft forwards
+        # (StepCosts.sharing_passes). The engine's own method prices with the policy's first.
+        self._costs: dict[str, StepCosts] = {_pool_method(method, None): self.draft_policy.costs}
         # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
         # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
         # (A draft loaded beside the engine's own keeps pools of its own: method "draft@name".)
@@ -264,7 +267,7 @@ class Engine:
         if acceptance is not None:
             self.draft_policy.sequence_joined()
         if proposer is not None:  # a tree's width, lookup's depth, a hybrid's pick: by what steps cost here
-            proposer.price_with(self.draft_policy.costs, follow=acceptance is not None)  # (not for a fixed k)
+            proposer.price_with(self._drafters_costs(_pool_method(method, cfg.draft)), follow=acceptance is not None)
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
@@ -483,7 +486,7 @@ class Engine:
                 raise
             self._fall_back(seq, err)
         else:  # (what reading costs a token, which catch_up_pays weighs)
-            self.draft_policy.costs.observe_catch_up(len(tokens), time.perf_counter() - started)
+            self._drafters_costs(_seq_pool(seq)).observe_catch_up(len(tokens), time.perf_counter() - started)
 
     def _timed_catch_up(self, seq: Sequence) -> float:
         """catch_up_draft(seq); the seconds it took."""
@@ -568,9 +571,26 @@ class Engine:
                        times: StepTimes) -> None:
         """Fold the step's seconds into the policy's costs: the pass is as wide as its widest draft (a tree's every
         node), drafted in up to max(k) forwards, of rounds that ran any (a lookup guess runs none)."""
-        steps = max((ks[i] for i in live if not _drafted_free(seqs[i].proposer)), default=0)
+        drafting = [i for i in live if ks[i] and not _drafted_free(seqs[i].proposer)]
+        steps = max((ks[i] for i in drafting), default=0)
+        if len({_seq_pool(seqs[i]) for i in drafting}) > 1:
+            steps = 0  # drafters of different kinds drafted together: their forwards are no one's own price
         self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s, times.verify_s,
                                         draft_steps=steps)
+
+    def _drafters_costs(self, pool: str) -> StepCosts:
+        """The step costs a drafter (_pool_method) prices with: its own view of the engine's passes."""
+        if pool not in self._costs:
+            self._costs[pool] = self.draft_policy.costs.sharing_passes()
+        return self._costs[pool]
+
+    def _step_costs(self, seqs: list[Sequence]) -> StepCosts:
+        """The costs a step of these rows is priced and timed by: those of the drafter most of its drafting rows
+        share (a mix is priced by its largest kind); with none drafting, the policy's as they were."""
+        pools = [_seq_pool(seq) for seq in seqs if seq.proposer is not None]
+        if not pools:
+            return self.draft_policy.costs
+        return self._drafters_costs(max(set(pools), key=pools.count))
 
     def _fall_back_where_drafting_failed(self, seqs: list[Sequence], drafts: list, ks: list[int],
                                          draft_s: float) -> list[Sequence]:
@@ -606,6 +626,7 @@ class Engine:
         # Where none of them can draft (every draft lags), priced as if they could: whether drafting would pay is
         # what decides if their drafts are filled (wants_catch_up); their k is 0 whatever the choice.
         adaptive = [seq for seq in everyone if seq not in settled] or everyone
+        self.draft_policy.costs = self._step_costs(everyone or seqs)
         fixed = [seq.cfg.num_draft_tokens for seq in seqs
                  if seq.proposer is not None and not seq.acceptance and seq.draft_behind <= MAX_DRAFT_LAG]
 
@@ -759,8 +780,13 @@ class Engine:
 
 
 def _pool_method(method: str, draft: str | None) -> str:
-    """Whose acceptance a sequence starts from and adds to: its method's, on the draft it drafts with."""
+    """Whose acceptance a sequence starts from and adds to, and whose step costs it prices with: its method's, on
+    the draft it drafts with."""
     return method if draft is None else f"{method}@{draft}"
+
+
+def _seq_pool(seq: Sequence) -> str:
+    return _pool_method(seq.method, seq.cfg.draft)
 
 
 def _proposers_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict, list[int]]:

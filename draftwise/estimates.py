@@ -180,7 +180,13 @@ class Timings:
 
 @dataclass
 class StepCosts:
-    """Seconds of a step's parts, by the number of rows (sequences) in it."""
+    """Seconds of a step's parts, by the number of rows (sequences) in it.
+
+    The target's passes cost what they cost whoever drafted them, but a draft forward is its proposer's own: the
+    0.5B draft's chain forward, a tree's level of nodes, a skipping target's layers. So each kind of proposer
+    prices with a view of its own (sharing_passes): the one table of passes and the one clock, its own draft
+    forwards, overheads and catch-up. One table for all let a server's previous method price the next one's
+    drafting (a draft tree's wide forwards priced `hybrid`'s chain ones, which it then never ran to renew)."""
 
     _verify_s: dict[int, Timings] = field(default_factory=dict)  # rows -> seconds per pass by width n
     # rows -> seconds of a round's drafting by its draft forwards. By forwards, not per forward: a round's first
@@ -192,10 +198,19 @@ class StepCosts:
     # (rows, whether the step drafted) -> seconds a step spends outside drafting and its pass (choosing, committing,
     # accepting), decayed: a step costs it whatever it drafts, so fewer, longer rounds save it.
     _overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
-    steps: int = 0  # steps timed: the clock that stale timings are judged by
+    _clock: list[int] = field(default_factory=lambda: [0])  # [steps timed]: shared by the views (sharing_passes)
     # (steps, rows -> _positions' tables) as of one step
     _positions_at: tuple[int, dict] = field(default_factory=lambda: (-1, {}))
     catch_up_s: float | None = None  # seconds per token a lagging draft reads (None: never timed), decayed
+
+    @property
+    def steps(self) -> int:
+        """Steps timed (by this view or another sharing its passes): the clock that stale timings are judged by."""
+        return self._clock[0]
+
+    def sharing_passes(self) -> "StepCosts":
+        """Another proposer's costs: the same passes and clock, draft forwards, overheads and catch-up of its own."""
+        return StepCosts(_verify_s=self._verify_s, _clock=self._clock)
 
     @property
     def measured(self) -> bool:
@@ -313,7 +328,7 @@ class StepCosts:
     def observe(self, rows: int, k: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         """One step of `rows` sequences, the widest drafting k tokens (a tree: k nodes) in draft_steps forwards
         (default k; a tree's depth): what drafting and verifying took."""
-        self.steps += 1
+        self._clock[0] += 1
         self._verify_s.setdefault(rows, Timings()).observe(k + 1, verify_s, self.steps)
         steps = k if draft_steps is None else draft_steps
         if steps > 0:

@@ -921,3 +921,35 @@ def test_a_batch_fills_a_lagging_draft_where_it_repays_twice_a_sequence_alone_wh
     assert policy.catch_up_pays(300, 300, rows=1)  # 0.91 s saved
     assert not policy.catch_up_pays(300, 300, rows=2)
     assert policy.catch_up_pays(300, 600, rows=2)  # 1.82 s saved
+
+
+def test_each_drafter_prices_its_own_draft_forwards_over_one_table_of_passes():
+    """A tree's level of nodes, a chain's one token and a skipping target's layers cost different forwards; the target
+    pass they are verified in costs the same whoever drafted it."""
+    chain = StepCosts()
+    tree = chain.sharing_passes()
+    tree.observe(1, 4, 0.4, 0.1, draft_steps=2)  # a tree 2 deep: 0.2 s a forward
+    assert tree.draft_round(1, 2) == pytest.approx(0.4)  # control: the drafter that timed it prices by it
+    assert chain.draft_round(1, 2) == 0.0 and chain.draft(1) == 0.0  # nothing of the chain's own timed yet
+    assert chain.measured and chain.verify(1, 5) == pytest.approx(0.1)  # the pass is the one table's
+    assert chain.steps == tree.steps == 1  # one clock: staleness counts every step of either
+    chain.observe(1, 2, 0.02, 0.08)
+    assert tree.steps == 2 and tree.verify(1, 3) == pytest.approx(0.08) and tree.draft_round(1, 2) == pytest.approx(0.4)
+
+
+def test_a_method_served_after_another_prices_drafting_by_its_own_forwards_not_the_others():
+    """One server serves several methods: the draft tree's wide forwards must not price `hybrid`'s chain forwards,
+    or a hybrid that then picks lookup never runs a draft forward to correct them."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method="hybrid")
+    prompt = "The quick brown fox jumps over the lazy dog."
+    eng.generate(prompt, max_new_tokens=24, ignore_eos=True, method="draft-tree")
+    seq = eng.open_sequence(tokenizer.encode("Another prompt"), GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    costs = seq.proposer.costs
+    assert costs is not None and costs.measured  # the tree's passes price the hybrid's
+    assert costs.draft(1) == 0.0  # but none of the tree's forwards
+    eng.close_sequence(seq)
+    tree = eng.open_sequence(tokenizer.encode(prompt), GenerationConfig(max_new_tokens=16, ignore_eos=True,
+                                                                       method="draft-tree"))
+    assert tree.proposer.sizing.costs.draft(1) > 0.0  # control: the tree's own are there
+    eng.close_sequence(tree)
