@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftwise.adaptive import DraftLengthPolicy
-from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, StepCosts, decayed
+from draftwise.estimates import DRAFT_ESTIMATE, Acceptance, decayed
 from draftwise.backends.base import SharedBackend
 from draftwise.backends.hf import HFBackend, embedding_rows
 from draftwise.backends.prefix_cache import PrefixCache
@@ -85,10 +85,12 @@ class Engine:
         self.open_sequences = 0  # sequences open now (catch_up_rows)
         self._step_rows: float | None = None  # rows of the recent steps, decayed (catch_up_rows)
         self.last_step = StepTimes()
-        self.draft_policy = DraftLengthPolicy()  # its costs: those of the step's drafter (_step_costs)
-        # drafter (_pool_method) -> its step costs: one table of target passes, its own draft forwards
-        # (StepCosts.sharing_passes). The engine's own method prices with the policy's first.
-        self._costs: dict[str, StepCosts] = {_pool_method(method, None): self.draft_policy.costs}
+        self.draft_policy = DraftLengthPolicy()  # the step's drafter's (_step_policy); first, the engine's method's
+        # drafter (_pool_method) -> its policy: choices, probes, savings and draft forwards of its own, priced over
+        # the one table of target passes (StepCosts.sharing_passes). One policy for every method let the method a
+        # server served before steer the next: `draft` at 2 requests ran 0.84x off after the other methods' cells
+        # and 0.97x on a server that served it alone.
+        self._policies: dict[str, DraftLengthPolicy] = {_pool_method(method, None): self.draft_policy}
         # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
         # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
         # (A draft loaded beside the engine's own keeps pools of its own: method "draft@name".)
@@ -107,8 +109,6 @@ class Engine:
         # and its sequence goes on with the target alone, still exact. Off, a proposer's error ends the request.
         self.fall_back_on_proposer_error = False
         self.draft_timeout_s: float | None = None
-        # Whether the policy's last choice was to speculate: then adaptive sequences' drafts are caught up.
-        self.draft_wanted = True
         # Draft models loaded beside the engine's own (add_draft: a distilled version on trial), by name; and how the
         # engine makes one (loading.draft_maker; None where no other draft can join: no draft model, or one with
         # another tokenizer).
@@ -264,10 +264,11 @@ class Engine:
         # adaptive k would take from timings, and the same seed must give the same text.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
         acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
+        policy = self._policy_for(_pool_method(method, cfg.draft))
         if acceptance is not None:
-            self.draft_policy.sequence_joined()
+            policy.sequence_joined()
         if proposer is not None:  # a tree's width, lookup's depth, a hybrid's pick: by what steps cost here
-            proposer.price_with(self._drafters_costs(_pool_method(method, cfg.draft)), follow=acceptance is not None)
+            proposer.price_with(policy.costs, follow=acceptance is not None)  # (not for a fixed k)
         stats = Stats(method=method, num_draft_tokens=cfg.num_draft_tokens, prompt_tokens=len(prompt_ids),
                       speed_paths=self.speed_paths, prompt_cached=reused)
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
@@ -436,9 +437,9 @@ class Engine:
         seq.stats.prefill_s += time.perf_counter() - started
 
     def wants_catch_up(self, seq: Sequence, alone: bool = False) -> bool:
-        """Whether to fill the sequence's lagging draft now: the policy chose to speculate at the last step and the
-        draft is too far behind to catch up in its round, or the sequence decodes alone and its next step may be a
-        probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
+        """Whether to fill the sequence's lagging draft now: its drafter's policy chose to speculate at its last step
+        and the draft is too far behind to catch up in its round, or the sequence decodes alone and its next step may
+        be a probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
         past it, every later probe of a long request would learn nothing); a nearer one would catch up in the
         probe's first draft forward, which is timed as drafting: the probe would price the draft's forward well
         above what it costs, and keep drafting off for the rest of the request. So before a probe
@@ -450,10 +451,11 @@ class Engine:
         where drafting saves little a token, a short answer to a long prompt is cheaper without its draft."""
         if seq.acceptance is None:
             return seq.proposer is not None and seq.draft_behind > MAX_DRAFT_LAG
-        if alone and self.draft_policy.probe_due:
+        policy = self._policy_for(_seq_pool(seq))
+        if alone and policy.probe_due:
             return seq.draft_behind > ROUND_FEED
-        return (self.draft_wanted and seq.draft_behind > MAX_DRAFT_LAG
-                and self.draft_policy.catch_up_pays(seq.draft_behind, self._tokens_to_come(seq), self.catch_up_rows))
+        return (policy.wants_drafting and seq.draft_behind > MAX_DRAFT_LAG
+                and policy.catch_up_pays(seq.draft_behind, self._tokens_to_come(seq), self.catch_up_rows))
 
     @property
     def catch_up_rows(self) -> float:
@@ -486,7 +488,7 @@ class Engine:
                 raise
             self._fall_back(seq, err)
         else:  # (what reading costs a token, which catch_up_pays weighs)
-            self._drafters_costs(_seq_pool(seq)).observe_catch_up(len(tokens), time.perf_counter() - started)
+            self._policy_for(_seq_pool(seq)).costs.observe_catch_up(len(tokens), time.perf_counter() - started)
 
     def _timed_catch_up(self, seq: Sequence) -> float:
         """catch_up_draft(seq); the seconds it took."""
@@ -578,19 +580,19 @@ class Engine:
         self.draft_policy.costs.observe(len(live), max(len(drafts[i]) for i in live), times.draft_s, times.verify_s,
                                         draft_steps=steps)
 
-    def _drafters_costs(self, pool: str) -> StepCosts:
-        """The step costs a drafter (_pool_method) prices with: its own view of the engine's passes."""
-        if pool not in self._costs:
-            self._costs[pool] = self.draft_policy.costs.sharing_passes()
-        return self._costs[pool]
+    def _policy_for(self, pool: str) -> DraftLengthPolicy:
+        """A drafter's (_pool_method) policy, its costs a view of the engine's one table of passes."""
+        if pool not in self._policies:
+            self._policies[pool] = DraftLengthPolicy(costs=self.draft_policy.costs.sharing_passes())
+        return self._policies[pool]
 
-    def _step_costs(self, seqs: list[Sequence]) -> StepCosts:
-        """The costs a step of these rows is priced and timed by: those of the drafter most of its drafting rows
-        share (a mix is priced by its largest kind); with none drafting, the policy's as they were."""
+    def _step_policy(self, seqs: list[Sequence]) -> DraftLengthPolicy:
+        """The policy a step of these rows is priced and timed by: that of the drafter most of its drafting rows
+        share (a mix is priced by its largest kind); with none drafting, the last step's."""
         pools = [_seq_pool(seq) for seq in seqs if seq.proposer is not None]
         if not pools:
-            return self.draft_policy.costs
-        return self._drafters_costs(max(set(pools), key=pools.count))
+            return self.draft_policy
+        return self._policy_for(max(set(pools), key=pools.count))
 
     def _fall_back_where_drafting_failed(self, seqs: list[Sequence], drafts: list, ks: list[int],
                                          draft_s: float) -> list[Sequence]:
@@ -626,7 +628,7 @@ class Engine:
         # Where none of them can draft (every draft lags), priced as if they could: whether drafting would pay is
         # what decides if their drafts are filled (wants_catch_up); their k is 0 whatever the choice.
         adaptive = [seq for seq in everyone if seq not in settled] or everyone
-        self.draft_policy.costs = self._step_costs(everyone or seqs)
+        self.draft_policy = self._step_policy(everyone or seqs)
         fixed = [seq.cfg.num_draft_tokens for seq in seqs
                  if seq.proposer is not None and not seq.acceptance and seq.draft_behind <= MAX_DRAFT_LAG]
 
@@ -639,8 +641,6 @@ class Engine:
         shared = priced(self.draft_policy.choose, adaptive) if adaptive else 0
         if len(adaptive) < len(everyone):  # whether to fill the lagging drafts: judged as if all were filled
             priced(self.draft_policy.judge, everyone)
-        if everyone:
-            self.draft_wanted = self.draft_policy.wants_drafting
         ks = [0 if seq.proposer is None or seq.draft_behind > MAX_DRAFT_LAG else
               min(shared if seq.acceptance else seq.cfg.num_draft_tokens, depth)
               for seq, depth in zip(seqs, depths)]

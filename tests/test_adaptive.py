@@ -211,7 +211,7 @@ def test_a_sequence_drafting_a_fixed_k_fills_its_lagging_draft_whatever_the_poli
             eng.prefill(seq)
         seq.context += [5] * (MAX_DRAFT_LAG + 1)  # as lookup rounds that kept every token would leave it
         for wanted in (True, False):  # what the last adaptive sequence's policy chose
-            eng.draft_wanted = wanted
+            eng.draft_policy.wants_drafting = wanted
             assert eng.wants_catch_up(seq, alone=True) and eng.wants_catch_up(seq)
         eng.catch_up_draft(seq)
         assert not eng.wants_catch_up(seq, alone=True)
@@ -532,7 +532,7 @@ def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
     assert all(seq.draft_behind == len(seq.prompt_ids) - 1 for seq in seqs)  # the target alone was prefilled
     for _ in range(10):
         eng.step(seqs)
-    assert not eng.draft_wanted and not any(eng.wants_catch_up(seq) for seq in seqs)
+    assert not eng.draft_policy.wants_drafting and not any(eng.wants_catch_up(seq) for seq in seqs)
     assert all(seq.stats.proposed == 0 and seq.draft_behind > MAX_DRAFT_LAG for seq in seqs)
     # Drafting pays now (as when the load fell): the drafts catch up in chunks, then draft. (Every width timed in
     # turn, as steps would time them: none of these timings is stale by the time the next real step is timed.)
@@ -540,7 +540,7 @@ def test_an_adaptive_draft_is_filled_only_once_speculation_pays():
         for k in range(5):
             eng.draft_policy.costs.observe(2, k, 0.001 * k, 0.1)
     eng.step(seqs)
-    assert eng.draft_wanted and all(eng.wants_catch_up(seq) for seq in seqs)
+    assert eng.draft_policy.wants_drafting and all(eng.wants_catch_up(seq) for seq in seqs)
     for seq in seqs:
         while eng.wants_catch_up(seq):
             eng.catch_up_draft(seq, max_tokens=4)
@@ -580,7 +580,8 @@ def test_lagging_drafts_are_judged_as_if_all_were_filled_not_by_the_one_that_is(
     assert seqs[0].draft_behind <= MAX_DRAFT_LAG
     eng.step(seqs)
     assert seqs[0].stats.proposed == 0  # this step: plain (one row's draft is not worth the wide pass)
-    assert eng.draft_wanted and eng.wants_catch_up(seqs[1])  # yet the others are filled: then drafting pays
+    # yet the others are filled: then drafting pays
+    assert eng.draft_policy.wants_drafting and eng.wants_catch_up(seqs[1])
     # The control: judged by the filled row alone, drafting would not be wanted.
     assert eng.draft_policy.judge([0.8], 4, 3, free=[0, 0]) == 0 and not eng.draft_policy.wants_drafting
     for seq in seqs:
@@ -623,7 +624,7 @@ def test_a_lagging_draft_is_filled_only_where_the_answer_still_to_come_repays_th
     short, long = GenerationConfig(max_new_tokens=8, ignore_eos=True), GenerationConfig(max_new_tokens=200)
     seqs = _opened(eng, tokenizer, prompts, short)
     eng.step(seqs)  # (priced: drafting wins, and what it saves a token is known)
-    assert eng.draft_wanted and eng.draft_policy.saving_per_token(2) > 0 and eng.open_sequences == 2
+    assert eng.draft_policy.wants_drafting and eng.draft_policy.saving_per_token(2) > 0 and eng.open_sequences == 2
     behind = seqs[0].draft_behind
     assert behind > MAX_DRAFT_LAG and eng.wants_catch_up(seqs[0])  # reading's cost not measured yet: read
     eng.draft_policy.costs.catch_up_s = 1.0  # now measured, and dear: a second a token
@@ -655,11 +656,11 @@ def test_a_lagging_draft_is_priced_in_the_batch_of_the_recent_steps_not_a_gap_be
     for _ in range(10):
         eng.step(seqs)
     eng.close_sequence(seqs[1])  # (the next request not here yet)
-    eng.draft_wanted = True  # (as when drafting paid at the last step)
+    eng.draft_policy.wants_drafting = True  # (as when drafting paid at the last step)
     assert eng.open_sequences == 1 and eng.wants_catch_up(seqs[0]) and priced_at[-1] > 1.5  # priced as 2 rows
     for _ in range(10):
         eng.step(seqs[:1])
-    eng.draft_wanted = True  # (whatever tiny models' timings made of it)
+    eng.draft_policy.wants_drafting = True  # (whatever tiny models' timings made of it)
     assert eng.wants_catch_up(seqs[0]) and priced_at[-1] < 1.5  # the load fell: priced as 1 row
     eng.close_sequence(seqs[0])
 
@@ -953,3 +954,29 @@ def test_a_method_served_after_another_prices_drafting_by_its_own_forwards_not_t
                                                                        method="draft-tree"))
     assert tree.proposer.sizing.costs.draft(1) > 0.0  # control: the tree's own are there
     eng.close_sequence(tree)
+
+
+def test_one_methods_verdict_on_drafting_does_not_steer_anothers_filling():
+    """Where drafting lost for one method's rows (a tree at this batch size), another method's lagging draft is still
+    filled by its own policy's verdict; its own verdict does stop it (the control)."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method="hybrid")
+
+    def stepped(method: str):
+        seq = eng.open_sequence(tokenizer.encode("one two three"), GenerationConfig(max_new_tokens=8, method=method))
+        while not seq.prefill_done:
+            eng.prefill(seq)
+        eng.step([seq])  # the step's policy is now the engine's draft_policy
+        return seq
+
+    chain = stepped("draft")
+    chain_policy = eng.draft_policy
+    tree = stepped("draft-tree")
+    assert eng.draft_policy is not chain_policy
+    eng.draft_policy.wants_drafting = False  # drafting lost for the tree's rows
+    chain.context += [5] * (MAX_DRAFT_LAG + 1)  # the chain's draft lags far behind its text
+    assert eng.wants_catch_up(chain)
+    chain_policy.wants_drafting = False  # control: its own verdict
+    assert not eng.wants_catch_up(chain)
+    for seq in (chain, tree):
+        eng.close_sequence(seq)

@@ -22,6 +22,9 @@ ap.add_argument("--repeats", type=int, default=1)
 ap.add_argument("--max-tokens", type=int, default=96)
 ap.add_argument("--prompts", default="docs/experiments/invariance-zen4/prompts-unseen.jsonl")
 ap.add_argument("--log", default="/tmp/w/steps.jsonl")
+ap.add_argument("--served-before", default="", help="methods whose `on` cells run before each repeat's modes, as the "
+                "server table's earlier methods do (logged as before-METHOD)")
+ap.add_argument("--before-c", type=int, default=None, help="requests in flight in those cells (default: --c)")
 a = ap.parse_args()
 
 engine = Engine.from_pretrained(a.target, a.draft if a.draft != "none" else None, a.method, backend=a.backend)
@@ -73,8 +76,21 @@ def catch(seq, max_tokens=None):
                           "running": len(sched._running)}) + "\n")
 engine.step, engine.catch_up_draft = step, catch
 
-def run_mode(mode):
-    asked = {} if a.request_method is None else {"method": a.request_method}
+def timed(name):  # the scheduler's other calls into the engine, timed: what a step's log does not show
+    orig = getattr(engine, name)
+    def call(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return orig(*args, **kw)
+        finally:
+            out.write(json.dumps({"mode": mode_now["m"], "op": name, "s": time.perf_counter() - t0}) + "\n")
+    setattr(engine, name, call)
+for name in ("open_sequence", "prefill", "close_sequence"):
+    timed(name)
+
+def run_mode(mode, method=None, c=None):
+    method = method or a.request_method
+    asked = {} if method is None else {"method": method}
     cfg = {"on": dict(asked), "always": dict(asked, adaptive=False), "off": dict(method="none")}[mode]
     cfg = GenerationConfig.from_options(max_new_tokens=a.max_tokens, temperature=0.0, ignore_eos=False, **cfg)
     todo = list(range(len(ids)))
@@ -95,7 +111,7 @@ def run_mode(mode):
         return sink
     t0 = time.perf_counter()
     with lock:
-        for _ in range(min(a.c, len(todo))):
+        for _ in range(min(c or a.c, len(todo))):
             j = todo.pop(0); state["inflight"] += 1
             sched.submit(ids[j], cfg, sink_for(j))
     done.wait()
@@ -106,6 +122,10 @@ def driver():
     for r in range(a.repeats + 1):
         order = a.modes.split(",")
         if r % 2: order = order[::-1]
+        for other in filter(None, a.served_before.split(",")):
+            mode_now["m"] = f"before-{other}"
+            tok, wall = run_mode("on", other, a.before_c)
+            print(f"repeat {r} {other} on: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)
         for mode in order:
             mode_now["m"] = f"{mode}" if r else f"warm-{mode}"
             tok, wall = run_mode(mode)

@@ -3,8 +3,10 @@ import json, sys, collections
 rows = [json.loads(l) for l in open(sys.argv[1])]
 by = collections.defaultdict(list)
 cu = collections.defaultdict(list)
+ops = collections.defaultdict(list)
 for r in rows:
     if "catch_up" in r: cu[r["mode"]].append(r); continue
+    if "op" in r: ops[(r["mode"], r["op"])].append(r["s"]); continue
     by[(r["mode"], r["rows"])].append(r)
 for (mode, n), steps in sorted(by.items()):
     tot = sum(s["total_s"] for s in steps); em = sum(s["emitted"] for s in steps)
@@ -15,3 +17,5 @@ for (mode, n), steps in sorted(by.items()):
           f"verify/step {1000*v/len(steps):.0f}ms")
 for mode, c in cu.items():
     print(mode, "catch-ups", len(c), "tokens", sum(x["catch_up"] for x in c), "seconds", round(sum(x["s"] for x in c), 2))
+for (mode, op), secs in sorted(ops.items()):
+    print(f"{mode:8s} {op}: {len(secs)} calls, {sum(secs):.2f} s, longest {max(secs):.2f} s")
