@@ -190,6 +190,20 @@ def _replica_actors() -> list:
             if a["name"].startswith("SERVE_REPLICA::draftwise#DraftwiseReplica")]
 
 
+def _wait_until_running_on(url: str, replica: str, timeout_s: float = 60.0) -> None:
+    """Until /metrics shows the replica running a request (its gauge, labelled by replica); at most timeout_s."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("draftwise_running_requests{") and f'replica="{replica}"' in line \
+                    and float(line.rsplit(" ", 1)[1]) > 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"replica {replica} never ran a request in {timeout_s:.0f} s")
+
+
 def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cluster, single):
     from ray import serve
 
@@ -211,7 +225,7 @@ def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cl
     jobs = [(p, stream) for p in PROMPTS for stream in (False, True)] * 2
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(one, job) for job in jobs]
-        time.sleep(1.5)  # (all under way)
+        _wait_until_running_on(cluster["url"], victim_id)  # (a fixed sleep missed it when the machine was loaded)
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
         results = [f.result(timeout=300) for f in futures]
     failed = [err for _, _, err in results if err is not None]
