@@ -2,7 +2,8 @@
 
 Speculation pays only when the tokens a round is expected to emit outweigh what the round costs, and both
 sides move with the text, the step's shape, the dtype, the machine and the load; estimates.py measures them
-(Acceptance per sequence, StepCosts per engine, TreeSpread per sequence).
+(Acceptance per sequence, StepCosts per drafter over the engine's passes, TreeSpread per sequence). The engine
+keeps one policy per drafter (a method on its draft): what one method learnt must not steer another's choices.
 
 Each candidate k is priced by the round planner (planner.py): the adaptive rows as chains of k at their own
 rates (a tree k deep with its measured side nodes beside the path, TreeSpread), beside the rows that draft their

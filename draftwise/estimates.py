@@ -13,9 +13,9 @@ So both are measured as the engine runs:
   earlier sequences of the same method kept in this engine where that is above the estimate's own prior
   (Acceptance.start_from; a hybrid's lookup carries its own, by match length), so that one bad first round does
   not turn drafting off;
-- the step's costs, per engine (StepCosts), by the number of rows in the step: seconds per verification pass
-  of each width n = k + 1, and seconds per draft forward, decayed the same way; and the seconds a lagging draft
-  takes to read a token of its text (a new request's prompt). A timing not renewed in STALE_STEPS
+- the step's costs (StepCosts), by the number of rows in the step: seconds per verification pass of each width
+  n = k + 1, one table per engine; per drafter (a method on its draft), seconds per draft forward, decayed the
+  same way, and the seconds a lagging draft takes to read a token of its text (a new request's prompt). A timing not renewed in STALE_STEPS
   steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed;
 - the nodes a tree offers beside its deepest path, per sequence (TreeSpread).
 
