@@ -87,9 +87,8 @@ class Engine:
         self.last_step = StepTimes()
         self.draft_policy = DraftLengthPolicy()  # the step's drafter's (_step_policy); first, the engine's method's
         # drafter (_pool_method) -> its policy: choices, probes, savings and draft forwards of its own, priced over
-        # the one table of target passes (StepCosts.sharing_passes). One policy for every method let the method a
-        # server served before steer the next: `draft` at 2 requests ran 0.84x off after the other methods' cells
-        # and 0.97x on a server that served it alone.
+        # the one table of target passes (StepCosts.sharing_passes), so that what one method learnt in a server does
+        # not steer the next one's choices.
         self._policies: dict[str, DraftLengthPolicy] = {_pool_method(method, None): self.draft_policy}
         # (method, greedy) -> each estimate's name (_estimates) -> the acceptance of its earlier sequences, each folded
         # in whole and decayed by sequence: where the next one of that kind starts (recent_acceptance, start_from).
@@ -374,7 +373,7 @@ class Engine:
         """Fold a leaving adaptive sequence's estimates into recent_acceptance (each that saw no round: nothing)."""
         if seq.acceptance is None:
             return
-        pools = self._carried.setdefault((_pool_method(seq.method, seq.cfg.draft), seq.cfg.sampling.greedy), {})
+        pools = self._carried.setdefault((_seq_pool(seq), seq.cfg.sampling.greedy), {})
         for name, estimate in _estimates(seq).items():
             if estimate.observed_rate is not None:
                 # From the prior, as a sequence's own estimate: a pool that has seen one probe keep its one token
@@ -780,8 +779,8 @@ class Engine:
 
 
 def _pool_method(method: str, draft: str | None) -> str:
-    """Whose acceptance a sequence starts from and adds to, and whose step costs it prices with: its method's, on
-    the draft it drafts with."""
+    """Whose acceptance a sequence starts from and adds to, and whose draft-length policy it follows: its method's,
+    on the draft it drafts with."""
     return method if draft is None else f"{method}@{draft}"
 
 
