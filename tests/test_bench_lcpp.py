@@ -264,7 +264,8 @@ def test_bench_interleaves_lcpp_with_ours_and_reports_its_engine(tmp_path, fake,
                       target_gguf=str(_model(tmp_path)))
     results = run_bench(cfg, models=(tiny_model("llama"), tiny_tokenizer(), None))
     order = [(r["method"], r["repeat"]) for r in results["runs"]]
-    assert order == [("none", 0), ("lcpp-plain", 0), ("none", 1), ("lcpp-plain", 1)]  # interleaved in one process
+    # interleaved in one process, the second repeat the first backwards
+    assert order == [("none", 0), ("lcpp-plain", 0), ("lcpp-plain", 1), ("none", 1)]
     lcpp = [r for r in results["runs"] if r["method"] == "lcpp-plain"]
     assert all(r["new_tokens"] == 6 and r["tokens_per_s"] == 20.0 and r["identical"] is False for r in lcpp)
     assert "b9999-fake" in results["engines"][cfg.dtype]["lcpp-plain"]

@@ -106,10 +106,17 @@ def test_repeats_give_the_median_and_range_and_the_throttle_judges_repeat_by_rep
     assert "on_vs_best" not in next(r for r in rows if r["mode"] == "off")
 
 
-def test_interleaved_order_rotates_and_reverses_each_repeat():
+def test_interleaved_order_mirrors_each_pair_of_repeats_and_rotates_across_pairs():
     cells = ["a", "b", "c"]
-    assert [order_for_repeat(cells, r) for r in range(4)] == [
-        ["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"], ["c", "b", "a"]]
+    orders = [order_for_repeat(cells, r) for r in range(6)]
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"], ["a", "c", "b"], ["c", "a", "b"],
+                      ["b", "a", "c"]]
+    # Each pair is a mirror: a cell's mean position over the pair is the midpoint, so a steady drift cancels.
+    for even, odd in zip(orders[::2], orders[1::2]):
+        assert all(even.index(c) + odd.index(c) == len(cells) - 1 for c in cells)
+    # Over the three pairs every cell takes every position twice.
+    assert all(sorted(o.index(c) for o in orders) == [0, 0, 1, 1, 2, 2] for c in cells)
+    assert [order_for_repeat(["x", "y"], r) for r in range(2)] == [["x", "y"], ["y", "x"]]
     assert order_for_repeat([], 3) == []
 
 
@@ -380,9 +387,9 @@ def test_several_methods_and_repeats_run_interleaved_each_beside_its_own_off(tmp
             for a in asked]
     draft = [("on", "draft"), ("always", "draft"), ("off", "none")]
     lookup = [("on", "lookup"), ("always", "lookup"), ("off", "none")]
-    # Repeat 0: each cell's warm-up, then its two requests, a block per method; repeat 1: no warm-up, the blocks and
-    # the cells within each rotated and reversed (on, off, always).
-    again = [draft[0], draft[2], draft[1], lookup[0], lookup[2], lookup[1]]
+    # Repeat 0: each cell's warm-up, then its two requests, a block per method; repeat 1: no warm-up, repeat 0's
+    # cells backwards (the blocks and the cells within each).
+    again = (draft + lookup)[::-1]
     assert sent == [c for c in draft + lookup for _ in range(3)] + [c for c in again for _ in range(2)]
     rows = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert [(r["mode"], r["method"]) for r in rows] == [("on", "draft"), ("always", "draft"), ("off", "draft"),

@@ -8,12 +8,14 @@ T = TypeVar("T")
 
 
 def order_for_repeat(items: Sequence[T], repeat: int) -> list[T]:
-    """items rotated by the repeat's number, and run backwards on odd repeats: no contender always goes first, and
-    none always follows the same one (a rotation alone keeps each one's neighbours: a tree after its chain every
-    time, the very pairs a report sets side by side)."""
+    """Repeats in pairs: the even one rotated by the pair's number, the odd one its mirror. A mirrored pair puts each
+    contender as far from the pair's midpoint in one as in the other, so that a drift steady over the pair (a machine
+    slowing down) weighs on all alike, already in two repeats; across pairs the rotation moves who goes first, and
+    neighbours change. (A rotation by the repeat's number, reversed on odd repeats, gave two repeats of three that
+    both started with the same contender, and two of two that ran in the same order.)"""
     items = list(items)
     if not items:
         return items
-    shift = repeat % len(items)
+    shift = (repeat // 2) % len(items)
     order = items[shift:] + items[:shift]
     return order[::-1] if repeat % 2 else order

@@ -79,8 +79,8 @@ class LoadPlan:
         return [[(mode, method) for mode in self.modes] for method in self.methods]
 
     def cells_for_repeat(self, repeat: int) -> list[tuple[str, str | None]]:
-        """A repeat's cells in the order they run: the blocks, and the cells within each, rotated and reversed from
-        repeat to repeat (order_for_repeat)."""
+        """A repeat's cells in the order they run: the blocks, and the cells within each, as order_for_repeat
+        orders them (an odd repeat runs the one before backwards)."""
         return [cell for block in order_for_repeat(self.blocks(), repeat) for cell in order_for_repeat(block, repeat)]
 
 

@@ -1,11 +1,11 @@
 """`draftwise bench`: every method on the same loaded models and prompts, interleaved, then the three outputs.
 
-Order of work: choose prompts; then for each dtype, load the models once in it, warm every method up
-(untimed), run prompt by prompt with the methods interleaved and their order rotated each repeat (no method
-always runs first, after a particular other, or on a cooler machine), mark which outputs equal the reference
-greedy output of that dtype, measure the roofline, summarize; last, write results.json, the plots and
-report.md for every dtype at once. Each prompt's runs go to a journal under the output folder as the prompt
-finishes, so --resume after a crash runs only the prompts that had not (see journal.py).
+Order of work: choose prompts; then for each dtype, load the models once in it, warm every method up (untimed),
+run prompt by prompt with the methods interleaved, in pairs of repeats whose second runs the first's order
+backwards, each pair rotated (no method always runs first, after a particular other, or on a cooler machine), mark
+which outputs equal the reference greedy output of that dtype, measure the roofline, summarize; last, write
+results.json, the plots and report.md for every dtype at once. Each prompt's runs go to a journal under the output
+folder as the prompt finishes, so --resume after a crash runs only the prompts that had not (see journal.py).
 """
 from __future__ import annotations
 
