@@ -1,10 +1,11 @@
 """Issue 58: the server's scheduler in-process (no HTTP), C requests in flight, modes on/off/always interleaved;
-one JSON line per step (rows, draft and verify seconds, tokens emitted, the policy's inputs and prices) and per draft
-catch-up, for steps_summary.py.
+each step, catch-up and scheduler call traced (step_trace.py), for steps_summary.py.
 
 .venv/bin/python docs/experiments/throttle-zen4/inprocess_load.py --backend quant --method hybrid --c 4 --repeats 2 --log steps.jsonl
 """
-import argparse, json, statistics, sys, threading, time
+import argparse, json, os, statistics, sys, threading, time
+sys.path.insert(0, os.path.dirname(__file__))
+import step_trace
 from draftwise import Engine
 from draftwise.config import GenerationConfig
 from draftwise.serve.scheduler import Scheduler
@@ -25,6 +26,10 @@ ap.add_argument("--log", default="/tmp/w/steps.jsonl")
 ap.add_argument("--served-before", default="", help="methods whose `on` cells run before each repeat's modes, as the "
                 "server table's earlier methods do (logged as before-METHOD)")
 ap.add_argument("--before-c", type=int, default=None, help="requests in flight in those cells (default: --c)")
+ap.add_argument("--table", default="", help="methods: play loadgen's cells in its order instead (every level of "
+                "--levels, each repeat's (mode, method) cells as LoadPlan.cells_for_repeat orders them), logged as "
+                "c{C}-{method}-{mode}-r{repeat}")
+ap.add_argument("--levels", default="1,2,4,8")
 a = ap.parse_args()
 
 engine = Engine.from_pretrained(a.target, a.draft if a.draft != "none" else None, a.method, backend=a.backend)
@@ -34,59 +39,7 @@ sched = Scheduler(engine, max_batch=8)
 out = open(a.log, "w")
 mode_now = {"m": None}
 
-# Wrap the step and the catch-up to log them.
-orig_step, orig_catch = engine.step, engine.catch_up_draft
-last_obs = {}
-orig_obs = engine.draft_policy.costs.observe
-def obs(rows, k, draft_s, verify_s, draft_steps=None):
-    last_obs.update(k=k, steps=draft_steps)
-    return orig_obs(rows, k, draft_s, verify_s, draft_steps)
-engine.draft_policy.costs.observe = obs
-orig_choose = engine.draft_policy.choose
-def choose(rates, k_max, rows, fixed=(), spreads=(), free=()):
-    k = orig_choose(rates, k_max, rows, fixed, spreads, free)
-    pol = engine.draft_policy
-    if pol.costs.measured and pol.costs.knows(rows, 1):
-        last_obs["choice"] = {"rates": [round(r, 3) for r in rates], "k": k, "free": list(free),
-                              "pred": [round(pol.rate(rates, j, rows, fixed, spreads, free), 1) for j in range(k_max + 1)],
-                              "verify": [round(1000 * pol.costs.verify(rows, n), 1) for n in range(1, k_max + 2)],
-                              "draft": round(1000 * pol.costs.draft(rows), 1)}
-    return k
-engine.draft_policy.choose = choose
-def step(seqs):
-    last_obs.clear()
-    pol = engine.draft_policy
-    t0 = time.perf_counter()
-    ev = orig_step(seqs)
-    dt = time.perf_counter() - t0
-    lt = engine.last_step
-    emitted = sum(sum(e.token_id is not None for e in ev[s]) for s in seqs)
-    out.write(json.dumps({"mode": mode_now["m"], "rows": len(seqs), "draft_s": lt.draft_s, "verify_s": lt.verify_s,
-                          "k": last_obs.get("k"), "forwards": last_obs.get("steps"), "choice": last_obs.get("choice"),
-                          "total_s": dt, "emitted": emitted, "methods": [s.method for s in seqs],
-                          "wants": pol.wants_drafting,
-                          "proposed": [s.stats.proposed for s in seqs]}) + "\n")
-    return ev
-def catch(seq, max_tokens=None):
-    t0 = time.perf_counter(); b = seq.draft_behind
-    orig_catch(seq, max_tokens)
-    pol = engine.draft_policy
-    out.write(json.dumps({"mode": mode_now["m"], "catch_up": b, "s": time.perf_counter() - t0,
-                          "saving": pol.saving_per_token(engine.open_sequences), "open": engine.open_sequences, "cu_s": pol.costs.catch_up_s, "to_come": engine._tokens_to_come(seq),
-                          "running": len(sched._running)}) + "\n")
-engine.step, engine.catch_up_draft = step, catch
-
-def timed(name):  # the scheduler's other calls into the engine, timed: what a step's log does not show
-    orig = getattr(engine, name)
-    def call(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return orig(*args, **kw)
-        finally:
-            out.write(json.dumps({"mode": mode_now["m"], "op": name, "s": time.perf_counter() - t0}) + "\n")
-    setattr(engine, name, call)
-for name in ("open_sequence", "prefill", "close_sequence"):
-    timed(name)
+step_trace.install(out, lambda engine, seqs: mode_now["m"])
 
 def run_mode(mode, method=None, c=None):
     method = method or a.request_method
@@ -118,6 +71,20 @@ def run_mode(mode, method=None, c=None):
     return state["tokens"], time.perf_counter() - t0
 
 results = {}
+def table_driver():  # loadgen's order (draftwise/bench/loadgen.py): levels, then repeats, then the repeat's cells
+    from draftwise.bench.loadgen import LoadPlan
+    methods = tuple(a.table.split(","))
+    plan = LoadPlan(url="http://127.0.0.1:1", prompts=prompts, levels=[int(c) for c in a.levels.split(",")],
+                    modes=("on", "always", "off"), methods=methods, repeats=a.repeats)
+    for level in plan.levels:
+        for repeat in range(plan.repeats):
+            for mode, method in plan.cells_for_repeat(repeat):
+                mode_now["m"] = f"c{level}-{method}-{mode}-r{repeat}"
+                a.request_method = method
+                tok, wall = run_mode(mode, method, level)
+                results.setdefault(f"c{level}-{method}-{mode}", []).append(tok / wall)
+                print(f"{mode_now['m']}: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)
+    sched.drain(5)
 def driver():
     for r in range(a.repeats + 1):
         order = a.modes.split(",")
@@ -133,7 +100,7 @@ def driver():
                 results.setdefault(mode, []).append(tok / wall)
             print(f"repeat {r} {mode}: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)
     sched.drain(5)
-threading.Thread(target=driver, daemon=True).start()
+threading.Thread(target=table_driver if a.table else driver, daemon=True).start()
 sched.run()
 out.close()
 print(json.dumps({m: statistics.median(v) for m, v in results.items()}))

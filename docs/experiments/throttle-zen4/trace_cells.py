@@ -1,0 +1,87 @@
+"""A traced server's steps (traced_serve.py) cut into loadgen's cells, and what each cell's engine did: its steps and
+their seconds, the steps that drafted against what plain steps of the cell would have taken for their tokens, the
+catch-ups and prefills, and the cell's plain step (the median of its steps that drafted nothing, at its commonest
+batch size). A cell's plain step beside its off cell's says how fast the machine ran in each: where on ran the same
+steps as off (no drafting), a gap between them is the machine's drift, not the policy's.
+
+python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS
+(the loadgen run's --methods, --concurrency and --repeats: its cells are replayed in its order, warm-ups included)"""
+import collections, json, statistics, sys
+
+sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "../../.."))
+from draftwise.bench.loadgen import LoadPlan  # noqa: E402
+
+PROMPTS = 8  # the run's prompts (a cell sends max(prompts, level) requests)
+
+
+def expected_cells(methods, levels, repeats):
+    plan = LoadPlan(url="http://127.0.0.1:1", levels=tuple(levels), modes=("on", "always", "off"), prompts=(),
+                    methods=tuple(methods), repeats=repeats)
+    for level in levels:
+        for repeat in range(repeats):
+            for mode, method in plan.cells_for_repeat(repeat):
+                if repeat == 0:
+                    yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=True, requests=level)
+                yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=False,
+                           requests=max(PROMPTS, level))
+
+
+def cut(trace, cells):
+    """Each line of the trace to the cell in progress: a cell ends with its last request's close."""
+    cells = iter(cells)
+    cell = dict(next(cells), steps=[], catch_ups=[], ops=[], closed=0)
+    out = [cell]
+    for line in trace:
+        if "op" in line:
+            cell["ops"].append(line)
+            if line["op"] == "close_sequence":
+                cell["closed"] += 1
+                if cell["closed"] == cell["requests"]:
+                    nxt = next(cells, None)
+                    if nxt is None:
+                        break
+                    cell = dict(nxt, steps=[], catch_ups=[], ops=[], closed=0)
+                    out.append(cell)
+        elif "catch_up" in line:
+            cell["catch_ups"].append(line)
+        else:
+            cell["steps"].append(line)
+    return out
+
+
+def summary(cell):
+    steps = cell["steps"]
+    rows = collections.Counter(s["rows"] for s in steps).most_common(1)[0][0] if steps else 0
+    plain_by_rows = collections.defaultdict(list)
+    for s in steps:
+        if not s["k"]:
+            plain_by_rows[s["rows"]].append(s["total_s"])
+    plain = {n: statistics.median(v) for n, v in plain_by_rows.items()}
+    drafting = [s for s in steps if s["k"]]
+    drafted_s = sum(s["total_s"] for s in drafting)
+    # what plain steps would have taken for the drafting steps' tokens (where this cell ran plain steps of their rows)
+    as_plain = sum(s["emitted"] / s["rows"] * plain[s["rows"]] for s in drafting if s["rows"] in plain)
+    return dict(steps=len(steps), step_s=sum(s["total_s"] for s in steps), emitted=sum(s["emitted"] for s in steps),
+                drafting=len(drafting), drafted_s=drafted_s, as_plain_s=as_plain,
+                catch_up_s=sum(c["s"] for c in cell["catch_ups"]),
+                prefill_s=sum(o["s"] for o in cell["ops"] if o["op"] == "prefill"),
+                rows=rows, plain_ms=1000 * plain.get(rows, float("nan")))
+
+
+def main():
+    trace = [json.loads(line) for line in open(sys.argv[1])]
+    methods, levels, repeats = sys.argv[2].split(","), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
+    cells = [c for c in cut(trace, expected_cells(methods, levels, repeats)) if not c["warm_up"]]
+    print("| c | method | repeat | mode | steps | step s | drafting steps: s (as plain) | catch-up s | prefill s "
+          "| plain step ms (rows) | busy s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in cells:
+        s = summary(c)
+        busy = s["step_s"] + s["catch_up_s"] + s["prefill_s"]
+        print(f"| {c['level']} | {c['method']} | {c['repeat'] + 1} | {c['mode']} | {s['steps']} | {s['step_s']:.1f} | "
+              f"{s['drafting']}: {s['drafted_s']:.1f} ({s['as_plain_s']:.1f}) | {s['catch_up_s']:.1f} | "
+              f"{s['prefill_s']:.1f} | {s['plain_ms']:.0f} ({s['rows']}) | {busy:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
