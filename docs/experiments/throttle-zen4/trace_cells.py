@@ -68,19 +68,42 @@ def summary(cell):
                 rows=rows, plain_ms=1000 * plain.get(rows, float("nan")))
 
 
+def busy_s(s):
+    return s["step_s"] + s["catch_up_s"] + s["prefill_s"]
+
+
+def on_against_off(cells):
+    """Per level, method and repeat: off's busy seconds over on's, as run, and with on's busy seconds taken at off's
+    plain step (on's scaled by off's plain step over its own): where the two cells ran the same steps, what is left is
+    the policy's, the machine's drift between the two cells taken out."""
+    by = {(c["level"], c["method"], c["repeat"], c["mode"]): summary(c) for c in cells}
+    print("| c | method | repeat | on busy s | off busy s | plain step ms, on / off | off / on busy | the same at off's "
+          "plain step |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for (level, method, repeat, mode), on in by.items():
+        off = by.get((level, method, repeat, "off"))
+        if mode != "on" or off is None:
+            continue
+        speed = off["plain_ms"] / on["plain_ms"] if on["plain_ms"] == on["plain_ms"] else float("nan")
+        print(f"| {level} | {method} | {repeat + 1} | {busy_s(on):.1f} | {busy_s(off):.1f} | {on['plain_ms']:.0f} / "
+              f"{off['plain_ms']:.0f} | {busy_s(off) / busy_s(on):.2f} | {busy_s(off) / (busy_s(on) * speed):.2f} |")
+
+
 def main():
     trace = [json.loads(line) for line in open(sys.argv[1])]
     methods, levels, repeats = sys.argv[2].split(","), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
-    cells = [c for c in cut(trace, expected_cells(methods, levels, repeats)) if not c["warm_up"]]
+    cells = [c for c in cut(trace, expected_cells(methods, levels, repeats)) if not c["warm_up"] and c["steps"]]
     print("| c | method | repeat | mode | steps | step s | drafting steps: s (as plain) | catch-up s | prefill s "
           "| plain step ms (rows) | busy s |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in cells:
         s = summary(c)
-        busy = s["step_s"] + s["catch_up_s"] + s["prefill_s"]
+        busy = busy_s(s)
         print(f"| {c['level']} | {c['method']} | {c['repeat'] + 1} | {c['mode']} | {s['steps']} | {s['step_s']:.1f} | "
               f"{s['drafting']}: {s['drafted_s']:.1f} ({s['as_plain_s']:.1f}) | {s['catch_up_s']:.1f} | "
               f"{s['prefill_s']:.1f} | {s['plain_ms']:.0f} ({s['rows']}) | {busy:.1f} |")
+    print()
+    on_against_off(cells)
 
 
 if __name__ == "__main__":
