@@ -11,8 +11,8 @@ def order_for_repeat(items: Sequence[T], repeat: int) -> list[T]:
     """Repeats in pairs: the even one rotated by the pair's number, the odd one its mirror. A mirrored pair puts each
     contender as far from the pair's midpoint in one as in the other, so that a drift steady over the pair (a machine
     slowing down) weighs on all alike, already in two repeats; across pairs the rotation moves who goes first, and
-    neighbours change. (A rotation by the repeat's number, reversed on odd repeats, gave two repeats of three that
-    both started with the same contender, and two of two that ran in the same order.)"""
+    neighbours change. (Rotated by the repeat's number instead, and reversed on odd repeats, two repeats of three
+    would start with the same contender, and two of two run in the same order.)"""
     items = list(items)
     if not items:
         return items
