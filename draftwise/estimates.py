@@ -15,8 +15,9 @@ So both are measured as the engine runs:
   not turn drafting off;
 - the step's costs (StepCosts), by the number of rows in the step: seconds per verification pass of each width
   n = k + 1, one table per engine; per drafter (a method on its draft), seconds per draft forward, decayed the
-  same way, and the seconds a lagging draft takes to read a token of its text (a new request's prompt). A timing not renewed in STALE_STEPS
-  steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not averaged, when next timed;
+  same way, and the seconds a lagging draft takes to read a token of its text (a new request's prompt). A timing
+  not renewed in STALE_STEPS steps is stale (Timings): priced at most as the fresh ones imply, and replaced, not
+  averaged, when next timed;
 - the nodes a tree offers beside its deepest path, per sequence (TreeSpread).
 
 They sit below the proposers and the engine (the layers of docs/architecture.md): a proposer reads them, and never the

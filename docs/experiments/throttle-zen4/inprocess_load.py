@@ -80,7 +80,6 @@ def table_driver():  # loadgen's order (draftwise/bench/loadgen.py): levels, the
         for repeat in range(plan.repeats):
             for mode, method in plan.cells_for_repeat(repeat):
                 mode_now["m"] = f"c{level}-{method}-{mode}-r{repeat}"
-                a.request_method = method
                 tok, wall = run_mode(mode, method, level)
                 results.setdefault(f"c{level}-{method}-{mode}", []).append(tok / wall)
                 print(f"{mode_now['m']}: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)

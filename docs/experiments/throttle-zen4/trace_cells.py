@@ -6,9 +6,9 @@ steps as off (no drafting), a gap between them is the machine's drift, not the p
 
 python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS
 (the loadgen run's --methods, --concurrency and --repeats: its cells are replayed in its order, warm-ups included)"""
-import collections, json, statistics, sys
+import collections, json, os, statistics, sys
 
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "../../.."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../.."))
 from draftwise.bench.loadgen import LoadPlan  # noqa: E402
 
 PROMPTS = 8  # the run's prompts (a cell sends max(prompts, level) requests)

@@ -3,9 +3,9 @@ where the in-process scheduler does not reproduce a loss. A step's cell is named
 always (the adaptive flag of its drafting rows), and their methods.
 
 .venv/bin/python docs/experiments/throttle-zen4/traced_serve.py TRACE.jsonl serve --port 8765 --method hybrid ..."""
-import sys
+import os, sys
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
 import step_trace  # noqa: E402
 from draftwise.cli import main  # noqa: E402
 
