@@ -12,8 +12,9 @@ The target pass pads every row to the widest, so the batch shares one k (DraftLe
 whose expected tokens per second is highest. That turns speculation off when a full batch makes wide
 passes dear, and back on as load falls. A plain step, which nothing narrower bounds, is timed once at each
 batch size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain
-step times the width's price over a plain step at the nearest batch size that measured it (without one, what
-the nearest measured shape costs, interpolated between widths: optimism, so that it gets tried). When k = 0
+step times the width's price over a plain step at the batch sizes that measured it, interpolated by rows (without one, what
+the nearest measured shape costs, interpolated between widths: optimism, so that it gets tried; past the widest
+measured, on the chord from the narrowest: a pass only grows dearer a position as it widens). When k = 0
 wins, a step still drafts one token now and then (a probe), so a change is noticed: the PROBE_EVERY-th step
 after drafting stopped paying, and after each probe that finds it still does not pay, twice as many steps
 later, up to MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rarely adds, so a

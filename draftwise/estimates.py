@@ -54,6 +54,20 @@ def interpolate(table: dict[int, float], n: float) -> float:
     return (1 - share) * table[below] + share * table[above]
 
 
+def widen(table: dict[int, float], n: float) -> float:
+    """A pass of width n from the widths measured at one batch size: interpolate()'s within and below them; past the
+    widest, on the chord from the narrowest to the widest, never below the widest. A pass's cost rises at least
+    that fast past its measured widths (the wider it is, the more it is compute-bound), so a width far past them,
+    priced as the widest, would be chosen at a fraction of its cost: a 25-node tree at 2 rows on the quant
+    backend, priced as the 5-wide pass (132 ms), ran 521 ms for 2 tokens."""
+    widest = max(table)
+    if n <= widest or len(table) == 1:
+        return interpolate(table, n)
+    narrowest = min(table)
+    slope = max(0.0, (table[widest] - table[narrowest]) / (widest - narrowest))
+    return table[widest] + slope * (n - widest)
+
+
 def along(table: dict[int, float], n: float) -> float:
     """table[n] if measured, else on the line through the measured points: between the nearest two, or past the
     ends on the nearest two's slope (bounded below: no less than the last point past it, no less than the first
@@ -236,20 +250,35 @@ class StepCosts:
 
     def _unmeasured(self, rows: int, n: int, near: dict[int, float]) -> float:
         # An unmeasured width at a batch size whose plain step is known: that step times what the width costs
-        # over a plain step at the nearest batch size that measured both, so that a batch size only just reached
-        # (a row joined) inherits its neighbour's verdict on drafting instead of finding every width free.
+        # over a plain step at the batch sizes that measured both (_width_ratio), so that a batch size only just
+        # reached (a row joined) inherits its neighbours' verdict on drafting instead of finding every width free.
         shaped = [r for r, widths in self._verify_s.items() if 1 in widths.seconds and len(widths.seconds) > 1]
         if 1 in near and shaped:
-            ref = self._widths(nearest(shaped, rows))
-            estimate = near[1] * interpolate(ref, n) / ref[1]
+            estimate = near[1] * self._width_ratio(shaped, rows, n)
         else:
-            estimate = interpolate(near, n)
+            estimate = widen(near, n)
         # No less than a pass of as many positions has cost: a width's ratio learnt at 1 row (nearly flat while
         # decoding is memory-bound) says nothing of 8 rows, where the pass has turned compute-bound, and a batch
         # size that never drafted would price every width at its plain step. Priced so, the quant backend at 8
         # rows (82 ms plain, 140 ms 2 wide) found drafting 4 tokens twice as fast as a plain step, filled lagging
         # drafts for it, and lost 4% to off without drafting a round that paid.
         return max(estimate, self._by_positions(rows, n))
+
+    def _width_ratio(self, shaped: list[int], rows: int, n: int) -> float:
+        """What a pass n wide costs over a plain step at this many rows, from the batch sizes that measured both
+        (shaped): between the nearest below and above, interpolated by rows; else the nearest one's. A width's price
+        rises with the rows (4 rows on the quant backend: 2 wide 1.56 plain steps; 2 rows: 1.20), so the smaller
+        neighbour's ratio alone priced 3 rows' 2-wide pass at 87 ms where it ran 104 to 150, and drafted at a loss."""
+        def ratio(at: int) -> float:
+            widths = self._widths(at)
+            return widen(widths, n) / widths[1]
+
+        below = max((r for r in shaped if r <= rows), default=None)
+        above = min((r for r in shaped if r >= rows), default=None)
+        if below is None or above is None or below == above:
+            return ratio(nearest(shaped, rows))
+        share = (rows - below) / (above - below)
+        return (1 - share) * ratio(below) + share * ratio(above)
 
     def _by_positions(self, rows: int, n: int) -> float:
         """What a pass of rows x n positions costs, from the fresh passes of no more rows by their positions (the

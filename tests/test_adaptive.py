@@ -366,16 +366,35 @@ def test_rows_of_unmeasured_batch_sizes_use_the_nearest_measured():
     assert policy.choose([0.7] * 7, k_max=4, rows=7) == 0
 
 
-def test_a_new_batch_size_prices_wide_passes_as_its_neighbour_does():
-    # Eight rows were measured at every width (a wide pass is dear there); seven rows only at a plain step, as
-    # when a request leaves a full batch. Seven rows' wide passes cost its plain step times eight rows' ratio,
-    # not its plain step alone (which would make every width look free and fill every draft to try one).
+def test_a_new_batch_size_prices_wide_passes_as_its_neighbours_do():
+    # Four and eight rows were measured at every width (a wide pass is dear there); seven rows only at a plain step,
+    # as when a request leaves a full batch. Seven rows' wide passes cost its plain step times their neighbours'
+    # ratio, interpolated by rows, not its plain step alone (which would make every width look free and fill every
+    # draft to try one). (Its plain step a slow one's, so that the price is the ratio's, not a bound by positions.)
     policy = DraftLengthPolicy()
     _memory_then_compute_bound(policy)
-    policy.costs.observe(7, 0, 0.0, 0.5)
-    ratio = policy.costs.verify(8, 5) / policy.costs.verify(8, 1)
-    assert policy.costs.verify(7, 5) == pytest.approx(0.5 * ratio)
+    policy.costs.observe(7, 0, 0.0, 0.6)
+    ratio = {rows: policy.costs.verify(rows, 5) / policy.costs.verify(rows, 1) for rows in (4, 8)}
+    assert ratio[4] < ratio[8]
+    assert policy.costs.verify(7, 5) == pytest.approx(0.6 * (ratio[4] / 4 + ratio[8] * 3 / 4))
+    assert policy.costs.verify(9, 5) == pytest.approx(policy.costs.verify(9, 1) * ratio[8])  # past the last: its own
     assert policy.choose([0.7] * 7, k_max=4, rows=7) == 0 and not policy.wants_drafting
+
+
+def test_a_pass_wider_than_any_measured_is_priced_on_the_chord_and_a_tree_does_not_outgrow_its_cost():
+    # Two rows on the quant backend (an Intel Xeon): passes 1 to 5 wide measured; a 25-node tree priced as the 5-wide
+    # pass looked nearly free to widen, was offered, and ran 521 ms for 2 tokens.
+    costs = StepCosts()
+    for _ in range(4):
+        for width, seconds in enumerate((0.058, 0.0698, 0.0829, 0.0946, 0.1317), start=1):
+            costs.observe(2, width - 1, 0.0, seconds)
+    slope = (0.1317 - 0.058) / 4
+    assert costs.verify(2, 4) == pytest.approx(0.0946)  # (measured)
+    assert costs.verify(2, 25) == pytest.approx(0.1317 + 20 * slope)
+    sizing = TreeSizing(costs)
+    sizing.rows, sizing.forward_s = 2, 0.016
+    chances = [0.9, 0.8, 0.7, 0.6] + [0.3] * 8 + [0.15] * 12  # a tree's 24 nodes, likeliest first
+    assert sizing.how_many(chances, k=4, forwards=4) < 8
 
 
 def test_wants_drafting_ignores_the_probe():
