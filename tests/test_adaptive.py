@@ -241,12 +241,19 @@ def test_a_width_last_timed_in_a_slow_spell_is_tried_again_once_its_time_is_stal
         policy.costs.observe(1, 1, 0.01, 0.3)
     assert policy.choose([0.8], k_max=8, rows=1) == 0  # (the plain step's time is stale too: timed again first)
     policy.costs.observe(1, 0, 0.0, 0.25)
-    # Width 9's time is stale now: priced at most as width 2's, k = 8 is tried. Timed at its true 0.4 s, that time
-    # replaces the spell's rather than being averaged with it, and deep drafts go on paying (k = 6: 3.95 tokens in
-    # 0.43 s, width 7 interpolated between 2 and 9).
-    assert policy.costs.verify(1, 9) == pytest.approx(0.3, rel=0.01) and policy.choose([0.8], k_max=8, rows=1) == 8
-    policy.costs.observe(1, 8, 0.08, 0.4)
-    assert policy.costs.verify(1, 9) == pytest.approx(0.4) and policy.choose([0.8], k_max=8, rows=1) == 6
+    # Width 9's time is stale now: priced at most as the fresh widths imply (past the widest, on their chord: 0.65 s,
+    # not the spell's 0.8), so deeper drafts are tried again; each timed at its true cost (0.3 s at width 2 to 0.4 at
+    # width 9), the fresh line follows them, and width 9's price with it.
+    assert policy.costs.verify(1, 9) == pytest.approx(0.25 + 8 * 0.05, rel=0.01)
+
+    def true_pass(width):
+        return 0.3 + (width - 2) * 0.1 / 7
+
+    chosen = []
+    for _ in range(3):
+        chosen.append(policy.choose([0.8], k_max=8, rows=1))
+        policy.costs.observe(1, chosen[-1], 0.01 * chosen[-1], true_pass(chosen[-1] + 1))
+    assert min(chosen) >= 4 and policy.costs.verify(1, 9) == pytest.approx(true_pass(9), rel=0.1)
 
 
 def test_a_width_whose_stale_time_is_confirmed_stays_fresh_longer():
