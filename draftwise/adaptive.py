@@ -24,6 +24,9 @@ prior, so the gap its predecessors earned says nothing of it, and a gap wider th
 a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38). `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
 draft caches only when it did, and only where the tokens still to come repay the filling (`catch_up_pays`: a new
 request's prompt is the draft's to read first), or, for a sequence decoding alone, before a probe (`probe_due`).
+The saving a filling is weighed against is drafting's rate as priced, taken at the share of it that drafting's steps
+ran (`realised`): a filling's return is a prediction for a whole answer, and prices that promise a little too much
+would fill drafts whose saving never comes.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftwise import planner
-from draftwise.estimates import StepCosts, nearest
+from draftwise.estimates import DECAY, StepCosts, nearest
 
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
@@ -48,9 +51,13 @@ class DraftLengthPolicy:
     costs: StepCosts = field(default_factory=StepCosts)
     # Whether the last choice found that drafting pays (a probe aside): the engine fills lagging drafts only then.
     wants_drafting: bool = True
-    # By rows: seconds a token of the batch took less, at the last choice for a step of that many rows, with drafting
-    # than without: what filling a lagging draft is weighed against (catch_up_pays).
-    _savings: dict[int, float] = field(default_factory=dict)
+    # By rows: the expected tokens per second of a plain step and of the best k, at the last choice for a step of that
+    # many rows: the saving a token that filling a lagging draft is weighed against (catch_up_pays).
+    _priced: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # By rows: [tokens per second run, tokens per second priced], summed over the steps in which drafting won the
+    # choice, decayed: how far the prices' promise of drafting is borne out (realised).
+    _outcomes: dict[int, list[float]] = field(default_factory=dict)
+    _pending: tuple[int, float] | None = None  # (rows, rate priced) of the last choice drafting won at a timed width
     _steps_without_draft: int = 0  # since drafting last won, or since the last probe
     _probe_gap: int = PROBE_EVERY
 
@@ -73,6 +80,10 @@ class DraftLengthPolicy:
             # 71 ms priced, 55 ms run, and drafting chosen where it lost a tenth).
             return 0
         best = self.judge(rates, k_max, rows, fixed, spreads, free)
+        # (An exploration, a width stale or never timed and priced as an optimist so that it gets tried, promises
+        # nothing: its outcome would say how far optimism is borne out, not the prices.)
+        known = best > 0 and self.costs.fresh(rows, best + 1)
+        self._pending = (rows, self._priced[rows][1]) if known else None
         if best > 0:
             self._steps_without_draft, self._probe_gap = 0, PROBE_EVERY
             return best
@@ -95,8 +106,27 @@ class DraftLengthPolicy:
         by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
         best = max(range(k_max + 1), key=by_k.__getitem__)
         self.wants_drafting = best > 0
-        self._savings[rows] = planner.saving_per_token(by_k[0], by_k[best])
+        self._priced[rows] = by_k[0], by_k[best]
         return best
+
+    def observe_outcome(self, tokens: int, seconds: float) -> None:
+        """The step of the last choice emitted `tokens` in `seconds`: where drafting won that choice, how far the rate
+        priced was borne out (realised)."""
+        if self._pending is not None and seconds > 0:
+            rows, priced = self._pending
+            run, promised = self._outcomes.get(rows, (0.0, 0.0))
+            self._outcomes[rows] = [DECAY * run + tokens / seconds, DECAY * promised + priced]
+        self._pending = None
+
+    def realised(self, rows: float) -> float:
+        """The share of drafting's priced rate that its steps ran at, at the nearest rows measured: at most 1 (1 before
+        any). The prices miss what they cannot see (a tree's extra nodes, a busy spell, the batch-mates' shorter
+        rounds): on the quant backend at 2 rows `draft-tree` was priced at 41 tokens/s where it ran 37, over plain
+        steps' 30 (a saving of 9 ms a token promised, 6 run), and drafts were filled for a saving that did not come."""
+        if not self._outcomes:
+            return 1.0
+        run, promised = self._outcomes[nearest(self._outcomes, rows)]
+        return min(1.0, run / promised)
 
     @property
     def probe_due(self) -> bool:
@@ -105,9 +135,12 @@ class DraftLengthPolicy:
         return not self.wants_drafting and self._steps_without_draft + 1 >= self._probe_gap
 
     def saving_per_token(self, rows: float) -> float | None:
-        """What drafting saved a token at the last choice for steps of this many rows (the nearest priced); None
-        before any choice was priced."""
-        return self._savings[nearest(self._savings, rows)] if self._savings else None
+        """What drafting saves a token in steps of this many rows: at the last choice for the nearest rows priced, its
+        rate taken at the share realised; None before any choice was priced."""
+        if not self._priced:
+            return None
+        plain, best = self._priced[nearest(self._priced, rows)]
+        return planner.saving_per_token(plain, best * self.realised(rows))
 
     def catch_up_pays(self, behind: int, tokens_to_come: float, rows: float) -> bool:
         """Whether a draft `behind` tokens behind its text is worth filling for the tokens its sequence has still to

@@ -546,6 +546,8 @@ class Engine:
             drafted = any(len(drafts[i]) for i in verdicts)
             self.draft_policy.costs.observe_overhead(len(verdicts), drafted,
                                                      times.total_s - times.draft_s - times.verify_s)
+            emitted = sum(event.token_id is not None for row in events.values() for event in row)
+            self.draft_policy.observe_outcome(emitted, times.total_s)  # (what the choice's price promised, run)
         for seq in seqs:
             seq.stats.decode_s += times.total_s
         self.last_step = times

@@ -26,6 +26,7 @@ policy that chooses k.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 DECAY = 0.9  # weight of the past in every running estimate, per round
 # A timing not renewed in this many steps is stale (Timings): it may date from a slow spell, and a shape that looks
@@ -146,16 +147,19 @@ class Timings:
     sharing the cores, an engine's first requests while the machine was busy), and a shape that looks dear is not
     chosen, so it would never be timed again: an engine whose first requests shared the CPU with a busy process
     would keep pricing the widths it stopped running at what that spell cost, and never offer them again. So a
-    stale timing is priced at most as the fresh ones imply (widen: interpolated, and past the widest on their chord;
-    with one fresh shape, as that one: optimism, as for a shape never timed; one too cheap is chosen, and timed, at
-    once), and its next timing replaces it instead of being averaged with it. On the chord, not as the widest fresh:
-    a draft tree at 1 row whose wide passes had all gone stale, priced as its plain step, grew to 16 nodes and ran
-    269 ms for 5 tokens; once that width is fresh again, the other stale ones are priced through it, not each tried
-    so in turn.
+    stale timing is priced at most as the fresh ones imply (`extend`), and its next timing replaces it instead of
+    being averaged with it. A pass's width extends by widen: interpolated, past the widest on their chord, and with
+    one fresh width as that one (optimism, as for a shape never timed: one too cheap is chosen, and timed, at once).
+    On the chord, not as the widest fresh: a draft tree at 1 row whose wide passes had all gone stale, priced as its
+    plain step, grew to 16 nodes and ran 269 ms for 5 tokens; once that width is fresh again, the other stale ones
+    are priced through it, not each tried so in turn. A round's draft forwards extend by along: with one fresh count,
+    in proportion to it (a round of 4 forwards whose timing went stale while probes timed rounds of 1, priced as
+    one, was chosen by `hybrid-skip` at 2 to 4 rows at a quarter of the 200 ms its forwards took).
     A re-timing that confirms the old one (not a slow spell's, then) doubles how long the shape stays fresh
     (MAX_STALE_STEPS at most): each retry of a shape known dear costs what it was known to."""
 
-    def __init__(self):
+    def __init__(self, extend: Callable[[dict[int, float], float], float] = widen):
+        self.extend = extend  # how the fresh timings price a shape they do not hold
         self.seconds: dict[int, float] = {}
         self._timed_at: dict[int, int] = {}
         self._fresh_for: dict[int, int] = {}  # steps a shape's timing stays fresh: STALE_STEPS, or more once confirmed
@@ -194,7 +198,7 @@ class Timings:
         fresh = self.fresh(now)
         if not fresh or len(fresh) == len(self.seconds):
             return self.seconds
-        return {shape: s if shape in fresh else min(s, widen(fresh, shape)) for shape, s in self.seconds.items()}
+        return {shape: s if shape in fresh else min(s, self.extend(fresh, shape)) for shape, s in self.seconds.items()}
 
 
 @dataclass
@@ -366,7 +370,7 @@ class StepCosts:
         self._verify_s.setdefault(rows, Timings()).observe(k + 1, verify_s, self.steps)
         steps = k if draft_steps is None else draft_steps
         if steps > 0:
-            self._draft_s.setdefault(rows, Timings()).observe(steps, draft_s, self.steps)
+            self._draft_s.setdefault(rows, Timings(along)).observe(steps, draft_s, self.steps)
 
 
 class TreeSpread:
