@@ -10,18 +10,19 @@ rates (a tree k deep with its measured side nodes beside the path, TreeSpread), 
 own k or offer a free guess; k = 0 is a plain step.
 The target pass pads every row to the widest, so the batch shares one k (DraftLengthPolicy.choose): the one
 whose expected tokens per second is highest. That turns speculation off when a full batch makes wide
-passes dear, and back on as load falls. A plain step, which nothing narrower bounds, is timed once at each
-batch size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain
-step times the width's price over a plain step at the batch sizes that measured it, interpolated by rows (without one, what
-the nearest measured shape costs, interpolated between widths: optimism, so that it gets tried; past the widest
-measured, on the chord from the narrowest: a pass only grows dearer a position as it widens). When k = 0
-wins, a step still drafts one token now and then (a probe), so a change is noticed: the PROBE_EVERY-th step
-after drafting stopped paying, and after each probe that finds it still does not pay, twice as many steps
-later, up to MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rarely adds, so a
+passes dear, and back on as load falls. A plain step, which nothing narrower bounds, is timed once at each batch
+size before any k is chosen over it. A wider pass never measured at a batch size costs that batch's plain step times
+the width's price over a plain step at the batch sizes that measured it, interpolated by rows (without one, what the
+nearest measured shape costs, interpolated between widths: optimism, so that it gets tried; past the widest
+measured, on the chord from the narrowest: a pass only grows dearer a position as it widens). When k = 0 wins, a
+step still drafts one token now and then (a probe), so a change is noticed: the PROBE_EVERY-th step after drafting
+stopped paying, and after each probe that finds it still does not pay, twice as many steps later, up to
+MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rarely adds, so a
 proposer that never pays (layer skipping on a small model) would otherwise lose a fixed share of every
 step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
 prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
-a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38). `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
+a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38).
+`wants_drafting` says whether drafting won without the probe, and the engine fills lagging
 draft caches only when it did, and only where the tokens still to come repay the filling (`catch_up_pays`: a new
 request's prompt is the draft's to read first), or, for a sequence decoding alone, before a probe (`probe_due`).
 The saving a filling is weighed against is drafting's rate as priced, taken at the share of it that drafting's steps
