@@ -55,9 +55,9 @@ class DraftLengthPolicy:
     # By rows: the expected tokens per second of a plain step and of the best k, at the last choice for a step of that
     # many rows: the saving a token that filling a lagging draft is weighed against (catch_up_pays).
     _priced: dict[int, tuple[float, float]] = field(default_factory=dict)
-    # By rows: [tokens per second run, tokens per second priced], summed over the steps in which drafting won the
+    # By rows: (tokens per second run, tokens per second priced), summed over the steps in which drafting won the
     # choice, decayed: how far the prices' promise of drafting is borne out (realised).
-    _outcomes: dict[int, list[float]] = field(default_factory=dict)
+    _outcomes: dict[int, tuple[float, float]] = field(default_factory=dict)
     _pending: tuple[int, float] | None = None  # (rows, rate priced) of the last choice drafting won at a timed width
     _steps_without_draft: int = 0  # since drafting last won, or since the last probe
     _probe_gap: int = PROBE_EVERY
@@ -116,7 +116,7 @@ class DraftLengthPolicy:
         if self._pending is not None and seconds > 0:
             rows, priced = self._pending
             run, promised = self._outcomes.get(rows, (0.0, 0.0))
-            self._outcomes[rows] = [DECAY * run + tokens / seconds, DECAY * promised + priced]
+            self._outcomes[rows] = DECAY * run + tokens / seconds, DECAY * promised + priced
         self._pending = None
 
     def realised(self, rows: float) -> float:

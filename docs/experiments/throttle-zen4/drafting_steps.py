@@ -5,7 +5,7 @@ seconds of filling lagging drafts; and for the wins, the rate the policy priced 
 
 python docs/experiments/throttle-zen4/drafting_steps.py TRACE.jsonl METHODS LEVELS REPEATS
 (the loadgen run's --methods, --concurrency and --repeats, as trace_cells.py takes them)"""
-import collections, json, os, statistics, sys
+import collections, json, os, sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../.."))
@@ -21,17 +21,8 @@ def kind(step):
     return "probe" if max(range(len(priced)), key=priced.__getitem__) == 0 else "win"
 
 
-def plain_steps(cell):
-    """The cell's plain step by rows: the median seconds of its steps that drafted nothing."""
-    by_rows = collections.defaultdict(list)
-    for step in cell["steps"]:
-        if not step["k"]:
-            by_rows[step["rows"]].append(step["total_s"])
-    return {rows: statistics.median(seconds) for rows, seconds in by_rows.items()}
-
-
 def kinds_row(cell):
-    plain = plain_steps(cell)
+    plain = trace_cells.plain_steps(cell)
     spent = collections.defaultdict(lambda: [0, 0.0, 0.0])  # kind -> steps, seconds, as plain steps
     for step in (s for s in cell["steps"] if s["k"]):
         row = spent[kind(step)]

@@ -49,14 +49,19 @@ def cut(trace, cells):
     return out
 
 
+def plain_steps(cell):
+    """The cell's plain step by rows: the median seconds of its steps that drafted nothing."""
+    by_rows = collections.defaultdict(list)
+    for s in cell["steps"]:
+        if not s["k"]:
+            by_rows[s["rows"]].append(s["total_s"])
+    return {n: statistics.median(v) for n, v in by_rows.items()}
+
+
 def summary(cell):
     steps = cell["steps"]
     rows = collections.Counter(s["rows"] for s in steps).most_common(1)[0][0] if steps else 0
-    plain_by_rows = collections.defaultdict(list)
-    for s in steps:
-        if not s["k"]:
-            plain_by_rows[s["rows"]].append(s["total_s"])
-    plain = {n: statistics.median(v) for n, v in plain_by_rows.items()}
+    plain = plain_steps(cell)
     drafting = [s for s in steps if s["k"]]
     drafted_s = sum(s["total_s"] for s in drafting)
     # what plain steps would have taken for the drafting steps' tokens (where this cell ran plain steps of their rows)
