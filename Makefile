@@ -33,9 +33,10 @@ demo: install
 
 # The closed loop on a simulated service (scripts/closed_loop.py): serve with a proposal log, play the earlier
 # traffic, distill a draft version, put it on trial without a restart, measure both drafts on the later traffic and
-# play it until the trial decides. Its work folder: loop-run (WORK=DIR to choose). About an hour and a half on 2 cores.
+# play it until the trial decides. Its work folder: loop-run (WORK=DIR to choose); SERVICE=docs for the documentation
+# assistant instead of the code assistant. About an hour and a half on 2 cores.
 loop: install
-	$(PY) scripts/closed_loop.py $(if $(WORK),--work $(WORK))
+	$(PY) scripts/closed_loop.py $(if $(WORK),--work $(WORK)) $(if $(SERVICE),--service $(SERVICE))
 
 # llama.cpp's llama-server, for the bench's lcpp-* peers: built once from the llama.cpp that llama-cpp-python
 # vendors (pinned in the script) into $DRAFTWISE_HOME/llama.cpp/<version>/bin; SDIST=file.tar.gz skips the download.

@@ -1,12 +1,13 @@
 """`make loop`: the closed loop in one command, on a simulated service's traffic.
 
 It serves the default pair with a proposal log, plays the earlier traffic (a code assistant over the third-party
-packages installed here, `draftwise traffic`), distills a draft version from the log, puts it on trial without a
-restart (`POST /admin/drafts`), then on the later traffic (other packages: no file in common) measures both drafts
-in the one server, interleaved and repeated (`draftwise loadgen --methods M,M:NAME@vN`), and plays that traffic
-until the trial decides. It prints, before and after: the draft's agreement with the target on the later traffic
-(the share of the target's tokens the draft's greedy choice matches, teacher-forced), the acceptance the server
-reported and the tokens/s of each method, and the trial's decision with its reason.
+packages installed here, or with --service docs a documentation assistant over their READMEs: `draftwise traffic`),
+distills a draft version from the log, puts it on trial without a restart (`POST /admin/drafts`), then on the later
+traffic (other packages: no file in common) measures both drafts in the one server, interleaved and repeated
+(`draftwise loadgen --methods M,M:NAME@vN`), and plays that traffic until the trial decides. It prints, before and
+after: the draft's agreement with the target on the later traffic (the share of the target's tokens the draft's
+greedy choice matches, teacher-forced), the acceptance the server reported and the tokens/s of each method, and the
+trial's decision with its reason.
 
 Everything goes through draftwise's own commands and routes, as a user would run them; the work folder keeps every
 step's output (loop.json, loop.md, the logs and loadgen reports).
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from draftwise.config import DEFAULT_DRAFT_TOKENS as CHAIN  # draft tokens a round, where guesses kept are counted
+
 DRAFTWISE = [sys.executable, "-m", "draftwise"]
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="loop-run", metavar="DIR", help="the work folder (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=400, metavar="N",
                         help="simulated requests in all, a quarter of them the later traffic (default: %(default)s)")
+    parser.add_argument("--service", choices=("code", "docs"), default="code",
+                        help="the simulated service (`draftwise traffic --service`; default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: %(default)s)")
     parser.add_argument("--train-concurrency", type=int, default=8, metavar="N",
                         help="requests in flight while the earlier traffic plays (default: %(default)s)")
@@ -78,7 +83,7 @@ class Loop:
         if earlier.is_file():  # (a rerun goes on from what an earlier one left: the same traffic, its log)
             print(f"{earlier.parent}: kept from an earlier run", file=sys.stderr)
         else:
-            cli("traffic", "--out", self.work / "traffic", "--requests", a.requests)
+            cli("traffic", "--out", self.work / "traffic", "--requests", a.requests, "--service", a.service)
         step("2/6 the server, with a proposal log")
         self.start_server()
         step(f"3/6 the earlier traffic, played in order, {a.train_concurrency} requests at a time")
@@ -92,6 +97,7 @@ class Loop:
         version = distilled["version"]
         report = self.keep({"target": TARGET, "draft": DRAFT, "version": version, "backend": a.backend,
                             "distill": {k: distilled[k] for k in ("agreement_before", "agreement_after",
+                                                                  "kept_before", "kept_after",
                                                                   "held_out_tokens", "steps", "train_s",
                                                                   "trained_on", "held_out", "recipe")}})
         step(f"5/6 {version} on trial beside {DRAFT}; both measured on the later traffic, interleaved")
@@ -197,7 +203,7 @@ class Loop:
         for name in (DRAFT, version):
             model = load_draft(resolve(name, progress=False), "float32", progress=False)
             measured = agreement(model, later, Recipe().seq_len)
-            out[name] = {"agreement": measured.share, "tokens": measured.tokens}
+            out[name] = {"agreement": measured.share, "kept": measured.kept_share, "tokens": measured.tokens}
             del model
         return out
 
@@ -253,9 +259,12 @@ def markdown(report: dict) -> str:
     lines = [f"# The closed loop: {report['draft']} -> {report['version']} (target {report['target']})", "",
              f"Distilled in {d['train_s']:.0f} s ({d['steps']} steps) from {d['trained_on']['requests']} earlier "
              f"requests; on the latest {d['held_out']['requests']} of them (held out): agreement "
-             f"{100 * d['agreement_before']:.1f}% -> {100 * d['agreement_after']:.1f}%.", "",
+             f"{100 * d['agreement_before']:.1f}% -> {100 * d['agreement_after']:.1f}%, guesses kept in rounds of "
+             f"{CHAIN} {percent(d.get('kept_before'))} -> {percent(d.get('kept_after'))}.", "",
              f"On the later traffic ({later['requests']} requests from other packages), teacher-forced agreement: "
-             f"{100 * later[report['draft']]['agreement']:.1f}% -> {100 * later[report['version']]['agreement']:.1f}%.",
+             f"{percent(later[report['draft']]['agreement'])} -> {percent(later[report['version']]['agreement'])}, "
+             f"guesses kept in rounds of {CHAIN} {percent(later[report['draft']].get('kept'))} -> "
+             f"{percent(later[report['version']].get('kept'))}.",
              "", "| method | decode tok/s (runs) | aggregate tok/s (range) | acceptance |",
              "| --- | ---: | ---: | ---: |"]
     for row in report["measured"]:

@@ -16,7 +16,7 @@ from draftwise.errors import DraftwiseError, ModelStoreError
 from draftwise.models.store import resolve
 from draftwise.models.versions import apply_version, check_files, split_version, version_folder, versions
 from draftwise.serve.proposal_log import ProposalLog
-from draftwise.train.distill import Recipe, agreement, distill
+from draftwise.train.distill import Recipe, agreement, chain_rounds, distill
 from draftwise.train.served import served_requests, time_split, window
 from draftwise.train.traffic import traffic
 
@@ -171,3 +171,66 @@ def test_the_simulated_traffic_is_split_by_package(tmp_path):
     assert {r["package"] for r in parts["eval"]} == {"gamma"} and "gamma" not in train_packages
     assert len(train_packages) == 3  # round-robin: no one package is the whole traffic
     assert all("```python" in r["turns"][0] or "docstring" in r["turns"][0] for r in parts["train"])
+
+
+def _readme(package: str, body: str) -> str:
+    return f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n\n{body}"
+
+
+def test_the_docs_service_asks_about_readme_sections_split_by_package(tmp_path):
+    paragraph = "This part explains how the {0} client retries a request that failed, and why it waits longer " \
+                "each time before it tries again. "
+    for name in ("alpha", "beta", "gamma", "delta"):
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        markdown = "\n\n".join(f"## Part {i}\n\n[![badge](https://x/b.svg)](https://x)\n<p align=center>\n\n"
+                               + paragraph.format(name) * 6 for i in range(3))
+        (info / "METADATA").write_text(_readme(name, "# Title\n\n" + markdown))
+    rst = tmp_path / "epsilon-1.0.dist-info"  # reST headings: a line underlined
+    rst.mkdir()
+    (rst / "METADATA").write_text(_readme("epsilon", "Usage\n=====\n\n.. image:: https://x/b.svg\n   :alt: b\n\n"
+                                           + paragraph.format("epsilon") * 6 + "\n\nMore\n----\n\nshort"))
+    benchmark = tmp_path / "zeta-1.0.dist-info"  # a README that names a benchmark is never traffic
+    benchmark.mkdir()
+    (benchmark / "METADATA").write_text(_readme("zeta", "## Scores\n\n" + "Our HumanEval score is high. " * 30))
+
+    parts = traffic(12, eval_share=0.25, roots=sorted(tmp_path.iterdir()), service="docs")
+    train_packages = {r["package"] for r in parts["train"]}
+    assert len(parts["train"]) == 9 and len(parts["eval"]) == 3
+    # the last two packages are eval's, and zeta's only section named a benchmark
+    assert {r["package"] for r in parts["eval"]} == {"gamma-1.0.dist-info"}
+    assert train_packages == {f"{name}-1.0.dist-info" for name in ("alpha", "beta", "delta", "epsilon")}
+    texts = [r["turns"][0] for r in parts["train"] + parts["eval"]]
+    assert not any("badge" in t or "<p" in t or ".. image" in t or ":alt:" in t or "HumanEval" in t for t in texts)
+    assert any("epsilon documentation" in t and "Usage" not in t.split("\n\n", 1)[1] for t in texts)
+    assert {r["category"] for r in parts["train"]} <= {"summary", "key-points", "newcomer", "about"}
+    with pytest.raises(DraftwiseError, match="no simulated service 'chat'"):
+        traffic(12, roots=sorted(tmp_path.iterdir()), service="chat")
+
+
+def test_guesses_kept_in_rounds_follow_from_the_teacher_forced_matches():
+    assert chain_rounds([True] * 10, 4) == (8, 8)  # rounds at 0 and 5 keep 4 each; the target adds 4 and 9
+    assert chain_rounds([True, False, True, True, True], 2) == (3, 4)  # 1 of 2 (and the target's), then 2 of 2
+    assert chain_rounds([False] * 3, 4) == (0, 3)  # 2 offered, then 1, then none for the last token
+    assert chain_rounds([], 4) == (0, 0)
+
+
+def test_guesses_kept_match_what_the_engine_keeps_drafting_with_that_draft():
+    """chain_rounds claims exactness: the engine's own count, greedy with a fixed k of the same draft, must equal it
+    (a draft near the target's weights, so that some guesses are kept and some not)."""
+    from draftwise.config import GenerationConfig
+    from draftwise.engine import Engine
+
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    draft = tiny_model("llama", seed=0)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(0.003 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)))
+    prompt = tokenizer.encode("the quick brown fox")
+    engine = Engine.from_models(target, tokenizer, draft_model=draft, method="draft")
+    result = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, adaptive=False, num_draft_tokens=4)
+    answer = result.token_ids
+    logits = draft(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1]  # [A, V]
+    matches = (logits.argmax(-1) == torch.tensor(answer)).tolist()
+    assert 0 < sum(matches) < len(matches)
+    assert chain_rounds(matches, 4) == (result.stats.accepted, result.stats.proposed)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from draftwise.config import DEFAULT_DRAFT_TOKENS
 from draftwise.files import write_whole
 from draftwise.hardware import native_bf16
 from draftwise.train.schedule import lr_scale
@@ -51,14 +52,43 @@ class Recipe:
 
 @dataclass
 class Agreement:
-    """The share of the target's output tokens the draft's greedy choice matches, teacher-forced."""
+    """The share of the target's output tokens the draft's greedy choice matches, teacher-forced; and the share of its
+    guesses a greedy round of CHAIN drafted tokens keeps (kept_share), which is what a user sees as acceptance."""
 
     matched: int = 0
     tokens: int = 0
+    kept: int = 0
+    proposed: int = 0
 
     @property
     def share(self) -> float:
         return self.matched / self.tokens if self.tokens else 0.0
+
+    @property
+    def kept_share(self) -> float:
+        return self.kept / self.proposed if self.proposed else 0.0
+
+    def add(self, matches: list[bool], chain: int) -> None:
+        """One answer's teacher-forced matches, in order."""
+        self.matched, self.tokens = self.matched + sum(matches), self.tokens + len(matches)
+        kept, proposed = chain_rounds(matches, chain)
+        self.kept, self.proposed = self.kept + kept, self.proposed + proposed
+
+
+def chain_rounds(matches: list[bool], k: int) -> tuple[int, int]:
+    """(kept, proposed) of greedy speculation with chains of k over one answer, from its teacher-forced matches. Exact,
+    not an estimate: a kept guess is the target's own token, so the draft's next guess is read after the target's text,
+    as teacher forcing reads it; each round keeps the matches in a row from where it starts (at most k) and the target
+    adds one token of its own (its correction, or the token after a chain kept whole). As the engine, a round never
+    drafts for the answer's last token (which the target's own token would be)."""
+    kept = proposed = position = 0
+    while position < len(matches):
+        offered = min(k, len(matches) - position - 1)
+        run = 0
+        while run < offered and matches[position + run]:
+            run += 1
+        kept, proposed, position = kept + run, proposed + offered, position + run + 1
+    return kept, proposed
 
 
 @dataclass
@@ -74,6 +104,8 @@ class Outcome:
     steps: int
     train_s: float
     logs: list[str] = field(default_factory=list)
+    kept_before: float = 0.0  # Agreement.kept_share, rounds of DEFAULT_DRAFT_TOKENS
+    kept_after: float = 0.0
 
 
 def run_key(train: list[Served], base: str, recipe: Recipe) -> str:
@@ -116,7 +148,8 @@ def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path,
     train_s = time.perf_counter() - started + trainer.earlier_s
     after = agreement(model, held_out, recipe.seq_len, progress, "held-out, after")
     outcome = Outcome(asdict(recipe), asdict(Span.of(train)), asdict(Span.of(held_out)), before.share, after.share,
-                      after.tokens, trainer.total_steps, round(train_s, 1), [str(Path(p).resolve()) for p in logs])
+                      after.tokens, trainer.total_steps, round(train_s, 1), [str(Path(p).resolve()) for p in logs],
+                      before.kept_share, after.kept_share)
     return model, outcome
 
 
@@ -131,7 +164,8 @@ def _order(count: int, recipe: Recipe) -> list[int]:
 
 
 @torch.inference_mode()
-def agreement(model, items: list[Served], seq_len: int, progress: bool = False, desc: str = "agreement") -> Agreement:
+def agreement(model, items: list[Served], seq_len: int, progress: bool = False, desc: str = "agreement",
+              chain: int = DEFAULT_DRAFT_TOKENS) -> Agreement:
     model.eval()
     result = Agreement()
     for item in tqdm(items, desc=desc, unit="request", disable=not progress, dynamic_ncols=True, leave=False):
@@ -139,8 +173,7 @@ def agreement(model, items: list[Served], seq_len: int, progress: bool = False, 
         start = max(start, 1)  # the first token has nothing before it to be predicted from
         logits = _answer_logits(model, ids, start)  # [A, V]
         wanted = torch.tensor(ids[start:], device=logits.device)  # [A]
-        result.matched += int((logits.argmax(-1) == wanted).sum())
-        result.tokens += len(wanted)
+        result.add((logits.argmax(-1) == wanted).tolist(), chain)
     return result
 
 

@@ -8,9 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from draftwise import options
-from draftwise.config import DEFAULT_DRAFT
+from draftwise.config import DEFAULT_DRAFT, DEFAULT_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
 from draftwise.train.distill import Recipe
+from draftwise.train.traffic import SERVICES
 
 DEFAULTS = Recipe()
 
@@ -50,18 +51,23 @@ def add_traffic(commands, formatter) -> None:
     p = commands.add_parser(
         "traffic", formatter_class=formatter, help="write a simulated service's traffic to distill and judge on",
         description=(
-            "Write a code assistant's requests about the functions of the third-party packages installed here\n"
-            "(explain it, write tests for it, add type hints, write it from its docstring; never the standard\n"
-            "library or a benchmark), split by package: OUT/train.jsonl (the earlier traffic, from the first\n"
-            "packages) and OUT/eval.jsonl (the later, from the last ones; no file in common). Play them with\n"
+            "Write a simulated service's requests about the third-party packages installed here (never the\n"
+            "standard library or a benchmark): 'code', a code assistant asked about their functions (explain it,\n"
+            "write tests for it, add type hints, write it from its docstring), or 'docs', a documentation assistant\n"
+            "asked about their READMEs' sections (summarize, list the key points, explain to a newcomer, say what\n"
+            "it is about). Split by package: OUT/train.jsonl (the earlier traffic, from the first packages) and\n"
+            "OUT/eval.jsonl (the later, from the last ones; no file in common). Play them with\n"
             "`draftwise loadgen --prompts OUT/train.jsonl` against a server that keeps a --proposal-log."),
-        epilog="example:\n  draftwise traffic --out traffic --requests 400")
+        epilog="examples:\n  draftwise traffic --out traffic --requests 400\n"
+               "  draftwise traffic --out docs-traffic --service docs")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder for train.jsonl and eval.jsonl")
     p.add_argument("--requests", type=int, default=400, metavar="N", help="in all (default: %(default)s)")
     p.add_argument("--held-out", type=float, default=0.25, metavar="SHARE",
                    help="the share of the packages (the last ones) and of the requests that are eval's "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="which kind of request each function gets (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="which kind of request each item gets (default: 0)")
+    p.add_argument("--service", choices=sorted(SERVICES), default="code",
+                   help="the simulated service (default: %(default)s)")
     p.set_defaults(func=cmd_traffic)
 
 
@@ -108,8 +114,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     else:
         print(name)
         log(f"{folder}: held-out agreement {100 * outcome.agreement_before:.1f}% -> "
-            f"{100 * outcome.agreement_after:.1f}% on {outcome.held_out_tokens} tokens of the latest "
-            f"{outcome.held_out['requests']} requests; trained {outcome.steps} steps in {outcome.train_s:.0f} s")
+            f"{100 * outcome.agreement_after:.1f}%, guesses kept in rounds of {DEFAULT_DRAFT_TOKENS} "
+            f"{100 * outcome.kept_before:.1f}% -> {100 * outcome.kept_after:.1f}%, on {outcome.held_out_tokens} "
+            f"tokens of the latest {outcome.held_out['requests']} requests; trained {outcome.steps} steps in "
+            f"{outcome.train_s:.0f} s")
     return 0
 
 
@@ -120,7 +128,7 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     if args.requests < 2:
         raise DraftwiseError(f"--requests must be >= 2 (one to learn from, one held out), got {args.requests}")
     out = prepare_out(args.out, "train.jsonl and eval.jsonl")
-    parts = traffic(args.requests, args.held_out, args.seed)
+    parts = traffic(args.requests, args.held_out, args.seed, service=args.service)
     for part, path in write_traffic(out, parts).items():
         packages = sorted({record["package"] for record in parts[part]})
         print(f"{path}: {len(parts[part])} requests from {len(packages)} packages "
