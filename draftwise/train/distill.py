@@ -53,7 +53,8 @@ class Recipe:
 @dataclass
 class Agreement:
     """The share of the target's output tokens the draft's greedy choice matches, teacher-forced; and the share of its
-    guesses a greedy round of CHAIN drafted tokens keeps (kept_share), which is what a user sees as acceptance."""
+    guesses that greedy rounds of a fixed number of draft tokens keep (kept_share: what the server reports as
+    acceptance at that k)."""
 
     matched: int = 0
     tokens: int = 0

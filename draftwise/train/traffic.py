@@ -190,7 +190,8 @@ def traffic(requests: int, eval_share: float = EVAL_SHARE, seed: int = 0, roots:
         raise DraftwiseError(f"no simulated service {service!r}; there are: {', '.join(SERVICES)}")
     if not 0 < eval_share < 1:
         raise DraftwiseError(f"the held-out share of packages must be between 0 and 1, got {eval_share}")
-    kinds, roots = SERVICES[service].kinds, SERVICES[service].roots() if roots is None else roots
+    chosen = SERVICES[service]
+    roots = chosen.roots() if roots is None else roots
     if len(roots) < 2:
         raise DraftwiseError(f"a split by package needs at least 2 installed packages, found {len(roots)}")
     held_out = max(1, round(eval_share * len(roots)))
@@ -200,12 +201,12 @@ def traffic(requests: int, eval_share: float = EVAL_SHARE, seed: int = 0, roots:
     out = {}
     for part, part_roots in parts.items():
         records = []
-        for item in _round_robin(part_roots, SERVICES[service].items):
+        for item in _round_robin(part_roots, chosen.items):
             if len(records) >= wanted[part]:
                 break
-            kind = rng.choice(sorted(kinds))
+            kind = rng.choice(sorted(chosen.kinds))
             records.append({"question_id": f"{part}-{len(records)}", "category": kind,
-                            "turns": [request_text(kinds[kind], item)], "source": item.label,
+                            "turns": [request_text(chosen.kinds[kind], item)], "source": item.label,
                             "package": item.label.split("/", 1)[0]})
         out[part] = records
     return out
@@ -216,11 +217,11 @@ def _round_robin(roots: list[Path], items: Callable[[Path], Iterator]) -> Iterat
     streams = [items(root) for root in roots]
     while streams:
         for stream in list(streams):
-            function = next(stream, None)
-            if function is None:
+            item = next(stream, None)
+            if item is None:
                 streams.remove(stream)
             else:
-                yield function
+                yield item
 
 
 def write_traffic(out: Path, parts: dict[str, list[dict]]) -> dict[str, Path]:
