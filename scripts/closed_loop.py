@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from draftwise.config import DEFAULT_DRAFT_TOKENS as CHAIN  # draft tokens a round, where guesses kept are counted
+from draftwise.train.traffic import SERVICES
 
 DRAFTWISE = [sys.executable, "-m", "draftwise"]
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="loop-run", metavar="DIR", help="the work folder (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=400, metavar="N",
                         help="simulated requests in all, a quarter of them the later traffic (default: %(default)s)")
-    parser.add_argument("--service", choices=("code", "docs"), default="code",
+    parser.add_argument("--service", choices=sorted(SERVICES), default="code",
                         help="the simulated service (`draftwise traffic --service`; default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, metavar="N", help="per request (default: %(default)s)")
     parser.add_argument("--train-concurrency", type=int, default=8, metavar="N",

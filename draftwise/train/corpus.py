@@ -28,12 +28,15 @@ MIN_FILE_BYTES = 400
 MAX_SEQUENCES_PER_FILE = 2  # more files, not longer ones: variety teaches more than one file's tail
 
 
+def installed(site_packages: Path | None = None) -> list[Path]:
+    """What the site-packages folder (this environment's, by default) holds, sorted; nothing where there is none."""
+    root = site_packages or Path(sysconfig.get_paths()["purelib"])
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
 def package_roots(site_packages: Path | None = None) -> list[Path]:
     """Each installed top-level package folder, sorted; never the standard library or draftwise."""
-    root = site_packages or Path(sysconfig.get_paths()["purelib"])
-    if not root.is_dir():
-        return []
-    return [path for path in sorted(root.iterdir())
+    return [path for path in installed(site_packages)
             if path.is_dir() and not path.name.endswith((".dist-info", ".libs", ".data", "__pycache__"))
             and not path.name.startswith(("_", ".")) and path.name not in EXCLUDED_PACKAGES]
 

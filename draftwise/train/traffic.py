@@ -22,7 +22,6 @@ import email
 import json
 import random
 import re
-import sysconfig
 import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
-from draftwise.train.corpus import EXCLUDED_PACKAGES, EXCLUDED_WORDS, corpus_texts, package_roots
+from draftwise.train.corpus import EXCLUDED_PACKAGES, EXCLUDED_WORDS, corpus_texts, installed, package_roots
 
 CODE_KINDS = {
     "explain": "Explain what this function does, and when one would call it.\n\n```python\n{source}\n```",
@@ -103,11 +102,9 @@ class Section:
 
 def readme_roots(site_packages: Path | None = None) -> list[Path]:
     """Each installed distribution's metadata folder (its README is its long description), sorted; not draftwise's."""
-    root = site_packages or Path(sysconfig.get_paths()["purelib"])
-    if not root.is_dir():
-        return []
-    return [path for path in sorted(root.glob("*.dist-info"))
-            if (path / "METADATA").is_file() and path.name.split("-", 1)[0].lower() not in EXCLUDED_PACKAGES]
+    return [path for path in installed(site_packages)
+            if path.name.endswith(".dist-info") and (path / "METADATA").is_file()
+            and path.name.split("-", 1)[0].lower() not in EXCLUDED_PACKAGES]
 
 
 def readme_sections(dist_info: Path) -> Iterator[Section]:
