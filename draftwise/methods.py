@@ -32,11 +32,10 @@ NEEDS = (DRAFT_MODEL, TRAINED_HEAD, OWN_LAYERS)
 # method runs only on a backend that serves all it asks (the llama.cpp route scores chains alone).
 TREES = "token trees"  # a tree scored in one pass, its kept path moved into place
 INTERNALS = "the model's internals"  # hidden states (a feature head) or some of its layers alone (layer skipping)
-FLOAT_READOUT = "the output layer's float weights"  # a feature head reads out through them
 # hf: transformers, weights in --dtype; quant: the same model with its linears on the GGUF file's own blocks
 # (backends/qgemm.c); llamacpp: the GGUF file through llama.cpp.
-BACKENDS: dict[str, frozenset[str]] = {"hf": frozenset({TREES, INTERNALS, FLOAT_READOUT}),
-                                       "quant": frozenset({TREES, INTERNALS}), "llamacpp": frozenset()}
+BACKENDS: dict[str, frozenset[str]] = {"hf": frozenset({TREES, INTERNALS}), "quant": frozenset({TREES, INTERNALS}),
+                                       "llamacpp": frozenset()}
 DEFAULT_BACKEND = "hf"
 AUTO_BACKEND = "auto"  # quant where it runs and the GGUF files are here, else hf (loading.auto_backend)
 
@@ -113,9 +112,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("hybrid-skip", OWN_LAYERS, "skip, and lookup where the text's tail matches earlier text; no second model",
            _hybrid(_drafter, LOOKUP_CHAIN), asks=frozenset({INTERNALS})),
     Method("head", TRAINED_HEAD, "a trained feature head, see train-head, drafting token trees", _drafter,
-           asks=frozenset({TREES, INTERNALS, FLOAT_READOUT})),
+           asks=frozenset({TREES, INTERNALS})),
     Method("hybrid-head", TRAINED_HEAD, "the head, and lookup-tree where the text's tail matches earlier text; no "
-           "second model", _hybrid(_drafter, LOOKUP_TREE), asks=frozenset({TREES, INTERNALS, FLOAT_READOUT})),
+           "second model", _hybrid(_drafter, LOOKUP_TREE), asks=frozenset({TREES, INTERNALS})),
 )}
 
 

@@ -66,7 +66,7 @@ def add_backend(group) -> None:
     group.add_argument("--backend", choices=(*BACKENDS, AUTO_BACKEND), default=AUTO_BACKEND,
                        help="what runs the models: 'hf' (transformers, every method), 'quant' (transformers with "
                             "its linears on the GGUF file's own 4- and 6-bit blocks, draftwise's integer kernel, "
-                            "compiled here on first use; float32 around it; every method but the head ones) or "
+                            "compiled here on first use; float32 around it; every method) or "
                             "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
                             f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) or 'auto' (quant "
                             "where this CPU has AVX512-VNNI, the models their GGUF files, --dtype is left at auto "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,9 +133,7 @@ def test_the_scalar_path_gives_the_vector_paths_bits(tmp_path):
 # ---- the backend on a real file ------------------------------------------------------------------------
 
 
-def test_the_quant_backend_refuses_the_head_methods_and_other_dtypes_before_loading():
-    with pytest.raises(DraftwiseError, match="method 'head' needs .*float weights.* the quant backend does not give"):
-        Engine.from_pretrained("no-such-model", method="head", backend="quant")
+def test_the_quant_backend_refuses_other_dtypes_before_loading():
     with pytest.raises(DraftwiseError, match="computes in float32 .* --dtype bfloat16 does not apply"):
         Engine.from_pretrained("no-such-model", method="none", backend="quant", dtype="bfloat16")
 
@@ -290,6 +289,85 @@ def test_a_layer_in_one_call_refuses_a_cache_it_would_write_wrongly():
         view.close()
 
 
+# ---- a feature head on the quant target ------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def quant_head(root: str) -> Path:
+    """A small head trained on the quant target's own features, captured as a server captures them while it answers
+    (serve/feature_capture.py): the route a head for this backend takes."""
+    from draftwise.serve.feature_capture import FeatureCapture, captured_files
+    from draftwise.train.head import TrainConfig, train_head
+
+    eng = engine("none")
+    capture = FeatureCapture(Path(root) / "captured", max_bytes=1 << 30)
+    cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    eng.feature_sink = capture.observe
+    try:
+        for i, prompt in enumerate([PROMPT, OTHER, PROMPT[:60], OTHER[:30]] * 2):  # (the latest fifth: held out)
+            seq = eng.open_sequence(ids(prompt), cfg)
+            while not seq.prefill_done:
+                eng.prefill(seq)
+            while seq.finish is None:
+                eng.step([seq])
+            eng.close_sequence(seq)
+            capture.finish(seq, f"req-{i}", seq.finish)
+    finally:
+        eng.feature_sink = None
+        capture.close()
+    tiny = TrainConfig(seq_len=128, epochs=6, lr=5e-3, warmup_steps=5, intermediate_size=128, readout=512)
+    train_head(eng.target.model, eng.tokenizer, Path(root) / "head", tiny, progress=False, log=lambda _: None,
+               captured=captured_files(Path(root) / "captured"))
+    return Path(root) / "head"
+
+
+@pytest.mark.real_model
+def test_the_heads_readout_on_the_quant_backend_is_the_files_tied_output_layer():
+    """SmolLM2's file ties its output layer to the embeddings: the float rows a head reads out through are the ones
+    the output layer's blocks stand for (its int8 activations aside), where no float copy of the layer is kept."""
+    from draftwise.proposers.head_model import output_weight
+
+    model = engine("none").target.model
+    assert model.lm_head.same_as_input_embeddings and not hasattr(model.lm_head, "weight")
+    weight = output_weight(model)  # [vocab, H]
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(model.lm_head(x), x @ weight.T, rtol=0.02, atol=0.02 * float((x @ weight.T).abs().max()))
+    # control: the rows of other tokens are far from the layer's
+    assert not torch.allclose(model.lm_head(x), x @ weight.roll(1, 0).T, rtol=0.02, atol=0.5)
+
+
+def test_a_quantized_output_layer_without_float_rows_is_refused_with_the_backend_that_has_them():
+    from draftwise.proposers.head_model import output_weight
+
+    linear, _ = layer("Q8_0", n=48, k=512)
+    model = torch.nn.Module()
+    model.get_output_embeddings = lambda: linear
+    model.config = type("Config", (), {"get_text_config": lambda self: type("Text", (), {})()})()
+    with pytest.raises(DraftwiseError, match="reads out through the target's output layer in float.*--backend hf"):
+        output_weight(model)
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not kernel_vectorized(), reason="the scalar path (no AVX512-VNNI) is too slow for real-model runs")
+@pytest.mark.parametrize("method", ["head", "hybrid-head"])
+def test_a_head_on_the_quant_target_gives_the_tokens_of_none_alone_and_batched(method, tmp_path_factory):
+    folder = quant_head(str(tmp_path_factory.getbasetemp() / "quant-head"))
+    eng = Engine.from_pretrained(NAME, method=method, head=str(folder), backend="quant", progress=False)
+    assert eng.speed_paths["backend"] == "quant"
+    accepted = 0
+    for prompt in (PROMPT, OTHER):
+        for k in (1, 4):
+            result = eng.generate(ids(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=k,
+                                  adaptive=False)
+            assert tuple(result.token_ids) == baseline(prompt), f"{method}, k={k}, alone"
+            accepted += result.stats.accepted
+    assert accepted > 0  # the head's guesses were kept, not only offered and refused
+    cfg = GenerationConfig.from_options(max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True, method=method)
+    seqs = decode_together(eng, [ids(PROMPT), ids(OTHER)], cfg)
+    got = [tuple(seq.context[len(ids(p)):]) for seq, p in zip(seqs, (PROMPT, OTHER))]
+    assert got == [baseline(PROMPT), baseline(OTHER)], f"{method}, batched"
+
+
 def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
     weight = torch.randn(48, 896, generator=torch.Generator().manual_seed(4)).numpy()  # 896: 28 groups, 7 a super
     blocks = gguf_weights.quantize_4bit(weight)
@@ -395,10 +473,9 @@ def test_auto_picks_quant_only_where_it_runs_fast_and_exact(monkeypatch, tmp_pat
     from draftwise.loading import auto_backend
 
     monkeypatch.setattr(qgemm, "fast_here", lambda: True)
-    # refused before any model is resolved: another device, an explicit dtype, a method reading float weights
+    # refused before any model is resolved: another device, an explicit dtype
     assert auto_backend("no-such-model", None, "none", device="cuda") == "hf"
     assert auto_backend("no-such-model", None, "none", dtype="bfloat16") == "hf"
-    assert auto_backend("no-such-model", None, "head") == "hf"
     assert auto_backend("no-such-model", None, "none", batch_invariant=False) == "hf"  # timed kernels: hf's only
     monkeypatch.setattr(qgemm, "fast_here", lambda: False)
     assert auto_backend("no-such-model", None, "none") == "hf"  # (no AVX512-VNNI here, or no compiler)

@@ -126,6 +126,10 @@ class QuantLinear(nn.Module):
     Each row is quantized to int8 on the way in, so values differ slightly from the dequantized float layer;
     what holds is that a row's result never depends on the other rows of the call (batch invariance)."""
 
+    # Whether the model's input embeddings hold this layer's weights in float (a GGUF file that ties its output layer
+    # to them, quant_model.on_gguf_weights): what a feature head's readout reads, at no copy of a vocabulary's rows.
+    same_as_input_embeddings = False
+
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = packed.k, packed.n
