@@ -321,29 +321,24 @@ def quant_head(root: str) -> Path:
     return Path(root) / "head"
 
 
-@pytest.mark.real_model
-def test_the_heads_readout_on_the_quant_backend_is_the_files_tied_output_layer():
-    """SmolLM2's file ties its output layer to the embeddings: the float rows a head reads out through are the ones
-    the output layer's blocks stand for (its int8 activations aside), where no float copy of the layer is kept."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_a_packed_layer_gives_back_the_float_rows_its_blocks_stand_for(type_name):
+    """What a head's readout reads on the quant backend, where the output layer keeps no float copy."""
+    linear, weight = layer(type_name, n=72)  # 72: padded to 80 channels in the tiles
+    assert torch.equal(linear.dequantized(), weight)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(linear(x), x @ weight.T, rtol=0.02, atol=0.02 * float((x @ weight.T).abs().max()))
+    # control: another layer's blocks give other rows
+    assert not torch.equal(layer(type_name, n=72, seed=1)[0].dequantized(), weight)
+
+
+def test_the_head_refuses_an_output_layer_without_float_rows():
     from draftwise.proposers.head_model import output_weight
 
-    model = engine("none").target.model
-    assert model.lm_head.same_as_input_embeddings and not hasattr(model.lm_head, "weight")
-    weight = output_weight(model)  # [vocab, H]
-    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(model.lm_head(x), x @ weight.T, rtol=0.02, atol=0.02 * float((x @ weight.T).abs().max()))
-    # control: the rows of other tokens are far from the layer's
-    assert not torch.allclose(model.lm_head(x), x @ weight.roll(1, 0).T, rtol=0.02, atol=0.5)
-
-
-def test_a_quantized_output_layer_without_float_rows_is_refused_with_the_backend_that_has_them():
-    from draftwise.proposers.head_model import output_weight
-
-    linear, _ = layer("Q8_0", n=48, k=512)
     model = torch.nn.Module()
-    model.get_output_embeddings = lambda: linear
+    model.get_output_embeddings = lambda: torch.nn.Module()  # (a layer repacked for a kernel: no weight)
     model.config = type("Config", (), {"get_text_config": lambda self: type("Text", (), {})()})()
-    with pytest.raises(DraftwiseError, match="reads out through the target's output layer in float.*--backend hf"):
+    with pytest.raises(DraftwiseError, match="no plain weight .*give the head the model as loaded"):
         output_weight(model)
 
 

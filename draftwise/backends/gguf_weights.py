@@ -170,6 +170,28 @@ def pack(blocks: Blocks) -> Packed:
                   blocks.supers, blocks.bits)
 
 
+def unpack(packed: Packed) -> Blocks:
+    """The per-channel blocks of a packed weight: pack's inverse (its padded channels dropped)."""
+    tiles, g = -(-packed.n // TILE), packed.group
+    groups, half = packed.k // g, g // 8
+    if packed.bits == 8:
+        q = packed.q.reshape(tiles, groups, g // 4, TILE, 4)
+    else:
+        planes = packed.q.reshape(tiles, groups, -1, TILE, 4)  # [tiles, groups, vec bytes, channel, 4]
+        low = np.concatenate([planes[:, :, :half] & 0x0F, planes[:, :, :half] >> 4], axis=2)
+        q = low
+        if packed.bits == 6:  # each byte: the 2-bit high parts of four registers
+            high = np.stack([(planes[:, :, half:] >> (2 * b)) & 0x03 for b in range(4)], axis=3)
+            q = low | (high.reshape(low.shape) << 4)
+    q = q.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, packed.k)  # [channels, k]
+    by_channel = lambda a: a.reshape(tiles, -1, TILE).transpose(0, 2, 1).reshape(tiles * TILE, -1)  # noqa: E731
+    n = packed.n
+    scales = by_channel(packed.sc)[:n]
+    mins = scales if packed.mn is packed.sc else by_channel(packed.mn)[:n]
+    return Blocks(q[:n], scales, mins, by_channel(packed.d)[:n], by_channel(packed.dmin)[:n], g, packed.supers,
+                  packed.bits)
+
+
 def quantize_4bit(weight: np.ndarray, group: int = 32, most_supers: int = 8) -> Blocks:
     """A float weight [n, k] in the Q4_K form (4-bit values, 6-bit scales and mins under a float per super-group):
     for a draft, whose values may change (the target still checks every token; only acceptance moves).

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftwise.backends.gguf_weights import Packed
+from draftwise.backends.gguf_weights import Packed, unpack
 from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
 
@@ -126,10 +126,6 @@ class QuantLinear(nn.Module):
     Each row is quantized to int8 on the way in, so values differ slightly from the dequantized float layer;
     what holds is that a row's result never depends on the other rows of the call (batch invariance)."""
 
-    # Whether the model's input embeddings hold this layer's weights in float (a GGUF file that ties its output layer
-    # to them, quant_model.on_gguf_weights): what a feature head's readout reads, at no copy of a vocabulary's rows.
-    same_as_input_embeddings = False
-
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = packed.k, packed.n
@@ -157,6 +153,13 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """[out, in] float32: the weight its blocks stand for (a feature head reads out through the output layer's
+        float rows; the kernel never forms them)."""
+        buffers = (getattr(self, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
+        packed = Packed(*buffers, self.out_features, self.in_features, self.group, self.supers, self.bits)
+        return torch.from_numpy(unpack(packed).dequantize())
 
     def struct(self) -> WeightStruct:
         """The weight as qgemm.c's fused calls take it (valid while this module's buffers live)."""

@@ -67,10 +67,7 @@ def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) ->
         blocks = decode(tensor.tensor_type.name, tensor.data, n, k)
         blocks = _model_order(blocks, tensor.name, arch, model.config)
         _check_rows(blocks, linear, tensor.name, gguf_path.name)
-        quant = QuantLinear(pack(blocks), linear.bias)
-        # (the float model ties them: its embeddings are these very blocks dequantized, checked just above)
-        quant.same_as_input_embeddings = tied and name == "lm_head"
-        _replace(model, modules, name, quant)
+        _replace(model, modules, name, QuantLinear(pack(blocks), linear.bias))
     return _on_quant_layers(model)
 
 

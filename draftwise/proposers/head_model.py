@@ -230,19 +230,18 @@ def readout_layer(target_model, ids: torch.Tensor) -> nn.Linear:
 
 
 def output_weight(target_model) -> torch.Tensor:
-    """The output layer's [vocab, H] weight. A layer repacked for a faster kernel (backends/kernels.py) or run on a
-    GGUF file's blocks (the quant backend) has no plain weight; a model that ties it to the input embeddings still
-    holds it there."""
+    """The output layer's [vocab, H] weight in float. A layer repacked for a faster kernel (backends/kernels.py) has
+    no plain weight, and a model that ties it to the input embeddings still holds it there; one on a GGUF file's
+    blocks (the quant backend) gives what its blocks stand for."""
     layer = target_model.get_output_embeddings()
     weight = getattr(layer, "weight", None)
-    tied = (getattr(target_model.config.get_text_config(), "tie_word_embeddings", False)
-            or getattr(layer, "same_as_input_embeddings", False))
-    if weight is None and tied:
+    if weight is None and getattr(target_model.config.get_text_config(), "tie_word_embeddings", False):
         weight = target_model.get_input_embeddings().weight
+    if weight is None and hasattr(layer, "dequantized"):
+        weight = layer.dequantized()
     if weight is None:
-        raise DraftwiseError("the head reads out through the target's output layer in float, and this target holds "
-                             "it only repacked or quantized (its output layer is not its input embeddings); give the "
-                             "head the model as loaded (--backend hf)")
+        raise DraftwiseError("the target's output layer has no plain weight (it was repacked for a kernel); "
+                             "give the head the model as loaded")
     return weight
 
 
