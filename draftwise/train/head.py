@@ -35,8 +35,8 @@ from tqdm import tqdm
 from draftwise.backends.kernels import on_timed_kernels
 from draftwise.files import write_whole
 from draftwise.hardware import native_bf16
-from draftwise.proposers.head_model import (FeatureHead, HeadConfig, output_weight, readout_ids, readout_layer, save_config,
-                                            save_head)
+from draftwise.proposers.head_model import (FeatureHead, HeadConfig, output_weight, readout_ids, readout_layer,
+                                            save_config, save_head)
 from draftwise.train.answers import answer_prompts, requests_key, target_answers
 from draftwise.train.as_run import gap_line, top1_as_run
 from draftwise.train.corpus import Piece, training_sequences
@@ -124,7 +124,7 @@ def train_head(target_model, tokenizer, out: Path, cfg: TrainConfig = TrainConfi
     names = "".join(path.name for path in shards) + (folder if cfg.feature_layers else "")
     data_key = hashlib.sha256(names.encode()).hexdigest()[:16]
 
-    vocab = output_weight(target_model).shape[0]
+    vocab = target_model.get_output_embeddings().out_features  # (a quantized layer's float weight is made, not kept)
     ids = readout_ids(vocab, cfg.readout, tokenizer.all_special_ids, frequent_tokens(train))
     readout = readout_layer(target_model, ids).float()
     embed = target_model.get_input_embeddings()
@@ -222,7 +222,7 @@ def _held_out_latest(count: int) -> list[bool]:
 
 def target_fingerprint(model) -> dict:
     """What makes a run's answers, features and checkpoint this target's own: its class, dtype, device and weights
-    (their sums, as a checksum; read in float64 without a copy)."""
+    (their sums, as a checksum; read in float64, without a copy where the model holds them in float)."""
     sums = [float(weight.detach().sum(dtype=torch.float64)) for weight in (model.get_input_embeddings().weight,
                                                                            output_weight(model))]
     return {"model": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch."),
