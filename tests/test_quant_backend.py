@@ -305,12 +305,7 @@ def quant_head(root: str) -> Path:
     eng.feature_sink = capture.observe
     try:
         for i, prompt in enumerate([PROMPT, OTHER, PROMPT[:60], OTHER[:30]] * 2):  # (the latest fifth: held out)
-            seq = eng.open_sequence(ids(prompt), cfg)
-            while not seq.prefill_done:
-                eng.prefill(seq)
-            while seq.finish is None:
-                eng.step([seq])
-            eng.close_sequence(seq)
+            seq = decode_together(eng, [ids(prompt)], cfg)[0]
             capture.finish(seq, f"req-{i}", seq.finish)
     finally:
         eng.feature_sink = None

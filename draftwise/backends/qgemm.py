@@ -154,12 +154,12 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """[out, in] float32: the weight its blocks stand for (a feature head reads out through the output layer's
-        float rows; the kernel never forms them)."""
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[out, in] float32, or [len(rows), in] for those output channels: the weight its blocks stand for (a feature
+        head reads out through the output layer's float rows; the kernel never forms them)."""
         buffers = (getattr(self, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
-        packed = Packed(*buffers, self.out_features, self.in_features, self.group, self.supers, self.bits)
-        return torch.from_numpy(unpack(packed).dequantize())
+        blocks = unpack(Packed(*buffers, self.out_features, self.in_features, self.group, self.supers, self.bits))
+        return torch.from_numpy((blocks if rows is None else blocks.rows(rows.cpu().numpy())).dequantize())
 
     def struct(self) -> WeightStruct:
         """The weight as qgemm.c's fused calls take it (valid while this module's buffers live)."""

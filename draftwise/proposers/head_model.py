@@ -222,27 +222,27 @@ def readout_ids(target_vocab: int, keep: int, special_ids=(), frequent=()) -> to
 
 def readout_layer(target_model, ids: torch.Tensor) -> nn.Linear:
     """The target's output layer over `ids` only: [readout, H], frozen."""
-    full = output_weight(target_model)
-    weight = full.detach()[ids.to(full.device)]
+    weight = output_weight(target_model, ids)
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
     layer.weight = nn.Parameter(weight, requires_grad=False)
     return layer.requires_grad_(False)
 
 
-def output_weight(target_model) -> torch.Tensor:
-    """The output layer's [vocab, H] weight in float. A layer repacked for a faster kernel (backends/kernels.py) has
-    no plain weight, and a model that ties it to the input embeddings still holds it there; one on a GGUF file's
-    blocks (the quant backend) gives what its blocks stand for."""
+def output_weight(target_model, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The output layer's [vocab, H] weight in float, or its [len(rows), H] rows. A layer repacked for a faster
+    kernel (backends/kernels.py) has no plain weight, and a model that ties it to the input embeddings still holds
+    it there; one on a GGUF file's blocks (the quant backend) gives what its blocks stand for, only the rows asked
+    (the whole vocabulary in float is a gigabyte for the 1.5B)."""
     layer = target_model.get_output_embeddings()
     weight = getattr(layer, "weight", None)
     if weight is None and getattr(target_model.config.get_text_config(), "tie_word_embeddings", False):
         weight = target_model.get_input_embeddings().weight
     if weight is None and hasattr(layer, "dequantized"):
-        weight = layer.dequantized()
+        return layer.dequantized(rows)
     if weight is None:
         raise DraftwiseError("the target's output layer has no plain weight (it was repacked for a kernel); "
                              "give the head the model as loaded")
-    return weight
+    return weight if rows is None else weight.detach()[rows.to(weight.device)]
 
 
 # -- files --------------------------------------------------------------------------------------------------
