@@ -12,7 +12,7 @@ import pytest
 
 from draftwise.errors import DraftwiseError
 from draftwise.bench.loadgen import (
-    RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
+    LoadPlan, RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
     summarise, take_chunk, throttle_table,
 )
 from draftwise.bench.interleave import order_for_repeat
@@ -120,6 +120,40 @@ def test_interleaved_order_mirrors_each_pair_of_repeats_and_rotates_across_pairs
     assert order_for_repeat([], 3) == []
 
 
+def test_slices_cut_a_cells_requests_and_interleave_a_methods_modes_slice_by_slice():
+    plan = LoadPlan(url="http://h:1", levels=(1, 3, 8), modes=("on", "off"), prompts=(), requests=8,
+                    methods=("draft", "lookup"), repeats=2, slices=4)
+    assert plan.parts(1) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert plan.parts(3) == [range(0, 4), range(4, 8)]  # never fewer requests than the concurrency
+    assert plan.parts(8) == [range(0, 8)]
+    runs = list(plan.schedule(3))
+    # A block per method; within it both modes for each slice in turn, mirrored slice to slice; the next repeat
+    # runs the blocks backwards and goes on mirroring.
+    assert runs == [(0, 0, "on", "draft"), (0, 0, "off", "draft"), (0, 1, "off", "draft"), (0, 1, "on", "draft"),
+                    (0, 0, "on", "lookup"), (0, 0, "off", "lookup"), (0, 1, "off", "lookup"), (0, 1, "on", "lookup"),
+                    (1, 0, "off", "lookup"), (1, 0, "on", "lookup"), (1, 1, "on", "lookup"), (1, 1, "off", "lookup"),
+                    (1, 0, "off", "draft"), (1, 0, "on", "draft"), (1, 1, "on", "draft"), (1, 1, "off", "draft")]
+    # One slice: each repeat's cells as before slices existed (blocks and cells by the repeat's order).
+    whole = LoadPlan(url="http://h:1", levels=(1,), modes=("on", "off"), prompts=(), methods=("draft", "lookup"),
+                     repeats=2)
+    assert [run[2:] for run in whole.schedule(1)] == [
+        ("on", "draft"), ("off", "draft"), ("on", "lookup"), ("off", "lookup"),
+        ("off", "lookup"), ("on", "lookup"), ("off", "draft"), ("on", "draft")]
+
+
+def test_a_repeats_rate_pools_its_slices():
+    """A repeat's tokens over the sum of its slices' walls, not the median of slices nor one slice's wall."""
+    records = [_rec("on", 2, repeat=0, part=0, completion_tokens=30, level_wall_s=1.0),
+               _rec("on", 2, repeat=0, part=0, completion_tokens=30, level_wall_s=1.0),
+               _rec("on", 2, repeat=0, part=1, completion_tokens=60, level_wall_s=3.0),
+               _rec("off", 2, repeat=0, part=0, completion_tokens=60, level_wall_s=2.0),
+               _rec("off", 2, repeat=0, part=1, completion_tokens=60, level_wall_s=2.0)]
+    rows = summarise(records)
+    on = next(r for r in rows if r["mode"] == "on")
+    assert on["runs_tokens_per_s"] == pytest.approx([120 / 4.0]) and on["wall_s"] == pytest.approx(4.0)
+    assert on["on_vs_best"] == pytest.approx(30.0 / 30.0)
+
+
 # -- one stream's chunks ----------------------------------------------------------------------------------
 
 
@@ -202,7 +236,7 @@ def test_the_report_keeps_the_command_without_the_api_key():
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "1,x"], "--concurrency"), (["--concurrency", "0"], "--concurrency"),
     (["--speculation", "on,maybe"], "--speculation"), (["--requests", "0"], "--requests"),
-    (["--repeats", "0"], "--repeats"), (["--methods", " , "], "--methods"), (["--methods", "draft:"], "--methods"),
+    (["--repeats", "0"], "--repeats"), (["--slices", "0"], "--slices"), (["--methods", " , "], "--methods"), (["--methods", "draft:"], "--methods"),
     (["--methods", ":d@v1"], "--methods"),
     (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"), (["--timeout", "inf"], "--timeout"),
     (["--categories", "nope"], "unknown category"),
@@ -399,6 +433,24 @@ def test_several_methods_and_repeats_run_interleaved_each_beside_its_own_off(tmp
     out = capsys.readouterr().out
     assert "| lookup | always | 1 | 4 (0) |" in out and "| none (beside lookup) | off | 1 | 4 (0) |" in out
     assert "on / best of always, off" in out and "## Throttle" in (tmp_path / "report.md").read_text()
+
+
+def test_slices_take_turns_within_a_cell_and_count_every_request_once(tmp_path, standin, capsys):
+    code = _run("--url", standin.url, "--methods", "draft", "--speculation", "on,off", "--slices", "2",
+                "--concurrency", "1", "--requests", "4", "--max-tokens", "2", "--per-category", "1",
+                "--out", str(tmp_path))
+    assert code == 0
+    sent = ["off" if (b.get("speculation") or {}).get("method") == "none" else "on" for _, b in standin.posts]
+    # on: warm-up and slice 1 (2 requests); off: warm-up and slice 1; slice 2 mirrored: off then on.
+    assert sent == ["on"] * 3 + ["off"] * 3 + ["off"] * 2 + ["on"] * 2
+    results = json.loads((tmp_path / "results.json").read_text())
+    asked = [r["prompt_id"] for r in results["requests"] if r["mode"] == "on"]
+    first_four = [b["messages"][0]["content"] for _, b in standin.posts[1:3] + standin.posts[8:10]]
+    assert len(set(first_four)) == 4 and len(asked) == 4  # slice 2 sends requests 3 and 4, not 1 and 2 again
+    assert [r["part"] for r in results["requests"] if r["mode"] == "on"] == [0, 0, 1, 1]
+    assert all(r["requests"] == 4 and len(r["runs_tokens_per_s"]) == 1 for r in results["summary"])
+    assert results["meta"]["slices"] == 2 and "2 slices" in (tmp_path / "report.md").read_text()
+    assert "slice 2/2" in capsys.readouterr().err
 
 
 def test_the_throttle_judges_on_against_the_off_beside_it():

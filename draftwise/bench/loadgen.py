@@ -3,8 +3,9 @@ speculation on and off, for one method or several.
 
 At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and
 the whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever
-else the machine is doing weighs on all of them alike: `concurrency` warm-up requests at once in the first repeat
-(not counted), then N streamed requests kept exactly `concurrency` in flight. Off is the target alone whatever the
+else the machine is doing weighs on all of them alike: `concurrency` warm-up requests at once before a cell's first
+run (not counted), then N streamed requests kept exactly `concurrency` in flight; with slices, a method's cells take
+turns slice by slice of those N (LoadPlan.schedule). Off is the target alone whatever the
 method, yet it runs beside each method's on and always (a block of three cells): a round of many cells spans
 minutes, over which this machine's speed drifts by a tenth and more, and an on judged against an off minutes away
 would measure the drift. Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of
@@ -24,6 +25,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,6 +62,7 @@ class LoadPlan:
     chat: bool = True
     methods: tuple[str | None, ...] = (None,)  # None: the server's own
     repeats: int = 1
+    slices: int = 1  # each cell's requests run in this many slices, the modes interleaved slice by slice
     model: str | None = None
     api_key: str | None = None
     timeout: float = 300.0
@@ -78,10 +81,27 @@ class LoadPlan:
         (the target alone, tagged with the block's method: what that method's on is judged against)."""
         return [[(mode, method) for mode in self.modes] for method in self.methods]
 
-    def cells_for_repeat(self, repeat: int) -> list[tuple[str, str | None]]:
-        """A repeat's cells in the order they run: the blocks, and the cells within each, as order_for_repeat
-        orders them (an odd repeat runs the one before backwards)."""
-        return [cell for block in order_for_repeat(self.blocks(), repeat) for cell in order_for_repeat(block, repeat)]
+    def parts(self, level: int) -> list[range]:
+        """The requests of each slice of a cell at this level (indices into the level's count), in order: the count
+        cut into `slices` near-equal consecutive runs, or fewer where a slice would hold fewer requests than the
+        concurrency (it could never reach it)."""
+        count = self.count(level)
+        n = max(1, min(self.slices, count // level))
+        bounds = [count * i // n for i in range(n + 1)]
+        return [range(low, high) for low, high in zip(bounds, bounds[1:])]
+
+    def schedule(self, level: int) -> Iterator[tuple[int, int, str, str | None]]:
+        """Every run at a level, (repeat, slice, mode, method), in the order they go: each repeat's blocks as
+        order_for_repeat orders them, and within a block, slice by slice, its cells side by side, mirrored from one
+        slice (or repeat) to the next. With one slice a block's cells are as far apart as a whole cell takes (half
+        a minute and more, over which a shared machine's speed can move by a fifth); slices bring an on and its off
+        within seconds of each other, and give the drift as many mirrored pairs to cancel in."""
+        parts = len(self.parts(level))
+        for repeat in range(self.repeats):
+            for block in order_for_repeat(self.blocks(), repeat):
+                for part in range(parts):
+                    for mode, method in order_for_repeat(block, repeat * parts + part):
+                        yield repeat, part, mode, method
 
 
 def base_url(url: str) -> str:
@@ -101,7 +121,7 @@ def base_url(url: str) -> str:
 def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], command: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"url": plan.url, "endpoint": plan.path, "command": command, "max_tokens": plan.max_tokens,
-            "methods": list(plan.methods), "repeats": plan.repeats, "prompts": len(plan.prompts),
+            "methods": list(plan.methods), "repeats": plan.repeats, "slices": plan.slices, "prompts": len(plan.prompts),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     results = {"meta": meta, "summary": rows, "requests": [asdict(r) for r in records]}
     write_whole(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
@@ -122,6 +142,7 @@ class RequestRecord:
     prompt_id: str
     method: str | None = None  # what was asked for (None: the server's own; off: the target alone)
     repeat: int = 0
+    part: int = 0  # the slice of the cell's requests it ran in (LoadPlan.parts)
     start_s: float = 0.0  # from the start of the run
     ttft_s: float | None = None  # the first chunk with non-empty text
     chunk_times_s: list[float] = field(default_factory=list)  # every content chunk
@@ -135,7 +156,7 @@ class RequestRecord:
     status: int | None = None  # the HTTP status
     done: bool = False  # the stream ended with data: [DONE]
     error: str | None = None
-    level_wall_s: float | None = None  # the wall time of the run (one cell, one repeat) this request ran in
+    level_wall_s: float | None = None  # the wall time of the run (a cell's slice in one repeat) it ran in
 
 
 async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> list[RequestRecord]:
@@ -153,16 +174,17 @@ async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> lis
                                  trust_env=False) as http:
         model = plan.model or await first_model(http, plan.url)
         log(f"loadgen: {plan.url}{plan.path}, model {model}, {len(plan.prompts)} prompts, "
-            f"max_tokens {plan.max_tokens}, {plan.repeats} repeat(s)")
+            f"max_tokens {plan.max_tokens}, {plan.repeats} repeat(s), {plan.slices} slice(s)")
         for level in plan.levels:
-            for repeat in range(plan.repeats):
-                for mode, method in plan.cells_for_repeat(repeat):
-                    body = request_body(model, plan, mode, method)
-                    if repeat == 0:
-                        await _warm_up(http, plan, body, mode, level)
-                    run = await run_level(http, plan, body, (mode, method, repeat), level)
-                    log(_progress_line(summarise(run)[0], run))
-                    records += run
+            parts, warm = plan.parts(level), set()
+            for repeat, part, mode, method in plan.schedule(level):
+                body = request_body(model, plan, mode, method)
+                if (mode, method) not in warm:
+                    await _warm_up(http, plan, body, mode, level)
+                    warm.add((mode, method))
+                run = await run_level(http, plan, body, (mode, method, repeat, part), level, parts[part])
+                log(_progress_line(summarise(run)[0], run, len(parts)))
+                records += run
     return records
 
 
@@ -223,14 +245,13 @@ async def _warm_up(http, plan: LoadPlan, body: dict, mode: str, level: int) -> N
                              f"{failed.error}{_auth_hint(failed.status)}")
 
 
-async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | None, int],
-                    level: int) -> list[RequestRecord]:
-    """One run of a cell (mode, method, repeat): plan.count(level) requests, `level` workers each sending the next
-    one as soon as its last one ends."""
-    count = plan.count(level)
-    prompts = [plan.prompts[i % len(plan.prompts)] for i in range(count)]
-    mode, method, repeat = cell
-    records = [RequestRecord(mode, level, str(p.question_id), method, repeat) for p in prompts]
+async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | None, int, int], level: int,
+                    requests: range) -> list[RequestRecord]:
+    """One run of a cell (mode, method, repeat, slice): the slice's requests (indices into the level's, the prompts
+    cycled), `level` workers each sending the next one as soon as its last one ends."""
+    prompts = [plan.prompts[i % len(plan.prompts)] for i in requests]
+    mode, method, repeat, part = cell
+    records = [RequestRecord(mode, level, str(p.question_id), method, repeat, part) for p in prompts]
     todo = deque(zip(prompts, records))
     origin = time.perf_counter()
 
@@ -362,8 +383,9 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _progress_line(row: dict, records: list[RequestRecord]) -> str:
-    line = (f"loadgen: {_cell_name(row)}, concurrency {row['concurrency']}, repeat {records[0].repeat + 1}: "
+def _progress_line(row: dict, records: list[RequestRecord], parts: int = 1) -> str:
+    part = f", slice {records[0].part + 1}/{parts}" if parts > 1 else ""
+    line = (f"loadgen: {_cell_name(row)}, concurrency {row['concurrency']}, repeat {records[0].repeat + 1}{part}: "
             f"{row['requests']} requests, "
             f"{_fmt(row['tokens_per_s'], 1)} tok/s, TBT p50 {_fmt(row['tbt_p50_s'], 0, 1000)} ms")
     if row["failed"]:
@@ -424,11 +446,14 @@ def _summary_row(mode: str, method: str | None, level: int, group: list[RequestR
 
 
 def _run_walls(group: list[RequestRecord]) -> dict[int, float]:
-    """Each repeat's wall time (every request of a run carries it)."""
-    walls: dict[int, float] = {}
+    """Each repeat's wall time: the sum of its slices' runs' (every request of a run carries its run's)."""
+    runs: dict[tuple[int, int], float] = {}
     for r in group:
         if r.level_wall_s is not None:
-            walls[r.repeat] = max(walls.get(r.repeat, 0.0), r.level_wall_s)
+            runs[r.repeat, r.part] = max(runs.get((r.repeat, r.part), 0.0), r.level_wall_s)
+    walls: dict[int, float] = {}
+    for (repeat, _), wall in runs.items():
+        walls[repeat] = walls.get(repeat, 0.0) + wall
     return walls
 
 
@@ -545,6 +570,11 @@ def throttle_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _in_slices(meta: dict) -> str:
+    slices = meta.get("slices", 1)
+    return f", each cell in {slices} slices, a method's modes taking turns slice by slice" if slices > 1 else ""
+
+
 def report_markdown(meta: dict, rows: list[dict]) -> str:
     methods = ", ".join(m or "the server's default" for m in meta["methods"])
     verdicts = throttle_table(rows)
@@ -552,7 +582,7 @@ def report_markdown(meta: dict, rows: list[dict]) -> str:
         f"# Load test of {meta['url']}\n\n"
         f"{meta['date']}, `{meta['command']}`\n\n"
         f"POST {meta['endpoint']}, streamed, temperature 0, max_tokens {meta['max_tokens']}, {meta['prompts']} "
-        f"prompts, {meta['repeats']} repeat(s) interleaved; speculation on and always: {methods}; off: "
+        f"prompts, {meta['repeats']} repeat(s) interleaved{_in_slices(meta)}; speculation on and always: {methods}; off: "
         f"`{{\"method\": \"none\"}}`.\n\n"
         f"{markdown_table(rows)}\n\n"
         "Aggregate tok/s: completion tokens of the requests that succeeded over the run's wall time; with repeats, "

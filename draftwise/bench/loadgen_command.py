@@ -32,8 +32,9 @@ def add_loadgen(commands, formatter) -> None:
             "(the target alone: speculation {method: none}), side by side for each method, so that its on is\n"
             "judged against an off of the same minutes. With --repeats R the round of cells runs R times, in\n"
             "pairs of repeats whose second runs the first's order backwards (each pair rotated), so that a\n"
-            "steady drift of the machine weighs on all alike. Each cell\n"
-            "starts (first repeat only) with C warm-up requests at once, not counted, so that the server has\n"
+            "steady drift of the machine weighs on all alike; with --slices S each cell's requests run in S\n"
+            "parts, a method's modes taking turns part by part. Each cell\n"
+            "starts (its first run only) with C warm-up requests at once, not counted, so that the server has\n"
             "timed the level's batch shapes before any cell is measured; then --requests requests; a failed\n"
             "request is counted, never retried. Greedy\n"
             "(temperature 0), one chunk per token.\n"
@@ -82,6 +83,11 @@ def add_loadgen(commands, formatter) -> None:
                            "version loaded beside the server's draft (a trial's), e.g. hybrid,hybrid:NAME@v1")
     work.add_argument("--repeats", type=int, default=1, metavar="N",
                       help="run every level's cells N times, interleaved (default: %(default)s)")
+    work.add_argument("--slices", type=int, default=1, metavar="N",
+                      help="run each cell's requests in N consecutive slices, a method's modes taking turns "
+                           "slice by slice (mirrored), so that on and off are compared over seconds rather than "
+                           "a whole cell's minute: a shared machine's drift then weighs on them alike; a slice "
+                           "never holds fewer requests than the concurrency (default: %(default)s)")
     work.add_argument("--requests", type=int, metavar="N",
                       help="requests per mode and level, the same prompts at every level so that levels "
                            "compare, raised to the concurrency where below it (default: one per prompt, "
@@ -108,6 +114,7 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     _at_least("--requests", args.requests, 1, allow_none=True)
     _at_least("--max-tokens", args.max_tokens, 1)
     _at_least("--repeats", args.repeats, 1)
+    _at_least("--slices", args.slices, 1)
     if not (math.isfinite(args.timeout) and args.timeout > 0):  # (a run must end by itself)
         raise DraftwiseError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
     modes = tuple(dict.fromkeys(m.strip() for m in args.speculation.split(",") if m.strip()))
@@ -122,8 +129,8 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     return LoadPlan(
         url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
         prompts=tuple(select_prompts(prompts, args.categories, args.per_category)), requests=args.requests,
-        max_tokens=args.max_tokens, chat=args.chat, methods=methods, repeats=args.repeats, model=args.model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
+        max_tokens=args.max_tokens, chat=args.chat, methods=methods, repeats=args.repeats, slices=args.slices,
+        model=args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
     )
 
 

@@ -3,8 +3,8 @@ lost the choice, a token drafted to notice a change), wins (drafting won it) and
 lookup's own rounds), each with its seconds and what plain steps of the cell would have taken for its tokens; the
 seconds of filling lagging drafts; and for the wins, the rate the policy priced against the rate run, by rows.
 
-python docs/experiments/throttle-zen4/drafting_steps.py TRACE.jsonl METHODS LEVELS REPEATS
-(the loadgen run's --methods, --concurrency and --repeats, as trace_cells.py takes them)"""
+python docs/experiments/throttle-zen4/drafting_steps.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES]
+(the loadgen run's --methods, --concurrency, --repeats and --slices, as trace_cells.py takes them)"""
 import collections, json, os, sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -52,9 +52,7 @@ def priced_against_run(cell):
 
 def main():
     trace = [json.loads(line) for line in open(sys.argv[1])]
-    methods, levels, repeats = sys.argv[2].split(","), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
-    cells = [c for c in trace_cells.cut(trace, trace_cells.expected_cells(methods, levels, repeats))
-             if not c["warm_up"] and c["steps"] and c["mode"] == "on"]
+    cells = [c for c in trace_cells.cells_of(trace, *trace_cells.run_args(sys.argv[2:])) if c["mode"] == "on"]
     print("| c | method | repeat | probes: steps: s (as plain) | wins | unpriced | filling s | busy s |")
     print("|---|---|---|---|---|---|---:|---:|")
     for cell in cells:

@@ -27,7 +27,7 @@ ap.add_argument("--served-before", default="", help="methods whose `on` cells ru
                 "server table's earlier methods do (logged as before-METHOD)")
 ap.add_argument("--before-c", type=int, default=None, help="requests in flight in those cells (default: --c)")
 ap.add_argument("--table", default="", help="methods: play loadgen's cells in its order instead (every level of "
-                "--levels, each repeat's (mode, method) cells as LoadPlan.cells_for_repeat orders them), logged as "
+                "--levels, each repeat's (mode, method) cells as LoadPlan.schedule orders them), logged as "
                 "c{C}-{method}-{mode}-r{repeat}")
 ap.add_argument("--levels", default="1,2,4,8")
 a = ap.parse_args()
@@ -77,12 +77,11 @@ def table_driver():  # loadgen's order (draftwise/bench/loadgen.py): levels, the
     plan = LoadPlan(url="http://127.0.0.1:1", prompts=prompts, levels=[int(c) for c in a.levels.split(",")],
                     modes=("on", "always", "off"), methods=methods, repeats=a.repeats)
     for level in plan.levels:
-        for repeat in range(plan.repeats):
-            for mode, method in plan.cells_for_repeat(repeat):
-                mode_now["m"] = f"c{level}-{method}-{mode}-r{repeat}"
-                tok, wall = run_mode(mode, method, level)
-                results.setdefault(f"c{level}-{method}-{mode}", []).append(tok / wall)
-                print(f"{mode_now['m']}: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)
+        for repeat, _, mode, method in plan.schedule(level):  # (one slice: every prompt in each cell)
+            mode_now["m"] = f"c{level}-{method}-{mode}-r{repeat}"
+            tok, wall = run_mode(mode, method, level)
+            results.setdefault(f"c{level}-{method}-{mode}", []).append(tok / wall)
+            print(f"{mode_now['m']}: {tok} tokens in {wall:.1f}s = {tok/wall:.2f} tok/s", file=sys.stderr, flush=True)
     sched.drain(5)
 def driver():
     for r in range(a.repeats + 1):

@@ -4,8 +4,9 @@ catch-ups and prefills, and the cell's plain step (the median of its steps that 
 batch size). A cell's plain step beside its off cell's says how fast the machine ran in each: where on ran the same
 steps as off (no drafting), a gap between them is the machine's drift, not the policy's.
 
-python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS
-(the loadgen run's --methods, --concurrency and --repeats: its cells are replayed in its order, warm-ups included)"""
+python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES]
+(the loadgen run's --methods, --concurrency, --repeats and --slices: its cells are replayed in its order, warm-ups
+included)"""
 import collections, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../.."))
@@ -14,16 +15,37 @@ from draftwise.bench.loadgen import LoadPlan  # noqa: E402
 PROMPTS = 8  # the run's prompts (a cell sends max(prompts, level) requests)
 
 
-def expected_cells(methods, levels, repeats):
+def expected_cells(methods, levels, repeats, slices=1):
     plan = LoadPlan(url="http://127.0.0.1:1", levels=tuple(levels), modes=("on", "always", "off"), prompts=(),
-                    methods=tuple(methods), repeats=repeats)
+                    requests=PROMPTS, methods=tuple(methods), repeats=repeats, slices=slices)
     for level in levels:
-        for repeat in range(repeats):
-            for mode, method in plan.cells_for_repeat(repeat):
-                if repeat == 0:
-                    yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=True, requests=level)
-                yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=False,
-                           requests=max(PROMPTS, level))
+        parts, warm = plan.parts(level), set()
+        for repeat, part, mode, method in plan.schedule(level):
+            if (mode, method) not in warm:
+                warm.add((mode, method))
+                yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=True, requests=level)
+            yield dict(level=level, repeat=repeat, mode=mode, method=method, warm_up=False,
+                       requests=len(parts[part]))
+
+
+def cells_of(trace, methods, levels, repeats, slices=1):
+    """The trace's counted cells, each cell's slices (loadgen --slices) joined into one, in the order they began."""
+    joined = {}
+    for c in cut(trace, expected_cells(methods, levels, repeats, slices)):
+        if c["warm_up"]:
+            continue
+        key = (c["level"], c["repeat"], c["mode"], c["method"])
+        if key in joined:
+            for name in ("steps", "catch_ups", "ops"):
+                joined[key][name] += c[name]
+        else:
+            joined[key] = c
+    return [c for c in joined.values() if c["steps"]]
+
+
+def run_args(argv):
+    """METHODS LEVELS REPEATS [SLICES], as the loadgen run was given them."""
+    return (argv[0].split(","), [int(c) for c in argv[1].split(",")], int(argv[2]), int(argv[3]) if len(argv) > 3 else 1)
 
 
 def cut(trace, cells):
@@ -96,8 +118,7 @@ def on_against_off(cells):
 
 def main():
     trace = [json.loads(line) for line in open(sys.argv[1])]
-    methods, levels, repeats = sys.argv[2].split(","), [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4])
-    cells = [c for c in cut(trace, expected_cells(methods, levels, repeats)) if not c["warm_up"] and c["steps"]]
+    cells = cells_of(trace, *run_args(sys.argv[2:]))
     print("| c | method | repeat | mode | steps | step s | drafting steps: s (as plain) | catch-up s | prefill s "
           "| plain step ms (rows) | busy s |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
