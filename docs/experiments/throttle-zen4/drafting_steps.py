@@ -3,8 +3,8 @@ lost the choice, a token drafted to notice a change), wins (drafting won it) and
 lookup's own rounds), each with its seconds and what plain steps of the cell would have taken for its tokens; the
 seconds of filling lagging drafts; and for the wins, the rate the policy priced against the rate run, by rows.
 
-python docs/experiments/throttle-zen4/drafting_steps.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES]
-(the loadgen run's --methods, --concurrency, --repeats and --slices, as trace_cells.py takes them)"""
+python docs/experiments/throttle-zen4/drafting_steps.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES [REQUESTS]]
+(the loadgen run's --methods, --concurrency, --repeats, --slices and --requests, as trace_cells.py takes them)"""
 import collections, json, os, sys
 
 sys.path.insert(0, os.path.dirname(__file__))

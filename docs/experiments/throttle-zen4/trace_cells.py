@@ -4,20 +4,20 @@ catch-ups and prefills, and the cell's plain step (the median of its steps that 
 batch size). A cell's plain step beside its off cell's says how fast the machine ran in each: where on ran the same
 steps as off (no drafting), a gap between them is the machine's drift, not the policy's.
 
-python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES]
-(the loadgen run's --methods, --concurrency, --repeats and --slices: its cells are replayed in its order, warm-ups
-included)"""
+python docs/experiments/throttle-zen4/trace_cells.py TRACE.jsonl METHODS LEVELS REPEATS [SLICES [REQUESTS]]
+(the loadgen run's --methods, --concurrency, --repeats, --slices and --requests: its cells are replayed in its order,
+warm-ups included)"""
 import collections, json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../.."))
 from draftwise.bench.loadgen import LoadPlan  # noqa: E402
 
-PROMPTS = 8  # the run's prompts (a cell sends max(prompts, level) requests)
+PROMPTS = 8  # the run's prompts (a cell sends max(prompts, level) requests unless told --requests)
 
 
-def expected_cells(methods, levels, repeats, slices=1):
+def expected_cells(methods, levels, repeats, slices=1, requests=PROMPTS):
     plan = LoadPlan(url="http://127.0.0.1:1", levels=tuple(levels), modes=("on", "always", "off"), prompts=(),
-                    requests=PROMPTS, methods=tuple(methods), repeats=repeats, slices=slices)
+                    requests=requests, methods=tuple(methods), repeats=repeats, slices=slices)
     for level in levels:
         parts, warm = plan.parts(level), set()
         for repeat, part, mode, method in plan.schedule(level):
@@ -28,10 +28,10 @@ def expected_cells(methods, levels, repeats, slices=1):
                        requests=len(parts[part]))
 
 
-def cells_of(trace, methods, levels, repeats, slices=1):
+def cells_of(trace, methods, levels, repeats, slices=1, requests=PROMPTS):
     """The trace's counted cells, each cell's slices (loadgen --slices) joined into one, in the order they began."""
     joined = {}
-    for c in cut(trace, expected_cells(methods, levels, repeats, slices)):
+    for c in cut(trace, expected_cells(methods, levels, repeats, slices, requests)):
         if c["warm_up"]:
             continue
         key = (c["level"], c["repeat"], c["mode"], c["method"])
@@ -44,8 +44,9 @@ def cells_of(trace, methods, levels, repeats, slices=1):
 
 
 def run_args(argv):
-    """METHODS LEVELS REPEATS [SLICES], as the loadgen run was given them."""
-    return (argv[0].split(","), [int(c) for c in argv[1].split(",")], int(argv[2]), int(argv[3]) if len(argv) > 3 else 1)
+    """METHODS LEVELS REPEATS [SLICES [REQUESTS]], as the loadgen run was given them."""
+    methods, levels, repeats = argv[0].split(","), [int(c) for c in argv[1].split(",")], int(argv[2])
+    return methods, levels, repeats, *[int(v) for v in argv[3:5]]
 
 
 def cut(trace, cells):
