@@ -8,9 +8,10 @@ run (not counted), then N streamed requests kept exactly `concurrency` in flight
 turns slice by slice of those N (LoadPlan.schedule). Off is the target alone whatever the
 method, yet it runs beside each method's on and always (a block of three cells): a round of many cells spans
 minutes, over which this machine's speed drifts by a tenth and more, and an on judged against an off minutes away
-would measure the drift. Per cell: aggregate tokens/s (completion tokens over the run's wall time; the median of
-the repeats, and their range), p50/p95 time to first token and time between tokens (gaps between one request's
-consecutive content chunks: the server sends one chunk per token), and the server-reported acceptance. Per method
+would measure the drift. Per cell: aggregate tokens/s (completion tokens over the run's wall time, a repeat's
+slices pooled; the median of the repeats, and their range), p50/p95 time to first token and time between tokens
+(gaps between one request's consecutive content chunks: the server sends one chunk per token), and the
+server-reported acceptance. Per method
 and level, the throttle's verdict: on over the better of always and off, repeat by repeat (the cells of one
 repeat ran back to back).
 
@@ -585,7 +586,8 @@ def report_markdown(meta: dict, rows: list[dict]) -> str:
         f"prompts, {meta['repeats']} repeat(s) interleaved{_in_slices(meta)}; speculation on and always: {methods}; off: "
         f"`{{\"method\": \"none\"}}`.\n\n"
         f"{markdown_table(rows)}\n\n"
-        "Aggregate tok/s: completion tokens of the requests that succeeded over the run's wall time; with repeats, "
+        "Aggregate tok/s: completion tokens of the requests that succeeded over the run's wall time (with slices, "
+        "the sum of its slices'); with repeats, "
         "the median and (the range). vs c1 off: that over concurrency 1 with speculation off. TTFT: time to the "
         "first chunk with text. TBT: gaps between one request's consecutive chunks (one per token), pooled. "
         "Acceptance: accepted over proposed draft tokens, as the server reports them.\n"
