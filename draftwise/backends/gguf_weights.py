@@ -178,11 +178,10 @@ def unpack(packed: Packed) -> Blocks:
         q = packed.q.reshape(tiles, groups, g // 4, TILE, 4)
     else:
         planes = packed.q.reshape(tiles, groups, -1, TILE, 4)  # [tiles, groups, vec bytes, channel, 4]
-        low = np.concatenate([planes[:, :, :half] & 0x0F, planes[:, :, :half] >> 4], axis=2)
-        q = low
+        q = np.concatenate([planes[:, :, :half] & 0x0F, planes[:, :, :half] >> 4], axis=2)  # the low nibbles
         if packed.bits == 6:  # each byte: the 2-bit high parts of four registers
             high = np.stack([(planes[:, :, half:] >> (2 * b)) & 0x03 for b in range(4)], axis=3)
-            q = low | (high.reshape(low.shape) << 4)
+            q = q | (high.reshape(q.shape) << 4)
     q = q.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, packed.k)  # [channels, k]
     by_channel = lambda a: a.reshape(tiles, -1, TILE).transpose(0, 2, 1).reshape(tiles * TILE, -1)  # noqa: E731
     n = packed.n
