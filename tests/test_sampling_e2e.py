@@ -111,9 +111,11 @@ def engine(method):
     if method.endswith("-free"):  # draft forwards never pay: every round is lookup's free one, or none
         eng = Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method.removesuffix("-free"))
         eng.draft_policy.choose = lambda *args: 0
-        if method == "lookup-tree-free":  # once a pass is timed, passes are flat: every node that may be kept pays,
-            eng.draft_policy.costs.verify = lambda rows, n: 1.0  # and after one-token matches too (kept after the
-            eng.proposer.trusted_ngram = 1  # first round: its guess, after the loop, is not what the target says)
+        # Once a pass is timed, passes are flat: every guess that may be kept pays, whatever this machine's timings
+        # (on a loaded CI machine a wide pass timed slow priced hybrid-free's guesses out: none offered in 800 runs).
+        eng.draft_policy.costs.verify = lambda rows, n: 1.0
+        if method == "lookup-tree-free":  # and after one-token matches too (kept after the first round: its guess,
+            eng.proposer.trusted_ngram = 1  # after the loop, is not what the target says)
         return eng
     if method == "lookup-corpus":  # earlier requests' texts (the loop, then each run's own) propose
         eng = Engine.from_models(target(), tiny_tokenizer(), method="lookup")
@@ -179,7 +181,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     assert kept >= (20 if method.startswith("lookup-tree") else RUNS // 8) and not_kept >= RUNS // 10
     if method in ("hybrid", "hybrid-tree", "hybrid-head", "hybrid-skip"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
-    if method in ("hybrid-free", "hybrid-tree-free"):  # unseeded, so its rounds follow the measured costs: lookup's
+    if method in ("hybrid-free", "hybrid-tree-free"):  # unseeded, its rounds the engine's free ones: lookup's
         assert rounds["lookup"] >= RUNS // 2 and rounds["draft"] == 0
     if method == "lookup-corpus":
         assert rounds["corpus"] >= RUNS  # the first round of every run came from another text
