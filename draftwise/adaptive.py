@@ -22,6 +22,10 @@ proposer that never pays (layer skipping on a small model) would otherwise lose 
 step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
 prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
 a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38).
+Never closer, though, than the steps over which a probe's priced loss is PROBE_BUDGET of their time: in a batch a
+probe's forward and wide pass cost nearly a step of their own (layer skipping at 4 rows on the quant backend, 50 ms
+a forward beside 58-ms steps), and with a request joining every 24 steps, probes 8 and 16 steps after each join
+cost `hybrid-skip` 3% of its throughput there.
 `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
 draft caches only when it did, and only where the tokens still to come repay the filling (`catch_up_pays`: a new
 request's prompt is the draft's to read first), or, for a sequence decoding alone, before a probe (`probe_due`).
@@ -34,6 +38,7 @@ the target's own (greedy) or its distribution (sampling).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from draftwise import planner
@@ -41,6 +46,7 @@ from draftwise.estimates import DECAY, StepCosts, nearest
 
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
+PROBE_BUDGET = 0.01  # the most of the plain steps' time between probes that a probe is priced to lose
 MAX_STOP_CONFIDENCE = 0.5
 
 
@@ -61,6 +67,7 @@ class DraftLengthPolicy:
     _pending: tuple[int, float] | None = None  # (rows, rate priced) of the last choice drafting won at a timed width
     _steps_without_draft: int = 0  # since drafting last won, or since the last probe
     _probe_gap: int = PROBE_EVERY
+    _probe_floor: int = PROBE_EVERY  # the closest probes may come at the last choice's price (probe_floor)
 
     def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = (),
                spreads: list[float] = (), free: list[int] = ()) -> int:
@@ -108,6 +115,8 @@ class DraftLengthPolicy:
         best = max(range(k_max + 1), key=by_k.__getitem__)
         self.wants_drafting = best > 0
         self._priced[rows] = by_k[0], by_k[best]
+        if k_max:  # (a probe drafts 1: its tokens, the adaptive rows' 1 + a and the others' 1, at either rate)
+            self._probe_floor = probe_floor(rows + sum(rates), rows, by_k[0], by_k[1])
         return best
 
     def observe_outcome(self, tokens: int, seconds: float) -> None:
@@ -133,7 +142,8 @@ class DraftLengthPolicy:
     def probe_due(self) -> bool:
         """Whether the next choice, should drafting still not win, is a probe: a draft far behind its text must be
         filled first, or it sits the probe out (Engine.wants_catch_up) and the probe learns nothing."""
-        return not self.wants_drafting and self._steps_without_draft + 1 >= self._probe_gap
+        gap = max(self._probe_gap, self._probe_floor)
+        return not self.wants_drafting and self._steps_without_draft + 1 >= gap
 
     def saving_per_token(self, rows: float) -> float | None:
         """What drafting saves a token in steps of this many rows: at the last choice for the nearest rows priced, its
@@ -155,7 +165,8 @@ class DraftLengthPolicy:
         return planner.catch_up_pays(saving, tokens_to_come, behind, self.costs.catch_up_s, margin)
 
     def sequence_joined(self) -> None:
-        """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed."""
+        """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed (or as
+        many as a probe's price allows, probe_floor)."""
         self._probe_gap = PROBE_EVERY
 
     def rate(self, rates: list[float], k: int, rows: int, fixed: list[int] = (), spreads: list[float] = (),
@@ -175,3 +186,11 @@ class DraftLengthPolicy:
         if not self.costs.measured or not self.costs.draft(rows):
             return 0.0
         return min(MAX_STOP_CONFIDENCE, planner.break_even_chance(self.costs, rows))
+
+
+def probe_floor(tokens: float, rows: int, plain_rate: float, probe_rate: float) -> int:
+    """The fewest steps between probes for which a probe emitting `tokens` at probe_rate (tokens/s) loses at most
+    PROBE_BUDGET of the plain steps' time: what its tokens take over plain steps' (plain_rate, `rows` a step), in
+    plain steps, over the budget; from PROBE_EVERY (a probe priced to pay) to MAX_PROBE_GAP."""
+    lost = tokens / rows * (plain_rate / probe_rate - 1.0)  # plain steps a probe costs beyond its tokens' own
+    return min(MAX_PROBE_GAP, max(PROBE_EVERY, math.ceil(lost / PROBE_BUDGET)))

@@ -6,13 +6,14 @@ compact model's own behaviour.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 import torch
 from conftest import cpu_kernels, tiny_model, tiny_tokenizer
 
-from draftwise.adaptive import MAX_PROBE_GAP, PROBE_EVERY, DraftLengthPolicy
+from draftwise.adaptive import MAX_PROBE_GAP, PROBE_BUDGET, PROBE_EVERY, DraftLengthPolicy, probe_floor
 from draftwise.estimates import PRIOR_ACCEPTED, PRIOR_TRIALS, STALE_STEPS, Acceptance, StepCosts, TreeSpread
 from draftwise import planner
 from draftwise.planner import Offer, chain_tokens
@@ -51,19 +52,24 @@ def test_always_accepted_with_flat_verification_drafts_the_most():
     assert policy.choose([acc.rate], k_max=8, rows=1) == 8
 
 
-def test_never_accepted_backs_off_to_plain_steps_but_probes():
-    # Lookup in float32: free guesses, but a wide verification costs two plain steps and nothing is kept.
-    policy, acc = DraftLengthPolicy(), Acceptance()
-    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
+def _never_paying(policy, acceptance):
+    """Lookup in float32: free guesses, but a wide verification costs two plain steps and nothing is kept; a
+    probe's 2-wide pass a little dearer than a plain step, so that a probe is priced to lose little."""
+    _feed(policy, acceptance, 10, 4, 0, draft_s=0.0, verify_s=0.9)
     policy.costs.observe(1, 0, 0.0, 0.45)
+    policy.costs.observe(1, 1, 0.0, 0.48)
+
+
+def test_never_accepted_backs_off_to_plain_steps_but_probes():
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _never_paying(policy, acc)
     choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(2 * PROBE_EVERY)]
     assert choices.count(0) == 2 * PROBE_EVERY - 1 and choices[PROBE_EVERY - 1] == 1
 
 
 def test_probes_grow_apart_while_drafting_keeps_not_paying_and_close_up_when_it_wins():
     policy, acc = DraftLengthPolicy(), Acceptance()
-    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
-    policy.costs.observe(1, 0, 0.0, 0.45)
+    _never_paying(policy, acc)
     steps = 8 * MAX_PROBE_GAP
     probes = [i + 1 for i in range(steps) if policy.choose([acc.rate], k_max=4, rows=1) == 1]  # 1-based steps
     gaps = [b - a for a, b in zip([0, *probes], probes)]
@@ -72,9 +78,35 @@ def test_probes_grow_apart_while_drafting_keeps_not_paying_and_close_up_when_it_
     # A probe that finds the text turned copyable: drafting wins, and once it stops winning, probes start close again.
     _feed(policy, acc, 10, 4, 4, draft_s=0.0, verify_s=0.2)
     assert policy.choose([acc.rate], k_max=4, rows=1) > 0
-    _feed(policy, acc, 30, 4, 0, draft_s=0.0, verify_s=0.9)
+    _feed(policy, acc, 60, 4, 0, draft_s=0.0, verify_s=0.9)
+    policy.costs.observe(1, 0, 0.0, 0.45)
+    policy.costs.observe(1, 1, 0.0, 0.48)
     choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(PROBE_EVERY)]
     assert choices == [0] * (PROBE_EVERY - 1) + [1]
+
+
+def test_probes_priced_dear_come_no_closer_than_their_budget_allows_even_after_a_join():
+    """A probe in a batch costs nearly a step of its own (a skip draft's forward at 4 rows, 50 ms beside 58-ms steps):
+    probes 8 steps after each join would cost a few percent of the throughput. They come no closer than the steps
+    over which the probe's priced loss is PROBE_BUDGET of their time."""
+    policy, acc = DraftLengthPolicy(), Acceptance()
+    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
+    policy.costs.observe(1, 0, 0.0, 0.45)  # a probe's 2-wide pass priced on the chord: 0.56 s, 0.2 steps lost
+    rate, plain, probe = acc.rate, policy.rate([acc.rate], 0, 1), policy.rate([acc.rate], 1, 1)
+    floor = probe_floor(1 + rate, 1, plain, probe)
+    assert floor == math.ceil((1 + rate) * (plain / probe - 1) / PROBE_BUDGET) and PROBE_EVERY < floor < MAX_PROBE_GAP
+    for joined in range(3):  # a sequence joins after each probe: the gap is closed again, but only to the floor
+        policy.sequence_joined()
+        choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(floor)]
+        assert choices == [0] * (floor - 1) + [1]
+
+
+def test_a_probe_floor_is_its_loss_over_the_budget_from_probe_every_to_the_widest_gap():
+    assert probe_floor(1.0, 1, 10.0, 10.0) == PROBE_EVERY  # a probe priced to break even
+    assert probe_floor(1.5, 1, 10.0, 12.0) == PROBE_EVERY  # or to pay
+    # 4 rows, a probe's 4 + 4 * 0.5 tokens at 60 tokens/s against plain steps' 69: 0.225 of a step lost, 1% of 23.
+    assert probe_floor(6.0, 4, 69.0, 60.0) == 23 == math.ceil(1.5 * (69 / 60 - 1) / PROBE_BUDGET)
+    assert probe_floor(1.0, 1, 10.0, 1.0) == MAX_PROBE_GAP
 
 
 def test_a_sequence_that_joins_is_probed_soon_though_its_predecessor_backed_probes_off():
@@ -419,8 +451,7 @@ def test_a_pass_wider_than_any_measured_is_priced_on_the_chord_and_a_tree_does_n
 
 def test_wants_drafting_ignores_the_probe():
     policy, acc = DraftLengthPolicy(), Acceptance()
-    _feed(policy, acc, 10, 4, 0, draft_s=0.0, verify_s=0.9)
-    policy.costs.observe(1, 0, 0.0, 0.45)
+    _never_paying(policy, acc)
     for _ in range(PROBE_EVERY):
         k = policy.choose([acc.rate], k_max=4, rows=1)
         assert not policy.wants_drafting
@@ -724,8 +755,9 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
     plain = Engine.from_models(target, tokenizer, method="none")
-    # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes.
-    eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(), free=(): 1.0 if k == 0 else 0.5
+    # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes,
+    # each priced to lose little (so they come as often as the gap allows).
+    eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(), free=(): 1.0 if k == 0 else 0.99
     drafted, behind = [], []
     eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
     start = eng.proposer.start
