@@ -95,7 +95,7 @@ def test_probes_priced_dear_come_no_closer_than_their_budget_allows_even_after_a
     rate, plain, probe = acc.rate, policy.rate([acc.rate], 0, 1), policy.rate([acc.rate], 1, 1)
     floor = probe_floor(1 + rate, 1, plain, probe)
     assert floor == math.ceil((1 + rate) * (plain / probe - 1) / PROBE_BUDGET) and PROBE_EVERY < floor < MAX_PROBE_GAP
-    for joined in range(3):  # a sequence joins after each probe: the gap is closed again, but only to the floor
+    for _ in range(3):  # a sequence joins after each probe: the gap is closed again, but only to the floor
         policy.sequence_joined()
         choices = [policy.choose([acc.rate], k_max=4, rows=1) for _ in range(floor)]
         assert choices == [0] * (floor - 1) + [1]
