@@ -118,8 +118,6 @@ def run_key(train: list[Served], base: str, recipe: Recipe) -> str:
 def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path, progress: bool = True,
             log=lambda line: None) -> tuple[torch.nn.Module, Outcome]:
     """(the draft with its trained adapter (a peft model), what was measured). work: the folder for checkpoints."""
-    from peft import LoraConfig, get_peft_model
-
     # (peft asks transformers a question transformers 5 renamed: its warning says nothing to a user of distill)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -127,10 +125,7 @@ def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path,
     log(f"{len(train)} requests to learn from ({Span.of(train).tokens} output tokens), the latest "
         f"{len(held_out)} held out")
     before = agreement(draft_model, held_out, recipe.seq_len, progress, "held-out, before")
-    torch.manual_seed(recipe.seed)
-    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0, target_modules=list(recipe.modules),
-                        task_type="CAUSAL_LM")
-    model = get_peft_model(draft_model, config)
+    model = with_adapter(draft_model, recipe)
     trainer = _Trainer(model, recipe, total_steps=recipe.epochs * len(train), key=run_key(train, base, recipe))
     checkpoint = work / "checkpoint.pt"
     done = trainer.resume(checkpoint)
@@ -152,6 +147,16 @@ def distill(draft_model, base: str, logs: list[str], recipe: Recipe, work: Path,
                       after.tokens, trainer.total_steps, round(train_s, 1), [str(Path(p).resolve()) for p in logs],
                       before.kept_share, after.kept_share)
     return model, outcome
+
+
+def with_adapter(draft_model, recipe: Recipe) -> torch.nn.Module:
+    """draft_model (modified in place) with the recipe's fresh low-rank adapter, seeded: a peft model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(recipe.seed)
+    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0, target_modules=list(recipe.modules),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(draft_model, config)
 
 
 def _order(count: int, recipe: Recipe) -> list[int]:

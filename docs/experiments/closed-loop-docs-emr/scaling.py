@@ -18,13 +18,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 from draftwise.loading import load_model
 from draftwise.models import resolve
-from draftwise.train.distill import Recipe, _order, _Trainer, agreement, run_key
+from draftwise.train.distill import Recipe, _order, _Trainer, agreement, run_key, with_adapter
 from draftwise.train.served import Span, served_requests, time_split
 
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -45,11 +43,7 @@ def main() -> None:
           f"agreement {before.share:.2%}, kept {before.kept_share:.2%}", flush=True)
     for size in [int(s) for s in args.sizes.split(",")]:
         train = earlier[-size:]
-        model = load_model(str(source.path), source.gguf_file, "float32", "cpu", False)
-        torch.manual_seed(recipe.seed)
-        config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0,
-                            target_modules=list(recipe.modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, config)
+        model = with_adapter(load_model(str(source.path), source.gguf_file, "float32", "cpu", False), recipe)
         trainer = _Trainer(model, recipe, recipe.epochs * len(train), run_key(train, DRAFT, recipe))
         started = time.perf_counter()
         for step in tqdm(_order(len(train), recipe), desc=f"distill {size}", unit="request"):
