@@ -360,7 +360,7 @@ BAD = [  # (body, status)
 
 
 def test_16_clients_of_good_bad_and_abandoned_requests_leave_the_server_whole(monkeypatch):
-    monkeypatch.setattr("draftwise.serve.app.MAX_BODY_BYTES", 256 * 2**10)
+    monkeypatch.setattr("draftwise.serve.routes.body.MAX_BODY_BYTES", 256 * 2**10)
     url, scheduler, _, stop = start()
     reference = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
                                    method="draft")

@@ -177,7 +177,7 @@ def test_bodies_no_tokenizer_or_parser_can_take_are_400s_or_413_not_500s(server,
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     ids = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, len(tiny_tokenizer())]})
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
-    monkeypatch.setattr("draftwise.serve.app.MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr("draftwise.serve.routes.body.MAX_BODY_BYTES", 1000)
     large = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2000})
     assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
     assert complete(url, PROMPTS[0]).choices[0].text  # and the server goes on serving

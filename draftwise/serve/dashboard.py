@@ -1,4 +1,5 @@
-"""GET /dashboard: live charts of the server's own metrics, drawn in the browser with no outside service.
+"""The numbers behind GET /dashboard: live charts of the server's own metrics, drawn in the browser with no outside
+service (the routes: routes/dashboard.py).
 
 A sampler reads the metrics registry every few seconds into a bounded history; rates and means come from the
 difference between two readings (as Prometheus's rate() would compute them). The page (static/dashboard.html)
@@ -11,14 +12,8 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
-from importlib import resources
 
-from fastapi import APIRouter, FastAPI
-from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from draftwise.serve.metrics import ServeMetrics
 
 DEFAULT_INTERVAL_S = 2.0
 HISTORY_POINTS = 300  # ten minutes at the default interval
@@ -128,37 +123,6 @@ class MetricsHistory:
         while True:
             self.sample()  # a registry read: well under a millisecond, fine on the event loop
             await asyncio.sleep(self.interval_s)
-
-
-def add_dashboard(app: FastAPI, api: APIRouter, metrics: ServeMetrics,
-                  interval_s: float = DEFAULT_INTERVAL_S, drafts=None) -> MetricsHistory:
-    """Add GET /dashboard (the page), /dashboard/static/NAME (uPlot) and /dashboard/data (the numbers, on `api`,
-    behind its key check; add before app.include_router(api)). Run the returned history's sampling() for as long
-    as the server runs. drafts: () -> the draft in front and its trials (rollout.Rollouts.summary), if any."""
-    history = MetricsHistory(metrics.registry, interval_s)
-    static = resources.files("draftwise.serve") / "static"
-    page = (static / "dashboard.html").read_text(encoding="utf-8")
-    files = {name: ((static / name).read_bytes(), kind) for name, kind in STATIC.items()}
-
-    # The page and uPlot are open, like /health: they are the same bytes for everyone and hold no numbers, and a
-    # browser cannot send an Authorization header when it opens a page. With a key, open /dashboard?key=KEY: the
-    # page sends it as the bearer header with its requests for /dashboard/data, which the key guards.
-    @app.get("/dashboard")
-    async def dashboard():
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
-
-    @app.get("/dashboard/static/{name}")
-    async def static_file(name: str):
-        if name not in files:
-            raise StarletteHTTPException(404)
-        body, kind = files[name]
-        return Response(body, media_type=kind, headers={"Cache-Control": "max-age=86400"})
-
-    @api.get("/dashboard/data")
-    async def data():
-        return dashboard_data(history, drafts)
-
-    return history
 
 
 def dashboard_data(history: MetricsHistory, drafts=None) -> dict:

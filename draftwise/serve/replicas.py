@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from draftwise.errors import DraftwiseError
-from draftwise.serve.app import MAX_BODY_BYTES
+from draftwise.serve.routes.body import MAX_BODY_BYTES
 from draftwise.serve.asgi_call import HTTPCall, ResponseStart, run_call
 from draftwise.serve.dashboard import MetricsHistory, dashboard_data
 from draftwise.serve.metrics_merge import FixedCollector, merge_metrics, merged_families

@@ -1,5 +1,5 @@
 """The error a request gets: OpenAI's error body, naming the parameter at fault (protocol.py, tools.py, structured.py
-raise it; app.py answers with it)."""
+raise it; the routes (routes/) answer with it)."""
 from __future__ import annotations
 
 from draftwise.errors import DraftwiseError
