@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from draftwise.errors import DraftwiseError
-from draftwise.bench.loadgen import (
-    LoadPlan, RequestRecord, acceptance, base_url, finish_record, http_error, markdown_table, percentile, request_body, sse_data,
-    summarise, take_chunk, throttle_table,
-)
+from draftwise.bench.load_plan import LoadPlan, base_url, request_body
+from draftwise.bench.load_record import RequestRecord, finish_record, http_error, sse_data, take_chunk
+from draftwise.bench.load_report import markdown_table, throttle_table
+from draftwise.bench.load_stats import acceptance, percentile, summarise
 from draftwise.bench.interleave import order_for_repeat
 from draftwise.bench.loadgen_command import add_loadgen, plan_from_args, without_secrets
 

@@ -1,6 +1,7 @@
 """`draftwise loadgen`: the command's options, checked into a LoadPlan, and the run that writes its results.
 
-The load generator itself (the HTTP driver, the records, the summary) is loadgen.py; argparse stays here.
+The load generator itself is loadgen.py (the HTTP driver) and the modules beside it (load_plan, load_record,
+load_stats, load_report); argparse stays here.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import os
 import shlex
 import sys
 
-from draftwise.bench.loadgen import (API_KEY_ENV, MODES, LoadPlan, RequestRecord, base_url, markdown_table, run_load,
-                                     summarise, throttle_table, write_results)
+from draftwise.bench.load_plan import MODES, LoadPlan, base_url
+from draftwise.bench.load_record import RequestRecord
+from draftwise.bench.load_report import markdown_table, throttle_table, write_results
+from draftwise.bench.load_stats import summarise
+from draftwise.bench.loadgen import API_KEY_ENV, run_load
 from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
 from draftwise.errors import DraftwiseError
 from draftwise.files import prepare_out
