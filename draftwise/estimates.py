@@ -34,8 +34,9 @@ DECAY = 0.9  # weight of the past in every running estimate, per round
 STALE_STEPS = 64
 # A stale timing that its next timing confirms (CONFIRMED of it, or dearer) stays fresh twice as long, up to this
 # many steps: a shape that looks cheap only once stale (a wide pass priced as the fresh narrow ones imply) would
-# otherwise be run again every STALE_STEPS steps at what it was known to cost (a 4-row pass 5 wide on the quant
-# backend: 185 ms for a plain step's 60, tried for each stale width), a tenth of a batch's time.
+# otherwise be run again every STALE_STEPS steps at what it was known to cost, for each stale width; where a wide
+# pass costs several plain steps, those retries alone take a noticeable share of a batch's time
+# (docs/experiments/constants/README.md).
 MAX_STALE_STEPS = 16 * STALE_STEPS
 CONFIRMED = 0.9
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a = 0.5 before any evidence, worth two tokens of it
@@ -59,8 +60,8 @@ def widen(table: dict[int, float], n: float) -> float:
     """A pass of width n from the widths measured at one batch size: interpolate()'s within and below them; past the
     widest, on the chord from the narrowest to the widest, never below the widest. A pass's cost rises at least
     that fast past its measured widths (the wider it is, the more it is compute-bound), so a width far past them,
-    priced as the widest, would be chosen at a fraction of its cost: a 25-node tree at 2 rows on the quant
-    backend, priced as the 5-wide pass (132 ms), ran 521 ms for 2 tokens."""
+    priced as the widest, would be chosen at a fraction of its cost: a large tree grown on the price of a narrow
+    pass ran several times slower than it was priced (docs/experiments/throttle-zen4, section 13)."""
     widest = max(table)
     if n <= widest or len(table) == 1:
         return interpolate(table, n)
@@ -150,11 +151,11 @@ class Timings:
     stale timing is priced at most as the fresh ones imply (`extend`), and its next timing replaces it instead of
     being averaged with it. A pass's width extends by widen: interpolated, past the widest on their chord, and with
     one fresh width as that one (optimism, as for a shape never timed: one too cheap is chosen, and timed, at once).
-    On the chord, not as the widest fresh: a draft tree at 1 row whose wide passes had all gone stale, priced as its
-    plain step, grew to 16 nodes and ran 269 ms for 5 tokens; once that width is fresh again, the other stale ones
-    are priced through it, not each tried so in turn. A round's draft forwards extend by along: with one fresh count,
-    in proportion to it (a round of 4 forwards whose timing went stale while probes timed rounds of 1, priced as
-    one, was chosen by `hybrid-skip` at 2 to 4 rows at a quarter of the 200 ms its forwards took).
+    On the chord, not as the widest fresh: a draft tree whose wide passes had all gone stale, priced as its plain
+    step, grew wide and ran far slower than priced; once that width is fresh again, the other stale ones are priced
+    through it, not each tried so in turn. A round's draft forwards extend by along: with one fresh count, in
+    proportion to it (a round of several forwards whose timing went stale while probes timed rounds of one, priced
+    as one, was chosen at a fraction of what its forwards took). Both: docs/experiments/throttle-zen4, section 13.
     A re-timing that confirms the old one (not a slow spell's, then) doubles how long the shape stays fresh
     (MAX_STALE_STEPS at most): each retry of a shape known dear costs what it was known to."""
 
@@ -215,8 +216,7 @@ class StepCosts:
     # rows -> seconds of a round's drafting by its draft forwards. By forwards, not per forward: a round's first
     # forward reads what the last round kept beside its own token (up to k + 1 positions) and the later ones one
     # each, so a forward's average falls with k, and a price per forward learnt from short rounds overcharges long
-    # ones (at 1 row, 14 ms a forward priced from rounds of 1 and 2, 12 ms run in rounds of 4: adaptive k chose 1
-    # and 2 where 4 ran faster).
+    # ones (adaptive k chose short rounds where long ones ran faster: docs/experiments/throttle-zen4, section 7).
     _draft_s: dict[int, Timings] = field(default_factory=dict)
     # (rows, whether the step drafted) -> seconds a step spends outside drafting and its pass (choosing, committing,
     # accepting), decayed: a step costs it whatever it drafts, so fewer, longer rounds save it.
@@ -267,16 +267,17 @@ class StepCosts:
             estimate = widen(near, n)
         # No less than a pass of as many positions has cost: a width's ratio learnt at 1 row (nearly flat while
         # decoding is memory-bound) says nothing of 8 rows, where the pass has turned compute-bound, and a batch
-        # size that never drafted would price every width at its plain step. Priced so, the quant backend at 8
-        # rows (82 ms plain, 140 ms 2 wide) found drafting 4 tokens twice as fast as a plain step, filled lagging
-        # drafts for it, and lost 4% to off without drafting a round that paid.
+        # size that never drafted would price every width at its plain step. Priced so, a large batch found drafting
+        # far faster than a plain step where its wide pass cost well over one, filled lagging drafts for it, and lost
+        # to off without drafting a round that paid (docs/experiments/throttle-zen4, section 9).
         return max(estimate, self._by_positions(rows, n))
 
     def _width_ratio(self, shaped: list[int], rows: int, n: int) -> float:
         """What a pass n wide costs over a plain step at this many rows, from the batch sizes that measured both
         (shaped): between the nearest below and above, interpolated by rows; else the nearest one's. A width's price
-        rises with the rows (4 rows on the quant backend: 2 wide 1.56 plain steps; 2 rows: 1.20), so the smaller
-        neighbour's ratio alone priced 3 rows' 2-wide pass at 87 ms where it ran 104 to 150, and drafted at a loss."""
+        over a plain step rises with the rows (decoding turns from memory-bound to compute-bound), so the smaller
+        neighbour's ratio alone priced a pass below what it ran, and drafted at a loss (the figures:
+        docs/experiments/constants/README.md; docs/experiments/throttle-zen4, section 13)."""
         def ratio(at: int) -> float:
             widths = self._widths(at)
             return widen(widths, n) / widths[1]

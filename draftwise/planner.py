@@ -36,10 +36,10 @@ from itertools import accumulate
 from typing import Iterable, Protocol, Sequence
 
 # How many times over a lagging draft's filling must be repaid in a batch (catch_up_pays): the reading's cost is sure,
-# the saving a prediction, and a filled draft in a batch drafts only once its batch-mates' are filled too (at 2
-# requests on the quant backend, fillings priced to repay 1.2 times over cost 5% of the run and enabled 14 drafting
-# steps of 581). A sequence alone drafts as soon as its own is filled: there, once (a margin of 2 kept one request in
-# three of `draft-tree` from drafting at all, at 0.89x off).
+# the saving a prediction, and a filled draft in a batch drafts only once its batch-mates' are filled too (with a
+# smaller margin, fillings cost a visible share of a run and enabled hardly any drafting). A sequence alone drafts
+# as soon as its own is filled: there, once (a margin of 2 alone kept some requests from drafting at all, and lost
+# to off). Both: docs/experiments/throttle-zen4, section 9.
 CATCH_UP_MARGIN = 2.0
 
 

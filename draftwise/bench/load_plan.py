@@ -59,9 +59,9 @@ class LoadPlan:
     def schedule(self, level: int) -> Iterator[tuple[int, int, str, str | None]]:
         """Every run at a level, (repeat, slice, mode, method), in the order they go: each repeat's blocks as
         order_for_repeat orders them, and within a block, slice by slice, its cells side by side, mirrored from one
-        slice (or repeat) to the next. With one slice a block's cells are as far apart as a whole cell takes (half
-        a minute and more, over which a shared machine's speed can move by a fifth); slices bring an on and its off
-        within seconds of each other, and give the drift as many mirrored pairs to cancel in."""
+        slice (or repeat) to the next. With one slice a block's cells are as far apart as a whole cell takes, long
+        enough for a shared machine's speed to move (docs/experiments/constants/README.md); slices bring an on and
+        its off within seconds of each other, and give the drift as many mirrored pairs to cancel in."""
         parts = len(self.parts(level))
         for repeat in range(self.repeats):
             for block in order_for_repeat(self.blocks(), repeat):

@@ -1,17 +1,18 @@
 """The load generator behind `draftwise loadgen`: drive a live server over HTTP at several concurrencies,
 speculation on and off, for one method or several.
 
-At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and
-the whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever
-else the machine is doing weighs on all of them alike: `concurrency` warm-up requests at once before a cell's first
-run (not counted), then N streamed requests kept exactly `concurrency` in flight; with slices, a method's cells take
-turns slice by slice of those N (LoadPlan.schedule). Off is the target alone whatever the method, yet it runs beside
-each method's on and always (a block of three cells): a round of many cells spans minutes, over which this machine's
-speed drifts by a tenth and more, and an on judged against an off minutes away would measure the drift. Per cell:
-aggregate tokens/s (completion tokens over the run's wall time, a repeat's slices pooled; the median of the repeats,
-and their range), p50/p95 time to first token and time between tokens (gaps between one request's consecutive
-content chunks: the server sends one chunk per token), and the server-reported acceptance. Per method and level, the
-throttle's verdict: on over the better of always and off, repeat by repeat (the cells of one repeat ran back to back).
+At each concurrency level, each cell (a mode, on, always or off, and for on and always a method) runs in turn, and the
+whole round of cells again for each repeat, in the order interleave.order_for_repeat gives, so that whatever else the
+machine is doing weighs on all of them alike: `concurrency` warm-up requests at once before a cell's first run (not
+counted), then N streamed requests kept exactly `concurrency` in flight; with slices, a method's cells take turns
+slice by slice of those N (LoadPlan.schedule). Off is the target alone whatever the method, yet it runs beside each
+method's on and always (a block of three cells): a round of many cells spans minutes, over which a shared machine's
+speed drifts, and an on judged against an off minutes away would measure the drift (how far it drifted:
+docs/experiments/constants/README.md). Per cell: aggregate tokens/s (completion tokens over the run's wall time, a
+repeat's slices pooled; the median of the repeats, and their range), p50/p95 time to first token and time between
+tokens (gaps between one request's consecutive content chunks: the server sends one chunk per token), and the
+server-reported acceptance. Per method and level, the throttle's verdict: on over the better of always and off, repeat
+by repeat (the cells of one repeat ran back to back).
 
 This module is the HTTP driver (run_load and the coroutines under it). Beside it, each with one job: the plan
 (load_plan.py, LoadPlan; the command's options become one in loadgen_command.py), a request's record and the parsing

@@ -259,8 +259,8 @@ class HybridProposer(Proposer):
             # By rule (depth: a tree of siblings still guesses one token).
             return match >= self.min_ngram and guess.depth >= min(MIN_LOOKUP_TOKENS, k)
         # In the step's rows, the others taking a token each, as a free round is priced: a guess several tokens wide
-        # that wins alone can lose beside three other rows, whose pass it widens with it (the quant backend at 4
-        # rows: 5 wide cost 160 ms, 2 wide 73).
+        # that wins alone can lose beside other rows, whose pass it widens with it, since a wide pass costs more the
+        # more rows it carries (docs/experiments/constants/README.md; docs/experiments/throttle-zen4, section 3).
         forward_s, costs = measured
         free = planner.Offer(self.lookup.last_expected, len(guess))  # no draft forward
         drafted = planner.Offer.of_chain(self._draft_acceptance.rate, k)

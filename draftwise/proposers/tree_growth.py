@@ -49,8 +49,9 @@ class TreeSizing:
         self.costs = costs  # the engine's measured step costs (its proposer's price_with); None: trees of k nodes
         self.max_nodes = max_nodes
         self.sized_by_cost = True  # False for a sequence drafting a fixed k (price_with)
-        # The rows of this round's step (its proposer's prepare_round): a tree's width is priced in them, since at
-        # 4 rows a wide pass can cost three plain steps where at one row it costs little more than one.
+        # The rows of this round's step (its proposer's prepare_round): a tree's width is priced in them, since a
+        # wide pass at one row costs little more than a plain step (memory-bound) and at several rows many
+        # (compute-bound; docs/experiments/throttle-zen4, section 3).
         self.rows = 1
         self._forward_s = Timings()  # seconds per proposer forward (one shape, 1), measured
         self._expansion_s = Timings()  # seconds of a forward that expands a depth, by its nodes, decayed

@@ -20,8 +20,9 @@ from draftwise.errors import DraftwiseError
 
 DEFAULT_WINDOW = 64  # characters; a blocked phrase longer than this may be partly sent before it is caught
 # How far back of a new piece --block-regex looks (at least the window): a match must end in new text, and
-# searching all the text at every piece made a long reply's checks quadratic on the model's thread (16,000 pieces:
-# 4 s). A match longer than this is caught by the whole text's check at the end.
+# searching all the text at every piece made a long reply's checks quadratic on the model's thread, seconds of it
+# for a long reply (docs/experiments/constants/README.md). A match longer than this is caught by the whole text's
+# check at the end.
 REGEX_REACH = 2048
 
 

@@ -7,8 +7,9 @@ from fastapi import Request
 from draftwise.serve.request_error import RequestError
 
 # A request body. A context of 32,768 tokens is well under 1 MiB of text (as token ids, 1/4 MiB); and reading JSON
-# holds the interpreter's lock throughout, which the model loop needs between its kernels: a body of 32 MiB of small
-# numbers held it for 0.7 s, 4 MiB holds it for under 0.1 s.
+# holds the interpreter's lock throughout, which the model loop needs between its kernels, for a time that grows with
+# the body: at 4 MiB the pause stays short, where bodies many times larger stall every sequence's tokens
+# (docs/experiments/constants/README.md).
 MAX_BODY_BYTES = 4 * 2**20
 
 
