@@ -161,8 +161,9 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None],
                request_id: str | None = None, request: dict | None = None, arm: str = "") -> Ticket:
         """Queue a request; never blocks. arm: the A/B arm it is served by, for its metrics and log rows.
-        Raises DraftwiseError for a request that cannot run, QueueFull, or ShuttingDown."""
-        self.engine.check_open(prompt_ids, cfg)  # (the engine's own checks, now rather than on the model's thread)
+        Raises QueueFull or ShuttingDown. The engine's checks (check_open) run on the model loop: a request they
+        refuse ends with an error event, as one that fails to open; to have them raise instead, run them with
+        call() and submit once they pass, as the server's intake does for every HTTP request."""
         ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}",
                         arm=arm)
         if self.guard is not None:
