@@ -57,6 +57,7 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
     intake = Intake(scheduler, model_id, speculation, experiment or rollouts, trust_request_special_tokens)
     if rollouts is not None:
         scheduler.request_observer, rollouts.observer = rollouts.observe, metrics.observe_trial
+        rollouts.on_loop = scheduler.call  # (a draft joins and leaves the engine on the model loop)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
