@@ -33,9 +33,10 @@ def create_app(scheduler: Scheduler, model_id: str, metrics: ServeMetrics, api_k
     if rollouts is not None and experiment is not None:
         raise DraftwiseError("a server runs either an --experiment or draft rollouts, not both: a trial is an "
                              "experiment of its own")
-    intake = Intake(scheduler.engine, model_id, speculation, experiment or rollouts, trust_request_special_tokens)
+    intake = Intake(scheduler, model_id, speculation, experiment or rollouts, trust_request_special_tokens)
     if rollouts is not None:
         scheduler.request_observer, rollouts.observer = rollouts.observe, metrics.observe_trial
+        rollouts.on_loop = scheduler.call  # (a draft joins and leaves the engine on the model loop)
 
     app = FastAPI(title="draftwise", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
     app.state.server = ServerState(scheduler, model_id, metrics, intake, api_key, rollouts, drain_timeout)

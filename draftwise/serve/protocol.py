@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -47,6 +48,23 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
     speculation: the GenerationConfig options (num_draft_tokens, adaptive) of a request that does not set them.
     With an experiment (experiment.py), a request that leaves out `speculation` gets its arm's.
     Control tokens spelled in the prompt or messages are text unless trust_special_tokens (request_text.py)."""
+    parsed, check_context = parse_deferring_context(body, engine, model_id, chat, speculation, experiment,
+                                                    trust_special_tokens)
+    check_context()
+    return parsed
+
+
+def parse_deferring_context(body, engine, model_id: str, chat: bool, speculation: dict | None = None,
+                            experiment=None, trust_special_tokens: bool = False) -> tuple[Parsed, Callable[[], None]]:
+    """parse() but for its last check, the engine's context check (engine.check_limits, which raises the
+    context_length_exceeded error naming the prompt, messages or max_tokens), given back to run where the engine's
+    methods run: the server's model loop (intake.py). What this reads of the engine off that loop calls none of the
+    engine's or its backends' methods: its tokenizer, to render and encode (no engine method); max_context and
+    readable_ids, fixed at load; methods_available, a function of what was loaded; drafts_available, a tuple of the
+    names the loop replaces whole as drafts come and go (read whole: the old one or the new; the loop checks the
+    name again, check_open); and the grammar compiler's check (engine.grammars: llguidance's view of the tokenizer,
+    which locks for itself and touches no model; compiled here, a grammar costs the loop a set lookup, not up to
+    a second)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -97,12 +115,14 @@ def parse(body, engine, model_id: str, chat: bool, speculation: dict | None = No
         cfg = GenerationConfig.from_options(**options)
     except DraftwiseError as err:
         raise RequestError(str(err)) from err
-    try:  # the engine's own context check, the one the scheduler and the engine run again
-        engine.check_limits(len(prompt_ids), cfg)
-    except DraftwiseError as err:  # the prompt alone, or the prompt with the tokens asked for
-        param = ("messages" if chat else "prompt") if room < 1 else limit
-        raise RequestError(str(err), param, code="context_length_exceeded", reason="context_length") from err
-    return Parsed(prompt_ids, cfg, stream, include_usage, arm, tools is not None and tools.offered)
+
+    def check_context() -> None:  # the engine's own context check, the one the scheduler and the engine run again
+        try:
+            engine.check_limits(len(prompt_ids), cfg)
+        except DraftwiseError as err:  # the prompt alone, or the prompt with the tokens asked for
+            param = ("messages" if chat else "prompt") if room < 1 else limit
+            raise RequestError(str(err), param, code="context_length_exceeded", reason="context_length") from err
+    return Parsed(prompt_ids, cfg, stream, include_usage, arm, tools is not None and tools.offered), check_context
 
 
 def _refuse_unsupported(body: dict) -> None:

@@ -10,6 +10,12 @@ valid however often it is looked at: it may stop at the first request past the t
 a share alpha of the time. The candidate is promoted when it is faster with that confidence, rolled back when it is
 slower, and rolled back too when MAX_REQUESTS of it show no difference (it brings nothing for its risk). Its
 acceptance is shown beside, not tested: speed is what users get. Every decision is kept with its reason.
+
+Which thread does what: a draft's weights are read from disk on a thread of its own (load touches no engine method);
+the draft then joins the engine (add_draft builds its backend on the kernels), and a decision promotes or removes it,
+on the model loop, the only caller of the engine's methods: `on_loop` hands them to it (Scheduler.call, wired by
+app.py; without a server, they run where they are called). Reads of the draft in front and of the loaded names are
+of values the loop replaces whole.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from draftwise.errors import DraftwiseError
@@ -105,6 +113,7 @@ class Rollouts:
         refuses at once a name load could never load; observer(trial) hears of each change (metrics)."""
         self.engine, self.load, self.check, self.rng = engine, load, check, rng or random.Random()
         self.observer = lambda trial: None
+        self.on_loop: Callable[[Callable[[], object]], Future] = run_here  # how work reaches the engine's thread
         self.share, self.alpha, self.min_requests, self.max_requests = share, alpha, min_requests, max_requests
         self.trials: list[Trial] = []
         self._lock = threading.Lock()
@@ -134,9 +143,24 @@ class Rollouts:
         return trial
 
     def _load(self, trial: Trial) -> None:
+        """On the load thread: the weights here, then their joining the engine on the model loop."""
         try:
-            self.engine.add_draft(trial.candidate, self.load(trial.candidate))
+            model = self.load(trial.candidate)
         except Exception as err:  # a missing or damaged version: nothing changes in front
+            reason = f"could not load it: {err}"
+            done = self.on_loop(lambda: self._decide(trial, "failed", reason))
+        else:
+            done = self.on_loop(lambda: self._join(trial, model))
+        try:
+            done.result()
+        except Exception:  # (the server stopped first, or a bug of ours: the trial stays as it was)
+            log.exception("draft %s: its loading could not finish", trial.candidate)
+
+    def _join(self, trial: Trial, model) -> None:
+        """On the model loop: the loaded draft beside the one in front, on trial."""
+        try:
+            self.engine.add_draft(trial.candidate, model)
+        except Exception as err:  # one the engine refuses (another vocabulary, a shorter context)
             self._decide(trial, "failed", f"could not load it: {err}")
             return
         trial.state = "testing"
@@ -184,6 +208,7 @@ class Rollouts:
             self._decide(trial, "rolled back", f"no difference shown: {pace}")
 
     def _decide(self, trial: Trial, state: str, reason: str) -> None:
+        """On the model loop (observe() is called there, as each request ends; a load's failure is sent there)."""
         trial.state, trial.reason, trial.decided = state, reason, time.time()
         log.info("draft %s %s: %s", trial.candidate, state, reason)
         if state == "promoted":
@@ -198,3 +223,13 @@ class Rollouts:
 
     def summary(self) -> dict:
         return {"in_front": self.in_front or "the server's own draft", "trials": [t.summary() for t in self.trials]}
+
+
+def run_here(fn: Callable[[], object]) -> Future:
+    """fn run at once, on the calling thread, as a done future: where no model loop runs (a Rollouts alone)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn())
+    except Exception as err:
+        future.set_exception(err)
+    return future

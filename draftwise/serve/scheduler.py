@@ -4,7 +4,9 @@ Continuous batching: between steps, waiting requests join (up to max_batch runni
 ones leave, giving their cache slots back. Each loop iteration runs at most one prefill chunk of a newcomer and
 then one step of every sequence that is decoding, so a long prompt delays the others by a chunk, not by its
 whole prefill. The HTTP side never touches the engine: it submits, cancels, and receives events through a
-sink called from this thread.
+sink called from this thread. This thread is the only caller of the engine's and its backends' methods: what another
+thread needs of them (intake's checks of a request, a rollout's draft joining the engine) it hands to this loop as a
+job (call()), run between two steps, and waits on the job's future for the result or the error.
 
 Around the step, the production loop: a proposer that fails (or drafts past the timeout) leaves its sequence
 on the target alone (Engine's fallback); a guard sees each request's text before it is sent (guard.py); a
@@ -18,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from draftwise.config import GenerationConfig
@@ -30,6 +33,11 @@ from draftwise.serve.proposal_log import ProposalLog, round_rows
 from draftwise.types import Event
 
 log = logging.getLogger(__name__)
+# How long the loop holds the batch's door open, at most, for the submits of requests whose checks it has just run
+# (call(before_submit=True)): the HTTP side submits as soon as it hears, and a request that missed the door would join
+# a whole step later than one submitted unchecked would have.
+ADMIT_HOLD_S = 0.01
+SHUT = "the server is shutting down and takes no new requests"
 
 
 class QueueFull(DraftwiseError):
@@ -98,9 +106,13 @@ class Scheduler:
         self.fault_injector: Callable[[Sequence], None] | None = None  # tests: raise inside one sequence's round
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
+        self._jobs: deque[tuple[Callable[[], object], Future, bool]] = deque()  # call()'s, for the model loop
+        self._due = 0  # submits the loop holds admission for (_hold_door)
         self._cond = threading.Condition()
         self._draining = False
         self._stopping = False
+        self._stopped = False  # the loop has returned: a job would never run
+        self._loop_thread: int | None = None  # the model loop's thread, once it runs
         self._thread: threading.Thread | None = None
         self._step_s = 0.5  # a running estimate of one step, for Retry-After
 
@@ -127,18 +139,41 @@ class Scheduler:
         loaded the models: a second thread running torch costs every forward time (see serve/command.py)."""
         self._loop()
 
+    def call(self, fn: Callable[[], object], before_submit: bool = False) -> Future:
+        """Run fn on the model loop, between two steps; the future gets what it returns or raises. How any other
+        thread reaches the engine and its backends, whose one caller is the loop (on the loop's own thread, fn runs
+        at once). A future cancelled before its turn is skipped; once the loop has stopped, it raises ShuttingDown.
+        before_submit: fn checks a request that its caller submits as soon as the future says it passed (intake.py);
+        the loop then holds admission a moment (ADMIT_HOLD_S at most) for that submit, so that the request joins the
+        batch at the same step as it would had it been submitted unchecked."""
+        future: Future = Future()
+        if threading.get_ident() == self._loop_thread:
+            _settle(future, fn)
+            return future
+        with self._cond:
+            if self._stopped:
+                future.set_exception(ShuttingDown(SHUT))
+                return future
+            self._jobs.append((fn, future, before_submit))
+            self._cond.notify()
+        return future
+
     def submit(self, prompt_ids: list[int], cfg: GenerationConfig, sink: Callable[[Event], None],
                request_id: str | None = None, request: dict | None = None, arm: str = "") -> Ticket:
         """Queue a request; never blocks. arm: the A/B arm it is served by, for its metrics and log rows.
-        Raises DraftwiseError for a request that cannot run, QueueFull, or ShuttingDown."""
-        self.engine.check_open(prompt_ids, cfg)  # (the engine's own checks, now rather than on the model's thread)
+        Raises QueueFull or ShuttingDown. The engine's checks (check_open) run on the model loop: a request they
+        refuse ends with an error event, as one that fails to open; to have them raise instead, run them with
+        call() and submit once they pass, as the server's intake does for every HTTP request."""
         ticket = Ticket(list(prompt_ids), cfg, sink, request_id=request_id or f"req-{uuid.uuid4().hex[:24]}",
                         arm=arm)
         if self.guard is not None:
             ticket.guarded = self.guard.stream(request or {})
         with self._cond:
+            if self._due:  # (a request checked on the loop, which holds admission for it: here it is)
+                self._due -= 1
+                self._cond.notify()
             if self._draining:
-                raise ShuttingDown("the server is shutting down and takes no new requests")
+                raise ShuttingDown(SHUT)
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-waiting "
                                 f"{self.max_waiting}); retry later", retry_after=self._retry_after())
@@ -178,10 +213,29 @@ class Scheduler:
 
     # -- the model thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._loop_thread = threading.get_ident()
+        try:
+            self._iterate()
+        finally:  # jobs that came too late to run: their callers hear that the server stopped
+            with self._cond:
+                self._stopped = True
+                late, self._jobs = self._jobs, deque()
+            for _, future, _ in late:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(ShuttingDown(SHUT))
+
+    def _iterate(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._running or self._stopping):
+                while not (self._jobs or self._waiting or self._running or self._stopping):
                     self._cond.wait()
+                jobs, self._jobs = self._jobs, deque()
+                only_jobs = not (self._waiting or self._running or self._stopping)
+            self._run_jobs(jobs)
+            with self._cond:
+                self._hold_door()
+                if only_jobs and not (self._waiting or self._stopping):
+                    continue  # (nothing to step: no step time to count)
                 if self._stopping and not self._running and not self._waiting:
                     return
                 self._admit()
@@ -198,6 +252,28 @@ class Scheduler:
             if self._stopping:
                 self._drop_cancelled()
             self._report_load()
+
+    def _run_jobs(self, jobs: deque) -> None:
+        """Run call()'s jobs in the order they came."""
+        for fn, future, before_submit in jobs:
+            if not future.set_running_or_notify_cancel():  # its caller stopped waiting
+                continue
+            try:
+                result = fn()
+            except Exception as err:
+                future.set_exception(err)
+                continue
+            if before_submit:
+                with self._cond:  # (before its caller hears: the submit may come at once)
+                    self._due += 1
+            future.set_result(result)
+
+    def _hold_door(self) -> None:
+        """Under the lock: wait, ADMIT_HOLD_S at most, for the submits of requests whose checks just passed."""
+        deadline = time.monotonic() + ADMIT_HOLD_S
+        while self._due and not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+        self._due = 0
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_batch:
@@ -357,3 +433,11 @@ class Scheduler:
                 self.metrics.log_dropped.set(self.proposal_log.dropped)
             if self.engine.prompt_cache is not None:
                 self.metrics.prompt_bytes.set(self.engine.prompt_cache.nbytes)
+
+
+def _settle(future: Future, fn: Callable[[], object]) -> None:
+    """Run fn into future: its result, or the exception it raised."""
+    try:
+        future.set_result(fn())
+    except Exception as err:
+        future.set_exception(err)

@@ -61,7 +61,7 @@ async def _serve(request: Request, state: ServerState, chat: bool):
     except ShuttingDown as err:
         metrics.reject("shutting_down")
         return error_response(RequestError(str(err), status=503, kind="server_error", code="shutting_down"))
-    except DraftwiseError as err:  # (parse ran the engine's checks; the scheduler runs them again for its callers)
+    except DraftwiseError as err:  # the engine's checks, run by intake on the model loop
         metrics.reject("invalid_parameter")
         return error_response(RequestError(str(err)))
     if parsed.stream:
