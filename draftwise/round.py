@@ -73,27 +73,28 @@ class Round:
         started = time.perf_counter()
         ks = self.lengths.choose(seqs)  # how much each drafts: what the measured costs and acceptance say pays
         chosen = time.perf_counter()
-        drafts = self.propose(seqs, ks)  # each sequence's Draft, or the exception that ended its round
+        drafts = self.propose(seqs, ks)  # propose: each sequence's Draft, or the exception that ended its round
         proposed = time.perf_counter()
         too_slow = self.fallback.where_drafting_failed(seqs, drafts, ks, proposed - chosen)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
         # A sampled row's draws, as they were before the pass: a row verified again alone draws them again, so a
         # seeded text does not depend on whether a batch-mate's row failed the shared verification.
         draws = {i: seqs[i].generator.get_state() for i in live if not seqs[i].cfg.sampling.greedy}
-        verified, failed = Verified(), {}
-        try:
+        verified = Verified()
+        try:  # verify: every live draft in one target pass
             verified = self.verify_rows(seqs, drafts, live, draws)
-        finally:  # whatever happened, each sequence's caches hold exactly its accepted text
+        finally:  # commit: whatever happened, each sequence's caches hold exactly its accepted text
             verified_at = time.perf_counter()
             failed = self.commit(seqs, ks, drafts, verified)
             self.fallback.drop_slow(too_slow, proposed - chosen)  # (their drafts were good, and are used)
         times = StepTimes(proposed - chosen, verified_at - proposed)  # (the choice is the step's overhead, below)
         verdicts = verified.verdicts
-        if verdicts and verified.timed:  # what this shape of step cost, which the next rounds' lengths are priced by
+        if verdicts and verified.timed:  # adapt: what this shape of step cost, which prices the next rounds' lengths
             self.lengths.observe_costs(seqs, drafts, ks, live, times.draft_s, times.verify_s)
         for i, err in failed.items():  # (after the costs: the pass itself ran for them)
             drafts[i] = err
             verdicts.pop(i, None)
+        # emit: each text grows by its kept draft tokens and the target's own next token (and acceptance learns)
         events = {seq: self.emit_alone(seq, drafts[i], verdicts.get(i), ks[i], times) for i, seq in enumerate(seqs)}
         times.total_s = time.perf_counter() - started
         if verdicts and verified.timed:
