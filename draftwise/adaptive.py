@@ -21,11 +21,10 @@ MAX_PROBE_GAP. A probe costs a draft forward and a wider pass for a token it rar
 proposer that never pays (layer skipping on a small model) would otherwise lose a fixed share of every
 step to them. A sequence that joins (`sequence_joined`) closes the gap again: its acceptance is only the
 prior, so the gap its predecessors earned says nothing of it, and a gap wider than a request would keep
-a draft that pays on it from ever being tried (the 0.5B draft lost its speedup that way, at c 0.38).
+a draft that pays on it from ever being tried.
 Never closer, though, than the steps over which a probe's priced loss is PROBE_BUDGET of their time: in a batch a
-probe's forward and wide pass cost nearly a step of their own (layer skipping at 4 rows on the quant backend, 50 ms
-a forward beside 58-ms steps), and with a request joining every 24 steps, probes 8 and 16 steps after each join
-cost `hybrid-skip` 3% of its throughput there.
+probe's forward and wide pass can cost nearly a step of their own, and with requests joining often, probes that
+came back after every join would cost a cheap drafter a share of its throughput.
 `wants_drafting` says whether drafting won without the probe, and the engine fills lagging
 draft caches only when it did, and only where the tokens still to come repay the filling (`catch_up_pays`: a new
 request's prompt is the draft's to read first), or, for a sequence decoding alone, before a probe (`probe_due`).
@@ -84,8 +83,8 @@ class DraftLengthPolicy:
             # nearest measured width does, a wider one, so every k > 0 would look better than it and k = 0 would
             # never be tried: time it first. Stale, it is timed again: while drafting wins no plain step runs, so
             # a plain step first timed in a slow spell (a newcomer's prefill beside it) would price drafting's
-            # rival too dear for good, and no fresher, wider pass would bound it (on the quant backend at 4 rows:
-            # 71 ms priced, 55 ms run, and drafting chosen where it lost a tenth).
+            # rival too dear for good, and no fresher, wider pass would bound it: drafting would be chosen where it
+            # loses.
             return 0
         best = self.judge(rates, k_max, rows, fixed, spreads, free)
         # (An exploration, a width stale or never timed and priced as an optimist so that it gets tried, promises
@@ -107,8 +106,8 @@ class DraftLengthPolicy:
         """The best k for these rows (choose's arguments), which sets whether drafting pays (wants_drafting) and what
         it saves a token at this many rows (catch_up_pays). The engine also judges a batch whose drafts lag as if
         every one of them were filled: priced by the one row that is, drafting is a wide pass for one row's guesses
-        and never pays in a batch, so no other draft would be filled and the one that was is wasted (the quant
-        backend at 8 rows filled one 72-token draft after another, 160 ms each, and drafted none)."""
+        and never pays in a batch, so no other draft would be filled and the one that was is wasted: draft after
+        draft filled, and none drafting."""
         if not self.costs.measured:
             return k_max  # (nothing to price by: as choose, try the full width)
         by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
@@ -131,8 +130,8 @@ class DraftLengthPolicy:
     def realised(self, rows: float) -> float:
         """The share of drafting's priced rate that its steps ran at, at the nearest rows measured: at most 1 (1 before
         any). The prices miss what they cannot see (a tree's extra nodes, a busy spell, the batch-mates' shorter
-        rounds): on the quant backend at 2 rows `draft-tree` was priced at 41 tokens/s where it ran 37, over plain
-        steps' 30 (a saving of 9 ms a token promised, 6 run), and drafts were filled for a saving that did not come."""
+        rounds), so a saving priced from them alone is more than drafting's steps deliver, and drafts would be filled
+        for a saving that does not come."""
         if not self._outcomes:
             return 1.0
         run, promised = self._outcomes[nearest(self._outcomes, rows)]

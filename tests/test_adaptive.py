@@ -18,7 +18,10 @@ from draftwise.estimates import PRIOR_ACCEPTED, PRIOR_TRIALS, STALE_STEPS, Accep
 from draftwise import planner
 from draftwise.planner import Offer, chain_tokens
 from draftwise.config import GenerationConfig
-from draftwise.engine import MAX_DRAFT_LAG, ROUND_FEED, Engine, _drafting_acceptance
+from draftwise.acceptance_pools import drafting_acceptance as _drafting_acceptance
+from draftwise.catch_up import ROUND_FEED
+from draftwise.draft_lengths import MAX_DRAFT_LAG
+from draftwise.engine import Engine
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.compact import compact_draft
@@ -214,7 +217,7 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
     assert _drafting_acceptance(seq).rate == pytest.approx(eng.recent_acceptance(method, True))
     eng.close_sequence(seq)
     # Known pools: each estimate starts from its own, where that is above the prior it is made with.
-    pools = eng._carried[(method, True)] = {}
+    pools = eng.pools.carried[(method, True)] = {}
     for name, (kept, rejections) in {"draft": (7, 3), lookup_estimate(3): (9, 1), lookup_estimate(1): (3, 7),
                                      lookup_estimate(2): (0, 1)}.items():
         pools[name] = Acceptance(0.0, 0.0)
@@ -698,7 +701,7 @@ def test_a_lagging_draft_is_filled_only_where_the_answer_still_to_come_repays_th
     behind = seqs[0].draft_behind
     assert behind > MAX_DRAFT_LAG and eng.wants_catch_up(seqs[0])  # reading's cost not measured yet: read
     eng.draft_policy.costs.catch_up_s = 1.0  # now measured, and dear: a second a token
-    tokens_to_come = eng._tokens_to_come(seqs[0])
+    tokens_to_come = eng.catch_up.tokens_to_come(seqs[0])
     assert tokens_to_come == seqs[0].remaining < behind
     assert not any(eng.wants_catch_up(seq) for seq in seqs)
     # The same reading is repaid by a long answer to come (the control: the rule is not "never").
@@ -740,12 +743,12 @@ def test_the_tokens_to_come_are_bounded_by_how_long_finished_answers_ran():
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
     cfg = GenerationConfig(max_new_tokens=400)
     seq = eng.open_sequence(tokenizer.encode("The quick brown fox"), cfg)
-    assert eng._tokens_to_come(seq) == 400  # nothing finished yet: its limit
+    assert eng.catch_up.tokens_to_come(seq) == 400  # nothing finished yet: its limit
     for _ in range(3):
         eng.generate("The quick brown fox", max_new_tokens=6, ignore_eos=True)
-    assert eng._tokens_to_come(seq) == pytest.approx(6.0)  # answers ran 6 tokens
+    assert eng.catch_up.tokens_to_come(seq) == pytest.approx(6.0)  # answers ran 6 tokens
     seq.stats.new_tokens = 40
-    assert eng._tokens_to_come(seq) == 40  # it has outlived them: as long again, at most its limit
+    assert eng.catch_up.tokens_to_come(seq) == 40  # it has outlived them: as long again, at most its limit
     eng.close_sequence(seq)
 
 
@@ -797,7 +800,7 @@ def test_the_drafts_prompt_prefill_counts_as_prefill_time(monkeypatch):
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1))
     fed = []
-    real_catch_up = eng.catch_up_draft
+    real_catch_up = eng.catch_up.fill
 
     def slow_catch_up(seq, max_tokens=None):
         if seq.draft_behind:  # a catch-up that does work takes at least this long
@@ -805,7 +808,7 @@ def test_the_drafts_prompt_prefill_counts_as_prefill_time(monkeypatch):
             time.sleep(0.2)
         real_catch_up(seq, max_tokens)
 
-    monkeypatch.setattr(eng, "catch_up_draft", slow_catch_up)
+    monkeypatch.setattr(eng.catch_up, "fill", slow_catch_up)
     stats = eng.generate("The quick brown fox jumps over the lazy dog.", max_new_tokens=1, ignore_eos=True).stats
     assert fed and fed[0] > 5  # the whole prompt, before any round
     assert stats.prefill_s >= 0.2
@@ -866,11 +869,11 @@ def test_lookup_judges_every_round_by_its_own_guess_whatever_the_shared_draft_le
     assert match >= 3
     for _ in range(10):
         seq.proposer.acceptance_after(match).observe(4, 4)  # lookup after such a match has been right
-    assert eng._draft_lengths([seq]) == [4]  # its whole guess: 4.5 tokens in 0.4 s
+    assert eng.lengths.choose([seq]) == [4]  # its whole guess: 4.5 tokens in 0.4 s
     assert seq.proposer.propose(seq.context, 4).depth == 4  # the guess free_round priced, handed over
     for _ in range(30):
         seq.proposer.acceptance_after(match).observe(4, 0)  # then turns out wrong
-    assert eng._draft_lengths([seq]) == [0]  # a plain step
+    assert eng.lengths.choose([seq]) == [0]  # a plain step
     eng.close_sequence(seq)
 
 
@@ -902,7 +905,7 @@ def test_a_lookup_rows_guess_is_made_before_the_shared_k_and_widens_its_pass():
     seen = []
     choose = eng.draft_policy.choose
     eng.draft_policy.choose = lambda *args: seen.append(args[-1]) or choose(*args)
-    k_lookup, k_draft = eng._draft_lengths([lookup, draft])
+    k_lookup, k_draft = eng.lengths.choose([lookup, draft])
     assert k_lookup == 4 and seen == [[4]] and k_draft == 2  # the draft row drafts up to the pass's width
     eng.step([lookup, draft])  # (chooses again: the same guess, armed for the round that runs)
     assert lookup.stats.nodes == 4 and draft.stats.proposed > 0
@@ -929,7 +932,7 @@ def test_a_row_whose_draft_lags_is_priced_as_the_plain_row_it_runs_as():
             eng.catch_up_draft(seq)
         for seq in seqs:
             seq.acceptance = Acceptance(1.0, 2.0)  # a = 0.5
-        ks = eng._draft_lengths(seqs)
+        ks = eng.lengths.choose(seqs)
         for seq in seqs:
             eng.close_sequence(seq)
         return ks

@@ -13,7 +13,7 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
-from draftwise import engine as engine_module
+from draftwise import round as round_module
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.sampling import make_generator
 from draftwise.types import Draft
@@ -287,7 +287,7 @@ def test_a_seeded_request_draws_the_same_when_a_batch_mates_row_fails_the_shared
     eng = engine("llama")
     cfg = GenerationConfig.from_options(max_new_tokens=20, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
     alone = run_together(eng, [(PROMPTS[0], cfg)])[0].context
-    real, shared_failures = engine_module.verify_batch, []
+    real, shared_failures = round_module.verify_batch, []
 
     def draw_then_fail_when_shared(batch, logits, samplings, generators):
         verdicts = real(batch, logits, samplings, generators)
@@ -296,7 +296,7 @@ def test_a_seeded_request_draws_the_same_when_a_batch_mates_row_fails_the_shared
             raise RuntimeError("injected after the draws")
         return verdicts
 
-    monkeypatch.setattr(engine_module, "verify_batch", draw_then_fail_when_shared)
+    monkeypatch.setattr(round_module, "verify_batch", draw_then_fail_when_shared)
     sampled = GenerationConfig.from_options(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
     # Both prefilled at once, so they share every step (and every shared verification draws, then fails).
     crowd = run_together(eng, [(PROMPTS[2], sampled), (PROMPTS[0], cfg)], chunk=64)
@@ -313,7 +313,7 @@ def test_a_stream_never_read_holds_no_slot_and_a_failed_open_gives_its_slot_back
     assert [e.token_id for e in eng.stream(PROMPTS[1], max_new_tokens=4, ignore_eos=True)][:4] == \
         reference("llama", PROMPTS[1], 4)
     held = eng.open_sequence(tiny_tokenizer()(PROMPTS[0])["input_ids"], greedy(4))  # takes the default slot
-    monkeypatch.setattr(eng, "_new_proposer", lambda method, draft=None: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr(eng.sequences, "_new_proposer", lambda method, draft=None: (_ for _ in ()).throw(MemoryError("no room")))
     with pytest.raises(MemoryError):
         eng.open_sequence(tiny_tokenizer()(PROMPTS[1])["input_ids"], greedy(4))  # a slot of its own, then fails
     assert eng.target.open_slots == slots

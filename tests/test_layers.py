@@ -27,8 +27,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("scheduler", ("draftwise.serve.scheduler", "draftwise.serve.guard", "draftwise.serve.proposal_log",
                    "draftwise.serve.feature_capture")),
     ("public API", ("draftwise",)),  # Engine, Result, DraftwiseError (Engine imported lazily)
-    # The round for a batch of sequences, the state it keeps per sequence and the draft-length policy.
-    ("engine", ("draftwise.engine", "draftwise.sequence", "draftwise.adaptive")),
+    ("engine", ("draftwise.engine",)),  # the facade: construction, generate, stream, what it serves
+    # The round for a batch of sequences, the state it keeps per sequence, and what it keeps between rounds: the
+    # sequences' lifecycle, the draft-length policies, pooled acceptance, lagging drafts, the text caches, the
+    # drafts loaded beside the engine's own, the fallback.
+    ("round", ("draftwise.round", "draftwise.sequence", "draftwise.adaptive", "draftwise.lifecycle",
+               "draftwise.draft_lengths", "draftwise.acceptance_pools", "draftwise.catch_up", "draftwise.text_caches",
+               "draftwise.draft_registry", "draftwise.fallback")),
     ("loading", ("draftwise.loading", "draftwise.loading_llamacpp")),  # names -> models -> an engine's parts
     ("methods", ("draftwise.methods",)),
     # Who guesses, who judges, and what a text must match (a grammar's masks on what the judge reads).

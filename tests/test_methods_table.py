@@ -67,7 +67,7 @@ def test_a_method_added_to_the_table_runs_through_generate_exactly_as_the_target
 
 
 def test_a_method_that_needs_nothing_is_served_by_every_engine(repeat):
-    engine = _engine("lookup")  # another method's engine makes the toy for a sequence that asks (Engine._new_proposer)
+    engine = _engine("lookup")  # another method's engine makes the toy for a sequence that asks (lifecycle.Sequences._new_proposer)
     assert repeat in engine.methods_available
     options = dict(max_new_tokens=N, ignore_eos=True, adaptive=False)
     toy = engine.generate(PROMPT, method=repeat, **options)

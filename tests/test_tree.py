@@ -354,7 +354,7 @@ def test_a_seeded_lookup_offers_exactly_k_whatever_the_engine_measured(method):
     assert eng.draft_policy.costs.measured
     seq = eng.open_sequence(eng.tokenizer.encode(prompt), GenerationConfig.from_options(
         max_new_tokens=8, temperature=1.0, seed=1, num_draft_tokens=3))
-    assert eng._draft_lengths([seq]) == [3]
+    assert eng.lengths.choose([seq]) == [3]
     assert len(seq.proposer.propose(seq.context, 3)) == 3
     eng.close_sequence(seq)
 

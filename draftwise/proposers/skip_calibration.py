@@ -13,7 +13,7 @@
    a one-token full forward, are timed here.
 
 The count whose chains of k the round planner (planner.py) prices highest, at those timed costs, wins. The
-text is draftwise's own engine.py (prose and code; nothing a benchmark measures). A named model's plan is
+text is draftwise's own prose and code (calibration_text.py; nothing a benchmark measures). A named model's plan is
 kept under $DRAFTWISE_HOME/calibration (the file the kernel timings use), so the second load pays nothing.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 
 import torch
 
 from draftwise import planner
 from draftwise.backends.hf import HFBackend
 from draftwise.config import DEFAULT_DRAFT_TOKENS
+from draftwise.proposers.calibration_text import CALIBRATION_TEXT
 from draftwise.proposers.compact import target_ids
 from draftwise.proposers.layer_skip import DraftStack, decoder_layers, drafting
 
@@ -47,8 +47,7 @@ class SkipPlan:
 
 
 def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> list[int]:
-    text = files("draftwise").joinpath("engine.py").read_text(encoding="utf-8")
-    return tokenizer(text)["input_ids"][:tokens]
+    return tokenizer(CALIBRATION_TEXT)["input_ids"][:tokens]
 
 
 def plan_skip(target: HFBackend, ids: list[int], k: int = DEFAULT_DRAFT_TOKENS, cache: bool = True,
