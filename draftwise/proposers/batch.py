@@ -99,7 +99,7 @@ def _step_together(proposers: list, stepped: list[int], results: list) -> None:
 
 def _step_alone(proposers: list, group: list, shared, trees: list, results: list, shared_error: Exception) -> None:
     """The shared draft forward failed: each of its rows once more on its own, so that what one sequence alone brings
-    ends its own round, not every round in the forward (as the target's pass does: Engine._verify_alone). A row moves
+    ends its own round, not every round in the forward (as the target's pass does: round.Round.verify_alone). A row moves
     its slot only once its forward has succeeded, so nothing is left to undo."""
     if len(group) == 1:
         results[group[0][0]] = shared_error
