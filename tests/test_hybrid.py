@@ -528,7 +528,7 @@ def test_the_hybrid_needs_a_draft_model_and_is_wired_in(method):
     assert token_ids == reference("llama")[:8] and record["proposed"] is not None
     assert _uses_draft(argparse.Namespace(draft="d", method=method))
     # A sequence of the other hybrid on this engine gets that hybrid's parts, on the same draft model.
-    other = eng._new_proposer(HYBRIDS[1 - HYBRIDS.index(method)])
+    other = eng.sequences._new_proposer(HYBRIDS[1 - HYBRIDS.index(method)])
     assert other.lookup.branches == (1 if tree else 3) and (other.sizing is not None) == (not tree)
     other.release()
 
