@@ -11,7 +11,9 @@ from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, EXACT_KERNE
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
+from draftwise.backends.quant import QuantBackend
 from draftwise.backends.quant_model import runs_on_blocks
+from draftwise.backends.skipping import SkippingBackend
 from draftwise.methods import (AUTO_BACKEND, BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD,
                                TREES, Parts, check_backend, check_method, choose_method, methods_needing,
                                new_proposer)
@@ -19,7 +21,7 @@ from draftwise.proposers.compact import FOUR_BIT, KEEP_VOCAB
 from draftwise.proposers.compact import compact_draft as compact
 from draftwise.proposers.head_model import check_fits, load_head, parameter_count, readout_layer, require_head
 from draftwise.proposers.feature_head import HeadProposer, attention_window
-from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, SkippingBackend, cheaper_stack
+from draftwise.proposers.layer_skip import DraftStack, LayerSkipProposer, cheaper_stack
 from draftwise.proposers.skip_calibration import calibration_ids, plan_skip
 from draftwise.proposers.cross_vocab import VocabBridge, on_cross_draft
 from draftwise.tokenizers import (CROSS_TOKENIZER, SHARED_TOKENIZER, check_draft_reads_every_token, check_same_tokenizer,
@@ -238,9 +240,7 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     drafter = head_proposer(loaded, head) if need == TRAINED_HEAD else None
     target_model, invariant, draft_kernels = on_target_kernels(target_model, batch_invariant, target_kernels,
                                                                draft_kernels)
-    target = HFBackend(target_model)
-    if runs_on_blocks(target_model):
-        target.backend_name = "quant"
+    target = (QuantBackend if runs_on_blocks(target_model) else HFBackend)(target_model)
     eos = eos_ids(tokenizer, target_model.generation_config, target_model.config)
     keep = [*tokenizer.all_special_ids, *eos]  # the tokens a compact output layer must keep
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from draftwise.backends.hf import load_tokenizer
-from draftwise.backends.llamacpp import LlamaBackend
+from draftwise.backends.llamacpp import LlamaCppBackend
+from draftwise.backends.llamacpp_api import LlamaSettings
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.methods import DRAFT_MODEL, METHODS, Parts, new_proposer
@@ -39,16 +40,17 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
         draft_file = draft_source.published_gguf(draft, BACKEND)
         draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
     options = {} if slots is None else {"slots": slots}
-    backend = LlamaBackend(str(target_file), **options)
+    settings = LlamaSettings()
+    backend = LlamaCppBackend(str(target_file), settings=settings, **options)
     check_vocabulary(backend, tokenizer, target_source, target)
     eos = eos_ids(tokenizer, *_configs(target_source))
-    paths = {"backend": "llamacpp", "target_gguf": target_file.name, "threads": backend.settings.thread_count()}
+    paths = {"backend": "llamacpp", "target_gguf": target_file.name, "threads": settings.thread_count()}
     parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     max_context = backend.max_context
     if draft_file is not None:
         # A draft's rounding changes only its guesses, never the text: its one-token steps may take the cheaper
         # single-row kernels.
-        draft_backend = LlamaBackend(str(draft_file), min_width=1, **options)
+        draft_backend = LlamaCppBackend(str(draft_file), min_width=1, **options)
         pair = paths["draft_tokenizer"] = draft_path(tokenizer, draft_tokenizer)
         paths["draft_gguf"] = draft_file.name
         max_context = min(max_context, draft_backend.max_context)
@@ -65,7 +67,7 @@ def build_llamacpp_engine(engine_cls, *, target: str, draft: str | None, method:
     return engine_cls(backend, tokenizer, proposer, method, eos, max_context, speed_paths=paths)
 
 
-def check_vocabulary(backend: LlamaBackend, tokenizer, source, name: str) -> None:
+def check_vocabulary(backend: LlamaCppBackend, tokenizer, source, name: str) -> None:
     """llama.cpp's logits must cover every id the tokenizer gives, and as many rows as the converted model's own
     (a store folder's config.json) where there is one: else ids would mean other tokens on the two routes."""
     if readable_ids(tokenizer, backend.vocab_size) < len(tokenizer):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftwise.backends.capabilities import BackendCapabilities
+from draftwise.backends.registry import BACKEND_CLASSES
 from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.base import Proposer
@@ -32,10 +34,18 @@ NEEDS = (DRAFT_MODEL, TRAINED_HEAD, OWN_LAYERS)
 # method runs only on a backend that serves all it asks (the llama.cpp route scores chains alone).
 TREES = "token trees"  # a tree scored in one pass, its kept path moved into place
 INTERNALS = "the model's internals"  # hidden states (a feature head) or some of its layers alone (layer skipping)
-# hf: transformers, weights in --dtype; quant: the same model with its linears on the GGUF file's own blocks
-# (backends/qgemm.c); llamacpp: the GGUF file through llama.cpp.
-BACKENDS: dict[str, frozenset[str]] = {"hf": frozenset({TREES, INTERNALS}), "quant": frozenset({TREES, INTERNALS}),
-                                       "llamacpp": frozenset()}
+# Each ask, as the capabilities a backend must declare for it (backends/capabilities.py).
+ASKS: dict[str, tuple[str, ...]] = {TREES: ("trees",), INTERNALS: ("hidden_states", "layer_access")}
+
+
+def served(capabilities: BackendCapabilities) -> frozenset[str]:
+    """The asks that a backend declaring capabilities serves."""
+    return frozenset(ask for ask, fields in ASKS.items() if all(getattr(capabilities, name) for name in fields))
+
+
+# By --backend name, from what each class declares: hf: transformers, weights in --dtype; quant: the same model with
+# its linears on the GGUF file's own blocks (backends/qgemm.c); llamacpp: the GGUF file through llama.cpp.
+BACKENDS: dict[str, frozenset[str]] = {name: served(cls.capabilities) for name, cls in BACKEND_CLASSES.items()}
 DEFAULT_BACKEND = "hf"
 AUTO_BACKEND = "auto"  # quant where it runs and the GGUF files are here, else hf (loading.auto_backend)
 

@@ -62,9 +62,9 @@ def gguf_and_tokenizer():
 
 
 def backend(**options):
-    from draftwise.backends.llamacpp import LlamaBackend
+    from draftwise.backends.llamacpp import LlamaCppBackend
 
-    return LlamaBackend(gguf_and_tokenizer()[0], slots=6, context=512, **options)
+    return LlamaCppBackend(gguf_and_tokenizer()[0], slots=6, context=512, **options)
 
 
 def ids(text: str) -> list[int]:

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draftwise.backends.base import OnDefaultSlot
+from draftwise.backends.base import SharedBackend, SlotView
+from draftwise.backends.capabilities import BackendCapabilities
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
@@ -17,16 +18,22 @@ from draftwise.progress import transformers_progress
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class HFBackend(OnDefaultSlot):
+class HFBackend(SharedBackend):
     """A model and one SlotCache: sequences open slots, and one forward serves a ragged batch of them.
 
     The single-sequence methods (prefill, forward, trim, cache_len) act on `default`, a slot opened here,
-    so code that runs one sequence at a time needs no slot at all."""
+    so code that runs one sequence at a time needs no slot at all.
+
+    cache: the SlotCache itself (the tests of the cache and of the quant layers' writes read its buffers).
+    prefix_cache, prefix_name: what attach_prompt_cache set (engine.py writes them directly until it calls it)."""
 
     backend_name = "hf"
+    # Batch-invariant on the invariant kernel (loading.resolve_invariance picks it by default on a CPU).
+    capabilities = BackendCapabilities(trees=True, hidden_states=True, layer_access=True, prompt_cache=True,
+                                       batch_invariant=True, dtypes=tuple(_TORCH_DTYPES))
 
     def __init__(self, model: PreTrainedModel):
-        self.model = model.eval()
+        self._model = model.eval()
         config = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().out_features  # a packed head has no plain .weight
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
@@ -38,6 +45,16 @@ class HFBackend(OnDefaultSlot):
         self.prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
         self.prefix_name = ""  # this model's name in it ("target", "draft")
         self.feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs `hidden` returns too (a fused head)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model
+
+    def attach_prompt_cache(self, cache: PrefixCache, name: str) -> None:
+        self.prefix_cache, self.prefix_name = cache, name
+
+    def close(self) -> None:
+        """Nothing outside Python's memory: the weights and the cache go with the last reference to them."""
 
     @property
     def device(self) -> torch.device:
@@ -55,14 +72,14 @@ class HFBackend(OnDefaultSlot):
     def embedding_rows(self) -> int:
         return embedding_rows(self.model)
 
-    def open_slot(self) -> "SlotView":
-        return SlotView(self, self.cache.open_slot())
+    def open_slot(self) -> "HFSlot":
+        return HFSlot(self, self.cache.open_slot())
 
-    def close_slot(self, view: "SlotView") -> None:
+    def close_slot(self, view: "HFSlot") -> None:
         self.cache.close_slot(view.slot)
 
     # -- ragged batches --------------------------------------------------------------------------------
-    def forward_batch(self, rows: list[tuple["SlotView", list[int]]], logits: bool = True,
+    def forward_batch(self, rows: list[tuple["HFSlot", list[int]]], logits: bool = True,
                       trees: list | None = None, hidden: bool = False):
         """Append each row's new ids to its slot; return float32 logits [n_i, vocab] per row (empty when not
         logits: a prefill needs only the cache). Lengths move only once the whole pass has succeeded.
@@ -152,47 +169,11 @@ class HFBackend(OnDefaultSlot):
         return masks.get(None, masks)  # one mask for every layer, or one per layer type
 
 
-class SlotView:
-    """One sequence's view of a shared backend: the single-sequence methods, on its own slot."""
-
-    def __init__(self, backend: HFBackend, slot: Slot):
-        self.backend = backend
-        self.slot = slot
-
-    model = property(lambda self: self.backend.model)
-    vocab_size = property(lambda self: self.backend.vocab_size)
-    max_context = property(lambda self: self.backend.max_context)
-    device = property(lambda self: self.backend.device)
-    dtype = property(lambda self: self.backend.dtype)
-
-    @property
-    def cache_len(self) -> int:
-        return self.slot.length
-
-    def prefill(self, token_ids: list[int]) -> None:
-        self.slot.length = 0
-        self.append(token_ids)
-
-    def append(self, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
-        """Extend the cache with token_ids, no logits: a prefill (or a chunk of one). hidden: return the last
-        hidden states [n, H] too (a feature head drafts from them)."""
-        if not token_ids:
-            return None
-        # Only the cache matters here, so skip the vocab-wide projection of every prompt position.
-        out = self.backend.forward_batch([(self, token_ids)], logits=False, hidden=hidden)
-        return out[1][0] if hidden else None
-
-    def forward(self, new_token_ids: list[int]) -> torch.Tensor:
-        return self.backend.forward_batch([(self, new_token_ids)])[0]  # [n, vocab]
-
-    def trim(self, to_len: int) -> None:
-        self.slot.length = min(self.slot.length, to_len)
+class HFSlot(SlotView):
+    """One sequence's slot of an HFBackend: SlotView's methods, and those that touch the SlotCache itself."""
 
     def keep(self, start: int, sources: list[int]) -> None:
         self.backend.cache.keep(self.slot, start, sources)
-
-    def close(self) -> None:
-        self.backend.close_slot(self)
 
     # -- the prompt cache ------------------------------------------------------------------------------
     def restore(self, token_ids: list[int]) -> int:

@@ -13,15 +13,16 @@ output layer sees as many rows. With LlamaSettings' defaults (llamacpp_api.py) t
 same bits in one-token steps, a chain, a prefill chunk or a row of a ragged batch; a one-token step then costs an
 eight-token pass.
 
-Not served here: token trees (no tree attention mask per row), hidden states and running some of the layers,
-so the methods that need them (tree methods, head, skip) are refused when an engine is built (methods.py).
+Not served here, as LlamaCppBackend.capabilities declares: token trees (no tree attention mask per row), hidden
+states, running some of the layers and the prompt cache, so the methods that need them (tree methods, head,
+skip) are refused when an engine is built (methods.py); asked anyway, the backend raises a DraftwiseError.
 """
 from __future__ import annotations
 
 import torch
 
-from draftwise.backends.base import OnDefaultSlot
-from draftwise.backends.hf import SlotView
+from draftwise.backends.base import SharedBackend, SlotView
+from draftwise.backends.capabilities import BackendCapabilities
 from draftwise.backends.llamacpp_api import LlamaContext, LlamaSettings
 from draftwise.errors import DraftwiseError
 
@@ -40,26 +41,24 @@ class LlamaSequence:
         self.open = True
 
 
-class LlamaBackend(OnDefaultSlot):
+class LlamaCppBackend(SharedBackend):
     """A GGUF model in llama.cpp, as a SharedBackend (base.py): slots open and close; forward_batch scores a
     ragged batch of them in one decode (several when it holds more than the context's batch of tokens)."""
 
     backend_name = "llamacpp"
+    # Batch-invariant at min_width=MIN_WIDTH with LlamaSettings' defaults (a draft's backend may take min_width=1).
+    capabilities = BackendCapabilities(batch_invariant=True)
 
     def __init__(self, gguf_path: str, slots: int = DEFAULT_SLOTS, context: int = DEFAULT_CONTEXT,
                  settings: LlamaSettings = LlamaSettings(), min_width: int = MIN_WIDTH):
         """min_width: the narrowest pass (MIN_WIDTH keeps the logits invariant; 1 is the control that shows why)."""
-        self.path = str(gguf_path)
-        self.settings = settings
-        self.min_width = min_width
-        self.llama = LlamaContext(self.path, slots, context + PAD_ROOM, settings)
-        self.vocab_size: int = self.llama.vocab_size
-        self.max_context: int = min(context, self.llama.trained_context or context)
-        self.slots = slots  # sequences the context holds at once
+        self._min_width = min_width
+        self._llama = LlamaContext(str(gguf_path), slots, context + PAD_ROOM, settings)
+        self.vocab_size: int = self._llama.vocab_size
+        self.max_context: int = min(context, self._llama.trained_context or context)
+        self._slots = slots  # sequences the context holds at once
         self._free = list(range(slots))  # sequence ids not in use
-        self.prefix_cache = None  # no prompt cache here: restore() gives 0, remember() keeps nothing
-        self.prefix_name = ""
-        self.feature_layers: tuple[int, ...] = ()
+        self.feature_layers: tuple[int, ...] = ()  # (no hidden states here: never read)
         self.default = self.open_slot()
 
     device = property(lambda self: torch.device("cpu"))
@@ -67,12 +66,17 @@ class LlamaBackend(OnDefaultSlot):
     embedding_rows = property(lambda self: self.vocab_size)
 
     @property
+    def model(self):
+        raise DraftwiseError("the llama.cpp backend runs no torch module whose layers could be reached; the methods "
+                             "that need them run on --backend hf")
+
+    @property
     def open_slots(self) -> int:
-        return self.slots - len(self._free)
+        return self._slots - len(self._free)
 
     def open_slot(self) -> "LlamaSlot":
         if not self._free:
-            raise DraftwiseError(f"all {self.slots} sequences of the llama.cpp context are in use; load "
+            raise DraftwiseError(f"all {self._slots} sequences of the llama.cpp context are in use; load "
                                  "the backend with more slots")
         return LlamaSlot(self, LlamaSequence(self._free.pop(0)))
 
@@ -81,8 +85,12 @@ class LlamaBackend(OnDefaultSlot):
         if not seq.open:
             return
         seq.open = False
-        self.llama.forget(seq.seq_id)
+        self._llama.forget(seq.seq_id)
         self._free.append(seq.seq_id)
+
+    def attach_prompt_cache(self, cache, name: str) -> None:
+        raise DraftwiseError("the llama.cpp backend keeps no prompt cache (its slots restore nothing); the prompt "
+                             "cache runs on --backend hf or quant")
 
     # -- ragged batches --------------------------------------------------------------------------------
     def forward_batch(self, rows: list[tuple["LlamaSlot", list[int]]], logits: bool = True,
@@ -98,13 +106,13 @@ class LlamaBackend(OnDefaultSlot):
         lengths = [len(ids) for _, ids in rows]
         if min(lengths) < 1:
             raise DraftwiseError("every row of a forward needs at least one new token")
-        width = max(self.min_width, *lengths)
+        width = max(self._min_width, *lengths)
         for seq, n in zip(seqs, lengths):
             if seq.length + n > self.max_context:
                 raise DraftwiseError(
                     f"sequence of {seq.length + n} tokens exceeds the model's context of {self.max_context}")
         for seq in seqs:  # cells past a slot's length (rejected drafts, padding) would be seen as text
-            self.llama.forget(seq.seq_id, seq.length)
+            self._llama.forget(seq.seq_id, seq.length)
         padded = [ids + [ids[-1]] * (width - len(ids)) for _, ids in rows]  # [B, W]
         out = self._decode_columns(seqs, padded, logits)
         for seq, n in zip(seqs, lengths):
@@ -118,10 +126,10 @@ class LlamaBackend(OnDefaultSlot):
         MIN_WIDTH: a last narrow chunk repeats each row's last id once more). Returns logits [W, vocab] per row;
         without logits, only the last position of a chunk is scored (llama.cpp wants one)."""
         rows, width = len(padded), len(padded[0])
-        narrowest = self.min_width
-        step = max(narrowest, self.llama.batch_size // rows)
-        if rows * narrowest > self.llama.batch_size:
-            raise DraftwiseError(f"{rows} rows do not fit one llama.cpp batch of {self.llama.batch_size} tokens")
+        narrowest = self._min_width
+        step = max(narrowest, self._llama.batch_size // rows)
+        if rows * narrowest > self._llama.batch_size:
+            raise DraftwiseError(f"{rows} rows do not fit one llama.cpp batch of {self._llama.batch_size} tokens")
         per_row: list[list[torch.Tensor]] = [[] for _ in padded]
         for start in range(0, width, step):
             columns = [ids[start: start + step] for ids in padded]
@@ -131,30 +139,21 @@ class LlamaBackend(OnDefaultSlot):
             positions = [seq.length + start + j for seq in seqs for j in range(w)]
             ids = [seq.seq_id for seq in seqs for _ in range(w)]
             outputs = [True] * len(tokens) if logits else [i == len(tokens) - 1 for i in range(len(tokens))]
-            scores = self.llama.decode(tokens, positions, ids, outputs)
+            scores = self._llama.decode(tokens, positions, ids, outputs)
             if logits:
                 for r in range(rows):
                     per_row[r].append(torch.from_numpy(scores[r * w: (r + 1) * w]))
         return [torch.cat(chunks)[:width] for chunks in per_row] if logits else []
 
     def close(self) -> None:
-        self.llama.close()
+        self._llama.close()
 
 
 class LlamaSlot(SlotView):
-    """One sequence's view of a LlamaBackend. The single-sequence methods are SlotView's (each a forward_batch of
-    one row, so the same padding rule holds); what the backend cannot do is refused or, for the prompt cache,
-    reported as nothing cached."""
-
-    def trim(self, to_len: int) -> None:
-        self.slot.length = min(self.slot.length, to_len)  # the cells past it go before the next decode
+    """One sequence's view of a LlamaCppBackend. The single-sequence methods are SlotView's (each a forward_batch
+    of one row, so the same padding rule holds; trim only sets the length: the cells past it go before the next
+    decode); what the backend cannot do is refused or, for the prompt cache, reported as nothing cached (as a
+    slot of a backend with no prompt cache attached reports it)."""
 
     def keep(self, start: int, sources: list[int]) -> None:
         raise DraftwiseError("the llama.cpp backend keeps no token tree's path; tree methods run on --backend hf")
-
-    def restore(self, token_ids: list[int]) -> int:
-        self.slot.length = 0
-        return 0
-
-    def remember(self, token_ids: list[int]) -> None:
-        """No prompt cache on this backend."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from draftwise.backends.hf import HFBackend, SlotView
+from draftwise.backends.base import SharedBackend, SlotView
 from draftwise.proposers.base import Proposer
 from draftwise.types import Draft
 
@@ -128,6 +128,6 @@ def _rows_for(proposer: Proposer, logits):
     return logits if proposer.capabilities.takes_rows else logits[-1]
 
 
-def _shared(backend: HFBackend | SlotView) -> tuple[HFBackend, SlotView]:
+def _shared(backend: SharedBackend | SlotView) -> tuple[SharedBackend, SlotView]:
     """(the model's backend, the sequence's slot): a bare backend stands for its default slot."""
     return (backend.backend, backend) if isinstance(backend, SlotView) else (backend, backend.default)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.backends.base import Backend
-from draftwise.backends.hf import HFBackend, SlotView
+from draftwise.backends.base import Backend, SharedBackend, SlotView
 from draftwise.config import SamplingConfig
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.batch import run_round
@@ -123,13 +122,14 @@ class DraftModelProposer(Proposer):
     def fork_on_draft_model(self, proposer_cls: type) -> "DraftModelProposer":
         return proposer_cls(self._model().open_slot(), self.target_vocab_size, self.token_ids)
 
-    def _model(self) -> HFBackend:
+    def _model(self) -> SharedBackend:
         """The draft model's backend, which every slot of it shares (a bare backend is its own default slot)."""
         return self.backend.backend if isinstance(self.backend, SlotView) else self.backend
 
     def attach_prompt_cache(self, cache) -> None:
-        if isinstance(self.backend, HFBackend):  # (the engine's own proposer: the model's default slot)
-            self.backend.prefix_cache, self.backend.prefix_name = cache, "draft"
+        # (the engine's own proposer: the model's default slot), on a backend that keeps one
+        if isinstance(self.backend, SharedBackend) and self.backend.capabilities.prompt_cache:
+            self.backend.attach_prompt_cache(cache, "draft")
 
     def release(self) -> None:
         if isinstance(self.backend, SlotView):  # (the default slot is the model's own, never given back)

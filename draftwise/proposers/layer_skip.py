@@ -22,88 +22,20 @@ Which layers to skip (none, with copies) is calibration's choice (skip_calibrati
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from draftwise.backends.hf import HFBackend, SlotView
-from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, VALUE_CHANGING, draft_copy, kernel_counts,
-                                        plan_kernels, planned_kernel)
+from draftwise.backends.base import Backend
+from draftwise.backends.kernels import (DRAFT_KERNELS, DRAFT_WIDTHS, VALUE_CHANGING, draft_copy, plan_kernels,
+                                        planned_kernel)
+# The draft stack and the view that runs it live with the backends (backends/skipping.py); named here too, where
+# the calibration, the loading and the tests have always found them.
+from draftwise.backends.skipping import DraftStack, SkippingBackend, decoder_layers, drafting  # noqa: F401
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.base import Capabilities
 from draftwise.proposers.compact import KEEP_VOCAB, compact_readout
 from draftwise.proposers.draft_model import DraftModelProposer
-
-
-class _PassThrough(nn.Module):
-    """A skipped decoder layer: its input is its output (the residual stream goes on unchanged)."""
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder layers, or a DraftwiseError that says which models have one."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) < 2:
-        raise DraftwiseError(f"method 'skip' needs a decoder that keeps two or more layers in a list "
-                             f"(Llama, Qwen2, Mistral-style); {type(model).__name__} has none")
-    return layers
-
-
-@dataclass(eq=False)
-class DraftStack:
-    """What the skip draft runs in place of the target's own modules. With no copies and no readout it is the
-    target itself, less the skipped layers: nothing copied."""
-
-    skip: tuple[int, ...] = ()  # the decoder layers passed over
-    layers: dict[int, nn.Module] = field(default_factory=dict)  # layer index -> its copy on int8 kernels
-    readout: nn.Module | None = None  # an output layer over token_ids only
-    token_ids: torch.Tensor | None = None  # [kept]: the target id of each readout row
-
-    @property
-    def cheaper(self) -> bool:
-        """Whether the layers it runs cost less than the target's own (so skipping none can pay)."""
-        return bool(self.layers) or self.readout is not None
-
-    def skipping(self, skip) -> "DraftStack":
-        """This stack passing over the layers in skip (their copies, which would never run, are dropped)."""
-        skip = tuple(sorted(skip))
-        return replace(self, skip=skip, layers={i: m for i, m in self.layers.items() if i not in skip})
-
-    def layer_kernels(self) -> dict[str, int]:
-        """How many of the copies' linears run on each kernel, e.g. {"int8-dynamic": 140, "int8": 56}."""
-        return kernel_counts(nn.ModuleList(self.layers.values())) if self.layers else {}
-
-    def describe(self) -> str:
-        """What the stack runs, for the calibration cache key: its copies' kernels and its readout's width."""
-        readout = f"{kernel_counts(self.readout)}x{len(self.token_ids)}" if self.readout is not None else "full"
-        return f"layers={sorted(self.layer_kernels().items())}:readout={readout}"
-
-
-@contextmanager
-def drafting(model: nn.Module, stack: DraftStack):
-    """Within the block, model runs as the draft: the layers in stack.skip passed over, the others and the output
-    layer swapped for the stack's copies where it has them. Everything is put back after, whatever happens."""
-    layers = decoder_layers(model)
-    passing = _PassThrough()
-    swaps = {i: copied for i, copied in stack.layers.items() if i not in stack.skip}
-    swaps.update({i: passing for i in stack.skip})
-    saved = {i: layers[i] for i in swaps}
-    head = model.get_output_embeddings()
-    try:
-        for i, module in swaps.items():
-            layers[i] = module
-        if stack.readout is not None:
-            model.set_output_embeddings(stack.readout)
-        yield
-    finally:
-        for i, layer in saved.items():
-            layers[i] = layer
-        model.set_output_embeddings(head)
 
 
 def cheaper_stack(loaded: nn.Module, running: nn.Module, special_ids=(), kernels=DRAFT_KERNELS,
@@ -157,43 +89,6 @@ def _copy_with(layer: nn.Module, replacements: dict[str, nn.Module]) -> nn.Modul
     return copied
 
 
-class SkippingBackend:
-    """The target's backend seen as a draft model: every forward runs the target as the stack says."""
-
-    def __init__(self, target: HFBackend, stack: DraftStack):
-        count = len(decoder_layers(target.model))
-        skip = stack.skip
-        if any(not 0 <= i < count for i in skip) or len(set(skip)) != len(skip) or len(skip) >= count:
-            raise DraftwiseError(f"layers to skip must be distinct, between 0 and {count - 1}, and leave at "
-                                 f"least one; got {list(skip)}")
-        if not skip and not stack.cheaper:
-            raise DraftwiseError("a skip draft that skips no layer must run cheaper copies of them (int8 "
-                                 "kernels), or it would be the target itself; got no layers to skip")
-        self.target = target
-        self.stack = stack.skipping(skip)
-
-    @property
-    def skip(self) -> tuple[int, ...]:
-        return self.stack.skip
-
-    @property
-    def vocab_size(self) -> int:
-        """The width of the draft's logits rows: the compact readout's, or the target's."""
-        return self.target.vocab_size if self.stack.token_ids is None else len(self.stack.token_ids)
-
-    max_context = property(lambda self: self.target.max_context)
-    device = property(lambda self: self.target.device)
-    dtype = property(lambda self: self.target.dtype)
-
-    def forward_batch(self, rows: list[tuple[SlotView, list[int]]], logits: bool = True) -> list[torch.Tensor]:
-        with drafting(self.target.model, self.stack):
-            return self.target.forward_batch(rows, logits=logits)
-
-    def view(self, target_slot: SlotView) -> SlotView:
-        """The draft's view of one sequence: that sequence's own slot of the target's cache."""
-        return SlotView(self, target_slot.slot)
-
-
 class LayerSkipProposer(DraftModelProposer):
     """The draft model's round, drafted by the target with layers skipped, in the sequence's target slot.
 
@@ -210,7 +105,7 @@ class LayerSkipProposer(DraftModelProposer):
                          token_ids=skipping_backend.stack.token_ids)
         self.skipping = skipping_backend
 
-    def bind(self, target_slot: SlotView) -> None:
+    def bind(self, target_slot: Backend) -> None:
         """Draft in this sequence's slot (called when the sequence opens, before begin)."""
         self.backend = self.skipping.view(target_slot)
 
