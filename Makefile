@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	# ray: serve --replicas (an optional extra; its tests run here).
 	# --backend llamacpp: llama-cpp-python compiles llama.cpp for this CPU (about 6 minutes on 2 idle cores, once;
 	# pip keeps the built wheel). No curl: nothing is ever downloaded at run time. No AMX: the vendored ggml's AMX
 	# path dies at its first tile instruction (SIGILL) on Xeons that have AMX (llama.cpp PR 26954).
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $(NO_AMX)" \
-		$(PY) -m pip install -q -e '.[test,llamacpp,ray]'
+		$(PY) -m pip install -q -e '.[all,test,llamacpp,ray]'
 	touch $(STAMP)
 
 # Pulls the Qwen2.5-Coder 1.5B target and 0.5B draft on first use (about 5 minutes), then streams a

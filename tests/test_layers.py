@@ -43,9 +43,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("machine and text", ("draftwise.hardware", "draftwise.files", "draftwise.progress", "draftwise.tokenizers",
                           "draftwise.request_text", "draftwise.text", "draftwise.token_text")),
     # Shared vocabulary, and the one cost model (planner.py; estimates.py, what the engine measures), which is pure
-    # arithmetic at the bottom because the policy, the proposers' sizing and the metrics all ask it for prices.
+    # arithmetic at the bottom because the policy, the proposers' sizing and the metrics all ask it for prices;
+    # extras.py, which optional extra brings which package (any layer may need one, so it is at the bottom).
     ("vocabulary", ("draftwise.config", "draftwise.types", "draftwise.metrics", "draftwise.sampling",
-                    "draftwise.errors", "draftwise.planner", "draftwise.estimates")),
+                    "draftwise.errors", "draftwise.planner", "draftwise.estimates", "draftwise.extras")),
 )
 # Imports that may run up a layer, each with its reason.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {

@@ -9,6 +9,7 @@ import textwrap
 
 from draftwise import options
 from draftwise.config import DEFAULT_DRAFT
+from draftwise.extras import need
 
 
 def add_bench(commands, formatter) -> None:
@@ -119,6 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftwise.files import prepare_out
 
     # Everything that can fail without a model fails here, before minutes of loading.
+    need("bench", "matplotlib", what="draftwise bench (its plots)")
     configs = configs_from_args(args)
     cfg = configs[0]
     cfg.check()

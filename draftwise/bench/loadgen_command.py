@@ -20,6 +20,7 @@ from draftwise.bench.load_stats import summarise
 from draftwise.bench.loadgen import API_KEY_ENV, run_load
 from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
 from draftwise.errors import DraftwiseError
+from draftwise.extras import need
 from draftwise.files import prepare_out
 
 
@@ -169,6 +170,7 @@ def _at_least(name: str, value, low: int, allow_none: bool = False) -> None:
 
 
 def cmd_loadgen(args: argparse.Namespace) -> int:
+    need("bench", what="draftwise loadgen")  # httpx for the requests, matplotlib for the plot
     plan = plan_from_args(args)
     out = prepare_out(args.out, "results.json, report.md and the plot")  # before the run, not after it
     records: list[RequestRecord] = []

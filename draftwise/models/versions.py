@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftwise.errors import ModelStoreError
+from draftwise.extras import need
 from draftwise.models.home import store_home
 
 MANIFEST = "draftwise.json"
@@ -102,6 +103,7 @@ def check_files(folder: Path) -> dict:
 def apply_version(model, folder: Path):
     """model (the base draft, floats) with the version's adapter merged into its weights: after those of the versions
     it was distilled from (a version distilled from base@v1 learnt on top of v1's weights)."""
+    need("train", what=f"the distilled draft version {folder}")  # (peft merges its adapter)
     from peft import PeftModel
 
     record = check_files(folder)

@@ -1,4 +1,5 @@
-"""`draftwise serve`: its options, its handler, and a uvicorn server that drains on SIGTERM."""
+"""`draftwise serve`: its options and its handler. The HTTP stack (fastapi, uvicorn: the `serve` extra) is imported
+when the command runs, never when the parser is built."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import uvicorn
-
 from draftwise import options
 from draftwise.config import DEFAULT_DRAFT, GenerationConfig
 from draftwise.errors import DraftwiseError
+from draftwise.extras import need
 
 
 def add_serve(commands, formatter) -> None:
@@ -263,11 +263,16 @@ def build_server(args: argparse.Namespace) -> Served:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    need("serve", what="draftwise serve")
     if args.replicas is not None:
         check_serve_options(args)  # (before Ray starts)
         from draftwise.serve.replicas import serve_replicas
 
         return serve_replicas(args, build_server)
+    import uvicorn
+
+    from draftwise.serve.http_server import DrainingServer
+
     served = build_server(args)
     scheduler = served.scheduler
     print(f"draftwise: serving {served.model_id} ({served.engine.method}) on http://{args.host}:{args.port}/v1",
@@ -291,43 +296,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-class DrainingServer(uvicorn.Server):
-    """On the first SIGTERM or Ctrl-C: keep listening (new requests get 503), let the running ones finish up to
-    the drain timeout, then shut down. A second signal exits at once."""
-
-    def __init__(self, config: uvicorn.Config, scheduler, drain_timeout: float):
-        super().__init__(config)
-        self.scheduler, self.drain_timeout = scheduler, drain_timeout
-        self._draining = False
-
-    def run_then_stop(self) -> None:
-        """Serve HTTP until told to exit (or until the port cannot be had), then stop the model loop."""
-        try:
-            self.run()
-        finally:
-            self.scheduler.drain(0 if self.force_exit or not self.started else self.drain_timeout)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if sig not in (signal.SIGTERM, signal.SIGINT):
-            return super().handle_exit(sig, frame)
-        if self._draining:  # a second signal: stop now, without waiting for open connections
-            self.force_exit = True
-            threading.Thread(target=self.scheduler.drain, args=(0,), daemon=True, name="draftwise-stop").start()
-            return super().handle_exit(sig, frame)
-        # uvicorn's own shutdown would close the listening socket first (new requests would get "connection
-        # refused", not 503) and wait on open streams with no limit; so drain the scheduler first, listening.
-        self._draining = True
-        threading.Thread(target=self._drain_then_exit, daemon=True, name="draftwise-drain").start()
-
-    def _drain_then_exit(self) -> None:
-        self.scheduler.drain(self.drain_timeout)
-        self.should_exit = True
-
-
 def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
     """Run app on a free port of host in a daemon thread: (base URL, stop()). For tests and the load driver.
 
     The socket is bound here, before uvicorn starts, so no other process can take the port in between."""
+    import uvicorn
+
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))

@@ -33,22 +33,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from draftwise.errors import DraftwiseError
+from draftwise.extras import need
 from draftwise.serve.routes.body import MAX_BODY_BYTES
 from draftwise.serve.asgi_call import HTTPCall, ResponseStart, run_call
 from draftwise.serve.dashboard import MetricsHistory, dashboard_data
 from draftwise.serve.metrics_merge import FixedCollector, merge_metrics, merged_families
 from draftwise.serve.prefix_routing import PrefixIndex, routing_text
 
-try:
-    import ray
-    from ray import serve
-    from ray.exceptions import RayError
-    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
-    from ray.serve.request_router import FIFOMixin, RequestRouter
-    from ray.serve.schema import LoggingConfig
-except ImportError as err:  # (the extra is not installed: say how to get it)
-    raise DraftwiseError("--replicas runs the replicas on Ray Serve, which is not installed here: "
-                         "pip install 'draftwise[ray]'") from err
+need("ray", what="draftwise serve --replicas (the replicas run on Ray Serve)")  # (an extra: say how to get it)
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.exceptions import RayError  # noqa: E402
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig  # noqa: E402
+from ray.serve.request_router import FIFOMixin, RequestRouter  # noqa: E402
+from ray.serve.schema import LoggingConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from draftwise import options
 from draftwise.config import DEFAULT_DRAFT, DEFAULT_DRAFT_TOKENS
 from draftwise.errors import DraftwiseError
+from draftwise.extras import need
 from draftwise.train.distill import Recipe
 from draftwise.train.traffic import SERVICES
 
@@ -91,6 +92,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from draftwise.train.distill import distill, run_key
     from draftwise.train.served import served_requests, time_split
 
+    need("train", what="draftwise distill")
     recipe = recipe_of(args)
     for path in args.logs:
         connect(Path(path)).close()  # a missing or wrong log fails now, before a model loads
