@@ -3,7 +3,6 @@ model, for prompts that start the same way) and the proposal cache (their tokens
 from). Both are off until a caller turns them on."""
 from __future__ import annotations
 
-from draftwise.backends.hf import HFBackend  # MERGE
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 from draftwise.proposers.proposal_cache import ProposalCache
@@ -18,8 +17,8 @@ class TextCaches:
     def enable_prompt_cache(self, target, proposer: Proposer | None, max_bytes: int) -> PrefixCache:
         """One byte budget for the target's and the draft model's entries (see backends/prefix_cache.py)."""
         self.prompt = PrefixCache(max_bytes)
-        if isinstance(target, HFBackend):  # MERGE: target.capabilities.prompt_cache
-            target.prefix_cache, target.prefix_name = self.prompt, "target"
+        if target.capabilities.prompt_cache:
+            target.attach_prompt_cache(self.prompt, "target")
         if proposer is not None:  # (a draft model's cache, a hybrid's too)
             proposer.attach_prompt_cache(self.prompt)
         return self.prompt
@@ -34,8 +33,8 @@ class TextCaches:
 
     def attach_draft(self, backend, name: str) -> None:
         """A draft loaded beside the engine's own keeps its prompts' keys and values as the engine's own draft's."""
-        if self.prompt is not None:
-            backend.prefix_cache, backend.prefix_name = self.prompt, f"draft@{name}"  # MERGE
+        if self.prompt is not None and backend.capabilities.prompt_cache:
+            backend.attach_prompt_cache(self.prompt, f"draft@{name}")
 
     def restore(self, target, proposer: Proposer | None, prompt_ids: list[int]) -> int:
         """How much of the prompt (of all but its last token) the target got from the prompt cache; the draft gets

@@ -35,10 +35,6 @@ OTHER = [40, 41, 42, 43, 44, 45, 46]
 ALLOWED: dict[str, dict[str, str]] = {
     "HFBackend": {
         "cache": "its SlotCache, whose buffers the tests of the cache and of the quant layers' writes read",
-        # Transitional: engine.py writes these two directly (enable_prompt_cache, add_draft) until it calls
-        # attach_prompt_cache; then they become private.
-        "prefix_cache": "the attached prompt cache (engine.py writes it until it calls attach_prompt_cache)",
-        "prefix_name": "this model's name in it (the same)",
     },
     "SkippingBackend": {
         "target": "the backend it drafts on",

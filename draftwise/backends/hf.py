@@ -24,8 +24,7 @@ class HFBackend(SharedBackend):
     The single-sequence methods (prefill, forward, trim, cache_len) act on `default`, a slot opened here,
     so code that runs one sequence at a time needs no slot at all.
 
-    cache: the SlotCache itself (the tests of the cache and of the quant layers' writes read its buffers).
-    prefix_cache, prefix_name: what attach_prompt_cache set (engine.py writes them directly until it calls it)."""
+    cache: the SlotCache itself (the tests of the cache and of the quant layers' writes read its buffers)."""
 
     backend_name = "hf"
     # Batch-invariant on the invariant kernel (loading.resolve_invariance picks it by default on a CPU).
@@ -42,8 +41,8 @@ class HFBackend(SharedBackend):
         self._cache_keyword = cache_keyword(model)
         self.cache = SlotCache()
         self.default = self.open_slot()
-        self.prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
-        self.prefix_name = ""  # this model's name in it ("target", "draft")
+        self._prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
+        self._prefix_name = ""  # this model's name in it ("target", "draft")
         self.feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs `hidden` returns too (a fused head)
 
     @property
@@ -51,7 +50,7 @@ class HFBackend(SharedBackend):
         return self._model
 
     def attach_prompt_cache(self, cache: PrefixCache, name: str) -> None:
-        self.prefix_cache, self.prefix_name = cache, name
+        self._prefix_cache, self._prefix_name = cache, name
 
     def close(self) -> None:
         """Nothing outside Python's memory: the weights and the cache go with the last reference to them."""
@@ -179,11 +178,11 @@ class HFSlot(SlotView):
     def restore(self, token_ids: list[int]) -> int:
         """Fill the slot from the prompt cache's longest entry sharing a prefix with token_ids; returns how
         many positions it now holds (0: nothing cached, the slot is left empty)."""
-        cache = self.backend.prefix_cache
+        cache = self.backend._prefix_cache
         self.slot.length = 0
         if cache is None:
             return 0
-        entry, length = cache.longest(self.backend.prefix_name, token_ids)
+        entry, length = cache.longest(self.backend._prefix_name, token_ids)
         if entry is not None:
             self.backend.cache.load(self.slot, entry.keys, entry.values, length)
         return length
@@ -192,10 +191,10 @@ class HFSlot(SlotView):
         """Offer the slot's first positions, the keys and values of token_ids' first ones, to the prompt cache.
         The slot may hold fewer (the text's last token) or more (draft tokens kept past an EOS or a stop string
         that ended the text): its common part with token_ids is what is offered."""
-        cache = self.backend.prefix_cache
+        cache = self.backend._prefix_cache
         length = min(self.slot.length, len(token_ids))
         if cache is not None and length:
-            cache.put(self.backend.prefix_name, token_ids[:length], *self.backend.cache.export(self.slot, length))
+            cache.put(self.backend._prefix_name, token_ids[:length], *self.backend.cache.export(self.slot, length))
 
 
 @contextmanager
