@@ -23,6 +23,10 @@ def main() -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--backend", default="hf", help="hf, quant, llamacpp or auto (Engine.from_pretrained's backend)")
+    p.add_argument("--b-first", action="store_true",
+                   help="load B's worker before A's: the arm loaded second has run slower whatever its code, so an "
+                        "A/B of code is run in both load orders")
     p.add_argument("--methods", default="none,draft,lookup,hybrid")
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -33,11 +37,14 @@ def main() -> None:
 
     prompts = [q.text for q in select_prompts(default_prompts(), per_category=args.per_category)]
     methods = args.methods.split(",")
-    spec = {"target": args.target, "draft": args.draft, "method": "draft", "dtype": args.dtype}
+    spec = {"target": args.target, "draft": args.draft, "method": "draft", "dtype": args.dtype,
+            "backend": args.backend}
     names = ["A", "B"]
     print(f"A = {args.a.resolve()}\nB = {args.b.resolve()}\n{len(prompts)} prompts, methods {methods}, "
           f"{args.max_new_tokens} tokens, k {args.k}, {args.repeats} repeats", file=sys.stderr)
-    arms = {"A": Worker(args.a.resolve(), spec), "B": Worker(args.b.resolve(), spec)}
+    order = [("B", args.b), ("A", args.a)] if args.b_first else [("A", args.a), ("B", args.b)]
+    loaded = {name: Worker(path.resolve(), spec) for name, path in order}
+    arms = {name: loaded[name] for name in names}
     for name, arm in arms.items():  # kernels are timed at load: a different choice explains a different speed
         print(f"{name} loaded: {json.dumps(arm.speed_paths)}", file=sys.stderr, flush=True)
     try:

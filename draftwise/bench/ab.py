@@ -26,7 +26,7 @@ import json, sys
 from draftwise import Engine
 spec = json.loads(sys.stdin.readline())
 engine = Engine.from_pretrained(target=spec["target"], draft=spec["draft"], method=spec["method"],
-                                dtype=spec["dtype"], progress=False)
+                                dtype=spec["dtype"], backend=spec.get("backend", "hf"), progress=False)
 print(json.dumps({"ready": True, "speed_paths": engine.speed_paths}, default=str), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
