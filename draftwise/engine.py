@@ -76,7 +76,7 @@ class Engine:
                  max_context: int | None = None, speed_paths: dict | None = None):
         """speed_paths: which speed paths were chosen at load (dtype, kernels, draft vocabulary), for the stats.
         max_context: the smallest context of the models involved (the target's by default)."""
-        self.target, self.tokenizer, self.proposer, self.method = target, tokenizer, proposer, method
+        self.target, self.tokenizer, self.method = target, tokenizer, method
         self.max_context = max_context or target.max_context
         self.readable_ids = readable_ids(tokenizer, target.embedding_rows)  # the ids a prompt of token ids may hold
         # Structured output's matchers (llguidance's view of the tokenizer is built at the first grammar).
@@ -90,6 +90,15 @@ class Engine:
         self.sequences = Sequences(target, tokenizer, proposer, method, self.max_context, self.readable_ids,
                                    self.grammars, self.speed_paths, self.drafts, self.caches, self.pools,
                                    self.lengths, self.catch_up, self.hooks)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The engine's own proposer: it serves the first live sequence, and the others get forks of it."""
+        return self.sequences.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.sequences.proposer = self.fallback.own_proposer = proposer
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, method: str | None = None, **options) -> "Engine":

@@ -61,7 +61,7 @@ def test_a_sequence_that_fails_to_open_gives_its_slot_back(monkeypatch):
     def refuse(seed):
         raise RuntimeError("no generator")
 
-    monkeypatch.setattr("draftwise.engine.make_generator", refuse)
+    monkeypatch.setattr("draftwise.lifecycle.make_generator", refuse)
     for _ in range(2):  # the default slot, then (were it kept) a slot of its own
         with pytest.raises(RuntimeError, match="no generator"):
             eng.generate("hello", max_new_tokens=2)
