@@ -138,7 +138,8 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
     if quantized:
         target_model = load_quant_model(target_source, target, progress)
     else:
-        target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
+        floats = target_source.float_weights(progress)  # (a store model's float copy is made on first use)
+        target_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     return target_model, tokenizer, draft_model, draft_tokenizer
 
 
@@ -166,7 +167,8 @@ def load_draft(source, dtype: str, device: str = "cpu", progress: bool = True, q
     quantized (the quant backend): its GGUF file's blocks where it has one and no adapter."""
     if quantized and source.adapter is None and source.gguf_path is not None:
         return load_quant_model(source, source.name, progress)
-    draft_model = load_model(str(source.path), source.gguf_file, dtype, device, progress)
+    floats = source.float_weights(progress)
+    draft_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     if source.adapter is not None:
         from draftwise.models.versions import apply_version
 
@@ -179,12 +181,13 @@ def draft_version_loader(engine, device: str = "cpu"):
     rollout loads beside it (serve/rollout.py)."""
     from draftwise.models import resolve
 
-    dtype = "float32" if engine.target.backend_name == "quant" else engine.speed_paths.get("dtype", "float32")
+    quantized = engine.target.backend_name == "quant"
+    dtype = "float32" if quantized else engine.speed_paths.get("dtype", "float32")
 
     def load(name: str):
         source = resolve(name, progress=False)
         check_same_tokenizer(engine.tokenizer, load_tokenizer(str(source.path), source.gguf_file))
-        return load_draft(source, dtype, device, progress=False)
+        return load_draft(source, dtype, device, progress=False, quantized=quantized)
     return load
 
 

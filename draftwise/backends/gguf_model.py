@@ -86,7 +86,7 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
     """The transformers model of a GGUF file, its linears on the file's blocks (QuantLinear), its embedding rows
     de-quantized on lookup; config: the model's config when the caller has it (the store saved it at pull), else read
     from the file's metadata. Refuses a file it cannot run by name, before reading any weight."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from draftwise.backends.quant_model import _model_order, _on_quant_layers
 
@@ -95,7 +95,7 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
     config = config if config is not None else gguf_config(file.path)
     model = skeleton(config)
     processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)  # GGUF tensor -> parameter ("blk.0.attn_q.weight" -> ...)
+    names = tensor_names(model, file.architecture)  # GGUF tensor -> parameter ("blk.0.attn_q.weight" -> ...)
     plan = _plan(file, model, names)
     floats = {}
     for tensor, target in plan:  # norms, biases and any float linear: small, as transformers reads them
@@ -114,8 +114,8 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
             continue
         n, k = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1, int(tensor.shape[0])
         if target == embedding_name:
-            _replace(model, modules, module_name, QuantEmbedding(tensor.data.reshape(n, -1), tensor.tensor_type.name,
-                                                                 n, k, _embed_scale(embedding)))
+            _replace(model, modules, module_name, QuantEmbedding(_own_map(file.path, tensor, n),
+                                                                 tensor.tensor_type.name, n, k, _embed_scale(embedding)))
             if not tied:
                 continue
             module_name = _parameter_of(model, model.get_output_embeddings()).rpartition(".")[0]
@@ -125,6 +125,24 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
         _replace(model, modules, module_name, QuantLinear(pack(blocks), bias))
     _check_complete(model, file.path.name)
     return _on_quant_layers(model.eval())
+
+
+def tensor_names(model: nn.Module, architecture: str) -> dict[str, str]:
+    """{GGUF tensor name: the model's parameter}, by the gguf package's name table for the file's architecture (the
+    map transformers' GGUF loader builds, made once for the whole model rather than once a module)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise DraftwiseError(f"the gguf package has no tensor names for {architecture} files")
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for parameter in model.state_dict():
+        stem, dot, suffix = parameter.rpartition(".")
+        gguf_name = table.get_name(stem) if suffix in ("weight", "bias") else None
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = parameter
+    return names
 
 
 def check_architecture(file: GGUFFile) -> None:
@@ -187,6 +205,13 @@ def _plan(file: GGUFFile, model: nn.Module, names: dict[str, str]) -> list:
                                  f"[{', '.join(map(str, want))}] (a corrupt file, or metadata that does not match it)")
         plan.append((tensor, target))
     return plan
+
+
+def _own_map(path: Path, tensor, rows: int) -> np.ndarray:
+    """The tensor's bytes [rows, bytes a row] in a map of their own: the reader's map of the whole file (whose pages
+    the load read once, to pack the blocks) is let go with the reader, and only the rows looked up are read again."""
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=int(tensor.data_offset),
+                     shape=(rows, int(tensor.n_bytes) // rows))
 
 
 def _float_tensor(tensor, processor, file: str) -> torch.Tensor:
