@@ -12,7 +12,7 @@ from draftwise.config import DEFAULT_LOOKUP_NGRAM
 from draftwise.errors import DraftwiseError
 from draftwise.hardware import check_device
 from draftwise.backends.quant import QuantBackend
-from draftwise.backends.quant_model import runs_on_blocks
+from draftwise.backends.quant_model import compact_on_blocks, runs_on_blocks
 from draftwise.backends.skipping import SkippingBackend
 from draftwise.methods import (AUTO_BACKEND, BACKENDS, DEFAULT_BACKEND, DRAFT_MODEL, METHODS, OWN_LAYERS, TRAINED_HEAD,
                                TREES, Parts, check_backend, check_method, choose_method, methods_needing,
@@ -134,17 +134,43 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
         draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
         if method is not None:
             check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
-        # On the quant backend the draft stays float here: assemble compacts it onto a 4-bit copy.
-        draft_model = load_draft(draft_source, dtype, device, progress)
-    target_model = load_model(str(target_source.path), target_source.gguf_file, dtype, device, progress)
+        # On the quant backend a draft with a GGUF file runs on its blocks too (assemble shrinks its output layer);
+        # one without (a folder, a draft version's merged floats) stays float and assemble compacts it onto 4 bits.
+        draft_model = load_draft(draft_source, dtype, device, progress, quantized)
     if quantized:
-        target_model = on_quant_weights(target_model, target_source, target, progress)
+        target_model = load_quant_model(target_source, target, progress)
+    else:
+        floats = target_source.float_weights(progress)  # (a store model's float copy is made on first use)
+        target_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     return target_model, tokenizer, draft_model, draft_tokenizer
 
 
-def load_draft(source, dtype: str, device: str = "cpu", progress: bool = True):
-    """The draft model of a resolved source, floats: a draft version (models/versions.py) with its adapter merged."""
-    draft_model = load_model(str(source.path), source.gguf_file, dtype, device, progress)
+def load_quant_model(source, name: str, progress: bool = True):
+    """The model of a resolved source on the quant backend: its GGUF file as published (backends/gguf_model.py), no
+    float copy of it made; or an error that says how to get a file."""
+    from draftwise.backends.gguf_model import load_gguf_model
+
+    gguf = source.published_gguf(name, "the quant backend")
+    return load_gguf_model(gguf, config=_saved_config(source), progress=progress)
+
+
+def _saved_config(source):
+    """The config.json a store folder keeps beside its GGUF file (saved from the file's metadata), or None: then the
+    file's metadata is read."""
+    if source.gguf_file is not None or not (source.path / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
+
+
+def load_draft(source, dtype: str, device: str = "cpu", progress: bool = True, quantized: bool = False):
+    """The draft model of a resolved source: floats, a draft version (models/versions.py) with its adapter merged;
+    quantized (the quant backend): its GGUF file's blocks where it has one and no adapter."""
+    if quantized and source.adapter is None and source.gguf_path is not None:
+        return load_quant_model(source, source.name, progress)
+    floats = source.float_weights(progress)
+    draft_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     if source.adapter is not None:
         from draftwise.models.versions import apply_version
 
@@ -157,12 +183,13 @@ def draft_version_loader(engine, device: str = "cpu"):
     rollout loads beside it (serve/rollout.py)."""
     from draftwise.models import resolve
 
-    dtype = "float32" if engine.target.backend_name == "quant" else engine.speed_paths.get("dtype", "float32")
+    quantized = engine.target.backend_name == "quant"
+    dtype = "float32" if quantized else engine.speed_paths.get("dtype", "float32")
 
     def load(name: str):
         source = resolve(name, progress=False)
         check_same_tokenizer(engine.tokenizer, load_tokenizer(str(source.path), source.gguf_file))
-        return load_draft(source, dtype, device, progress=False)
+        return load_draft(source, dtype, device, progress=False, quantized=quantized)
     return load
 
 
@@ -172,13 +199,6 @@ def check_pair_method(method: str, path: str) -> None:
         chains = [name for name in methods_needing(DRAFT_MODEL) if TREES not in METHODS[name].asks]
         raise DraftwiseError(f"method {method!r} drafts token trees, which a draft with another tokenizer than the "
                              f"target's does not; it runs {' or '.join(chains)}")
-
-
-def on_quant_weights(model, source, name: str, progress: bool):
-    """model with its linears on the blocks of the GGUF file it came from, or an error that says how to get one."""
-    from draftwise.backends.quant_model import on_gguf_weights
-
-    return on_gguf_weights(model, source.published_gguf(name, "the quant backend"), progress)
 
 
 def assemble(engine_cls, target_model, tokenizer, method: str | None = None, draft_model=None,
@@ -297,7 +317,9 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
     """(the draft model's backend, the target id of each of its logits or None): compact unless told not to.
     Its speed paths go into paths."""
     token_ids = None
-    if compact_draft or draft_kernels == (FOUR_BIT,):
+    if runs_on_blocks(draft_model):  # already on its file's blocks: only the output layer is cut
+        draft_model, token_ids = compact_on_blocks(draft_model, keep, draft_vocab)
+    elif compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
     elif {*draft_kernels} <= {*INVARIANT_KERNELS}:
         draft_model = on_timed_kernels(draft_model, draft_kernels, DRAFT_WIDTHS)

@@ -369,11 +369,13 @@ def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
 
 
 @pytest.mark.real_model
-def test_a_draft_beside_a_quant_target_runs_on_a_compact_4bit_copy():
+def test_a_draft_beside_a_quant_target_runs_on_its_files_blocks_with_a_cut_output_layer():
     eng = engine("draft")
     draft = eng.proposer.backend.model
-    assert all(isinstance(m, QuantLinear) and m.bits == 4 for m in draft.modules() if isinstance(m, QuantLinear))
+    # the file's own blocks: Q4_1 layers, the output layer on the Q8_0 embedding's rows (none re-quantized)
+    assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4, 8}
     assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
+    assert draft.get_output_embeddings().out_features < eng.target.vocab_size  # the common tokens and the special
     assert eng.speed_paths["backend"] == "quant"
 
 

@@ -491,3 +491,83 @@ def test_check_resolves_passes_a_known_name_unpulled_and_refuses_what_cannot_loa
     check_resolves(str(folder), registry=registry)
     with pytest.raises(ModelStoreError, match="neither a known model nor a model on disk"):
         check_resolves("qwen-typo", registry=registry)
+
+
+# ---- the GGUF is the model; a float copy only for the hf backend ----------------------------------------
+
+
+class FakeFloats(FakeConvert):
+    """The float copy's step: a folder with config and weights."""
+
+    def __call__(self, gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        super().__call__(gguf_dir, gguf_file, out_dir, progress=progress)
+        (out_dir / "model.safetensors").write_bytes(b"f" * 4000)
+
+
+def prepare_only(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+    """What a pull writes beside the GGUF: config and tokenizer, no weights."""
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text('{"model_type": "llama"}')
+    (out_dir / "tokenizer.json").write_text("{}")
+
+
+def test_a_pull_keeps_the_gguf_and_a_float_copy_is_made_once_when_asked(home: Path, tmp_path: Path, capsys,
+                                                                       monkeypatch) -> None:
+    from draftwise.models import store as store_module
+
+    registry, pip, _ = setup(tmp_path, count=2)
+    floats = FakeFloats()
+    steps = PullSteps(pip, prepare_only, floats)
+    folder = pull(NAME, progress=False, registry=registry, steps=steps)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "draftwise.json", "tiny.gguf", "tokenizer.json"]
+    assert json.loads((folder / "draftwise.json").read_text())["format"] == "gguf"
+    [status] = list_models(registry=registry)
+    assert status.float_copy == 0 and status.size_on_disk == sum(p.stat().st_size for p in folder.iterdir())
+
+    source = resolve(NAME, progress=False, registry=registry, steps=steps)
+    assert source.gguf_path == folder / "tiny.gguf"
+    monkeypatch.setattr(store_module, "float32_bytes", lambda gguf: 6_200_000_000)
+    made = source.float_weights(progress=False, steps=steps)
+    assert made.path == folder / "float32" and (made.path / "model.safetensors").is_file()
+    said = capsys.readouterr().err
+    assert "making a float32 copy of tiny-test" in said and "6.2 GB" in said and said.count("\n") == 1
+    assert source.float_weights(progress=False, steps=steps) == made and len(floats.seen) == 1  # once
+    [status] = list_models(registry=registry)
+    assert status.float_copy == sum(p.stat().st_size for p in made.path.iterdir()) > 4000
+    assert not (home / "tmp").exists() or not any((home / "tmp").iterdir())  # no work folder left
+
+
+def test_a_float_copy_that_fails_half_way_leaves_nothing(home: Path, tmp_path: Path, monkeypatch) -> None:
+    from draftwise.models import store as store_module
+
+    registry, pip, _ = setup(tmp_path, count=2)
+    monkeypatch.setattr(store_module, "float32_bytes", lambda gguf: 4000)  # (the fake's file is no GGUF)
+
+    def half_floats(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
+        out_dir.mkdir(parents=True)
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    steps = PullSteps(pip, prepare_only, half_floats)
+    folder = pull(NAME, progress=False, registry=registry, steps=steps)
+    source = resolve(NAME, progress=False, registry=registry, steps=steps)
+    with pytest.raises(KeyboardInterrupt):
+        source.float_weights(progress=False, steps=steps)
+    assert not (folder / "float32").exists()
+    assert leftovers(home) == [f"models/{NAME}/{name}" for name in
+                               ("config.json", "draftwise.json", "tiny.gguf", "tokenizer.json")]
+
+
+def test_a_model_pulled_with_its_float_weights_keeps_loading_from_them(home: Path, tmp_path: Path) -> None:
+    """An earlier version's pull: float safetensors and the GGUF in the model's folder."""
+    registry, pip, convert = setup(tmp_path, count=2)
+    never = FakeFloats()
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, convert))  # (writes weights)
+    manifest = json.loads((folder / "draftwise.json").read_text())
+    manifest["format"] = "safetensors"
+    (folder / "draftwise.json").write_text(json.dumps(manifest))
+    source = resolve(NAME, progress=False, registry=registry)
+    assert source.float_weights(progress=False, steps=PullSteps(pip, convert, never)) == source
+    assert never.seen == [] and source.gguf_path == folder / "tiny.gguf"
+    [status] = list_models(registry=registry)
+    assert status.float_copy == 1000  # its model.safetensors

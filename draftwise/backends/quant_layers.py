@@ -49,7 +49,8 @@ class QuantRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module):
         super().__init__()
-        self.register_buffer("weight", norm.weight.detach().float().contiguous())
+        # a parameter, as the norm's own was: a model on blocks keeps float parameters (its dtype and device)
+        self.weight = nn.Parameter(norm.weight.detach().float().contiguous(), requires_grad=False)
         self.eps = float(norm.variance_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

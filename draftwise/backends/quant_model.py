@@ -1,17 +1,20 @@
 """A transformers model whose linears run on its GGUF file's own quantized blocks (QuantLinear, qgemm.c).
 
-Everything else (embeddings, norms, attention, the cache) stays the float32 model the store converted from
-the same file, so every method that runs on the transformers route (trees, layer skipping) runs here too.
+The quant backend builds it from the file alone (gguf_model.load_gguf_model); on_gguf_weights swaps the linears of a
+float model converted from the same file onto its blocks (the route before, kept as the reference the native model
+is checked against: the same bits). Attention and the cache stay transformers' own, so every method that runs on the
+transformers route (trees, layer skipping) runs here too.
 """
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
 import numpy as np
 from torch import nn
 
-from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit
+from draftwise.backends.gguf_weights import Blocks, Packed, decode, pack, quantize_4bit, unpack
 from draftwise.backends.attention import use_row_invariant_attention
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.backends.quant_layers import fuse_layers
@@ -116,3 +119,26 @@ def on_4bit(model: nn.Module, progress: bool = True) -> nn.Module:
         blocks = quantize_4bit(linear.weight.detach().float().numpy())
         _replace(model, modules, name, QuantLinear(pack(blocks), linear.bias))
     return _on_quant_layers(model)
+
+
+def compact_on_blocks(model: nn.Module, special_ids=(), keep_vocab: int = 32768):
+    """(a copy of a model on blocks whose output layer keeps the keep_vocab lowest ids and the special ones, the target
+    id of each of its logits), as proposers/compact.py cuts a float draft's, but on the file's own blocks: the rows
+    kept are the same bytes, nothing is re-quantized. (model, None) when the vocabulary is no larger. The copy
+    shares every other module (the decoder holds no state of a sequence: caches are passed in); the model passed in
+    is left as it is."""
+    import torch
+
+    head = model.get_output_embeddings()
+    vocab = head.out_features
+    if vocab <= keep_vocab or not isinstance(head, QuantLinear):
+        return model, None
+    kept = sorted(set(range(keep_vocab)) | {i for i in special_ids if 0 <= i < vocab})
+    token_ids = torch.tensor(kept, dtype=torch.long)  # [kept]
+    buffers = (getattr(head, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
+    blocks = unpack(Packed(*buffers, head.out_features, head.in_features, head.group, head.supers, head.bits))
+    small = QuantLinear(pack(blocks.rows(np.array(kept))), None if head.bias is None else head.bias[token_ids])
+    twin = copy.copy(model)  # (a model on blocks holds C structs: shared, never deep-copied)
+    twin._modules = dict(model._modules)  # its own children: the output layer set below is the copy's alone
+    twin.set_output_embeddings(small)
+    return twin.eval(), token_ids

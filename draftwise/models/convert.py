@@ -1,4 +1,5 @@
-"""GGUF -> a float32 safetensors folder that `from_pretrained(folder)` loads in seconds.
+"""What the store makes from a GGUF file: the small files reading it needs (prepare_gguf, at every pull), and a
+float32 safetensors folder that `from_pretrained(folder)` loads in seconds (convert_gguf, only for the hf backend).
 
 torch and transformers are imported inside the functions: listing or resolving models stays instant.
 """
@@ -50,3 +51,19 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: boo
     """The real conversion step of a pull (about a minute for 1.5B parameters on 2 cores)."""
     model, tokenizer = load_gguf_as_float32(gguf_dir, gguf_file, progress=progress)
     save_converted(model, tokenizer, out_dir)
+
+
+def prepare_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool = True) -> None:
+    """config.json, generation_config.json and the tokenizer's files of a GGUF file, from its metadata alone (no
+    weight is read): what the quant route reads beside the file, and what a tokenizer loads from in a second."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    with transformers_progress(progress):
+        config = AutoConfig.from_pretrained(str(gguf_dir), gguf_file=gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_file)
+    if hasattr(config, "quantization_config"):  # (transformers' marker of a model it would de-quantize)
+        del config.quantization_config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))

