@@ -24,7 +24,7 @@ def loaded():
     from draftwise.backends.hf import load_hf
     from draftwise.models import resolve
 
-    source = resolve(NAME, progress=False)
+    source = resolve(NAME, progress=False).float_weights(progress=False)  # transformers' own weights
     # float32: identity with transformers' own greedy is the promise there. In bfloat16 (the `auto` dtype on a
     # CPU with AVX-512 BF16) a verification pass and a one-token step round differently, so a near-tie can go
     # either way (README, "What it guarantees").

@@ -101,7 +101,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     draft_source, target_source = resolve(args.draft, progress=progress), resolve(args.target, progress=progress)
     check_same_tokenizer(load_tokenizer(str(target_source.path), target_source.gguf_file),
                          load_tokenizer(str(draft_source.path), draft_source.gguf_file))
-    model = load_model(str(draft_source.path), draft_source.gguf_file, "float32", "cpu", progress)
+    weights = draft_source.float_weights(progress)  # training reads floats: the store's float copy, made once
+    model = load_model(str(weights.path), weights.gguf_file, "float32", "cpu", progress)
     if draft_source.adapter is not None:
         model = apply_version(model, draft_source.adapter)  # a version improves on its own weights
     base = split_version(args.draft)[0]  # a version's successor is a version of the same base
