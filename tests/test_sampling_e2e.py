@@ -91,7 +91,7 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") 
         # The proposal cache serves unseeded requests only (a seeded one must repeat whatever the cache holds):
         # those runs ask for no seed, and get a generator seeded here, so that the test repeats.
         unseeded = method in ("lookup-corpus", "lookup-tree-free", "hybrid-free", "hybrid-tree-free")
-        with mock.patch("draftwise.engine.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
+        with mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
             result = eng.generate(
                 prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
                 top_k=cfg.top_k, top_p=cfg.top_p, seed=None if unseeded else seed, ignore_eos=True,
