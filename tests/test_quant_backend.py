@@ -8,7 +8,6 @@ AVX512-VNNI. Then every method's greedy tokens equal `none`'s on SmolLM2-135M's 
 from __future__ import annotations
 
 import functools
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -109,14 +108,11 @@ def test_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_any_thread_cou
     assert not torch.equal(changed[4], together[4]) and torch.equal(changed[5:], together[5:])
 
 
-@pytest.mark.skipif(not kernel_vectorized(), reason="this CPU runs the scalar path already (no AVX512-VNNI)")
-def test_the_scalar_path_gives_the_vector_paths_bits(tmp_path):
+@pytest.mark.skipif(not kernel_vectorized(), reason="this CPU runs the scalar path already (no AVX2 or AVX-512)")
+def test_the_scalar_path_gives_the_vector_paths_bits():
     import ctypes
 
-    scalar = tmp_path / "scalar.so"
-    flags = [f for f in qgemm.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]  # AVX2: no VNNI
-    subprocess.run([qgemm.compiler(), *flags, "-o", str(scalar), str(qgemm.SOURCE), "-lm"], check=True)
-    lib = ctypes.CDLL(str(scalar))
+    lib = qgemm.library_for("scalar")  # (every path against every other: tests/test_kernel_isa.py)
     assert lib.dw_vectorized() == 0
     for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
         linear, _ = layer(type_name, n=48, k=512)
