@@ -83,8 +83,8 @@ def auto_backend(target: str, draft: str | None, method: str, device: str = "cpu
                  dtype: str = "auto", batch_invariant: bool | None = None) -> str:
     """What --backend auto runs: the quant backend on a CPU with AVX2 + FMA (AVX-512 not needed) and a C compiler,
     for a method it serves, with dtype left at auto and batch invariance not declined, when the target (and the
-    draft the method uses) have their GGUF files here; otherwise hf (an explicit dtype asks for transformers' weights in it,
-    batch_invariant=False for its timed kernels, which only hf has).
+    draft the method uses) have their GGUF files here; otherwise hf (an explicit dtype asks for transformers'
+    weights in it, batch_invariant=False for its timed kernels, which only hf has).
 
     Why quant first: decoding on a CPU is bound by the bytes read a token, and it reads the GGUF's 4- and 6-bit
     blocks where hf reads 16-bit weights; and every piece of it is batch-invariant, so its output is exact."""

@@ -288,7 +288,8 @@ static inline __attribute__((always_inline)) void tile_rows(
                             _mm256_loadu_si256((const __m256i *)(p + 64 * (vecs / 2) + 64 * hh + 32 * h));
                         for (int b = 0; b < 4; b++) {
                             const __m256i part = _mm256_and_si256(_mm256_srli_epi16(high, 2 * b), two);
-                            w[2 * (4 * hh + b) + h] = _mm256_or_si256(w[2 * (4 * hh + b) + h], _mm256_slli_epi16(part, 4));
+                            const int at = 2 * (4 * hh + b) + h;
+                            w[at] = _mm256_or_si256(w[at], _mm256_slli_epi16(part, 4));
                         }
                     }
             }
@@ -469,7 +470,8 @@ static inline float dot_lanes(const float *a, const float *b, int d) {
     }
     if (i < d) {  // the lanes past d add fma(0, 0, lane), as the masked loads of the AVX-512 path do
         const __m256i left = _mm256_set1_epi32(d - i), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i m0 = _mm256_cmpgt_epi32(left, lane), m1 = _mm256_cmpgt_epi32(left, _mm256_add_epi32(lane, _mm256_set1_epi32(8)));
+        const __m256i m0 = _mm256_cmpgt_epi32(left, lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(left, _mm256_add_epi32(lane, _mm256_set1_epi32(8)));
         lo = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m0), _mm256_maskload_ps(b + i, m0), lo);
         hi = _mm256_fmadd_ps(_mm256_maskload_ps(a + i + 8, m1), _mm256_maskload_ps(b + i + 8, m1), hi);
     }
