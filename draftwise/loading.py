@@ -81,10 +81,10 @@ QUANT_ASSEMBLY = {"target_kernels": ("dense",), "compact_draft": False, "draft_k
 
 def auto_backend(target: str, draft: str | None, method: str, device: str = "cpu", progress: bool = True,
                  dtype: str = "auto", batch_invariant: bool | None = None) -> str:
-    """What --backend auto runs: the quant backend on a CPU with AVX512-VNNI and a C compiler, for a method it
-    serves, with dtype left at auto and batch invariance not declined, when the target (and the draft the method
-    uses) have their GGUF files here; otherwise hf (an explicit dtype asks for transformers' weights in it,
-    batch_invariant=False for its timed kernels, which only hf has).
+    """What --backend auto runs: the quant backend on a CPU with AVX2 + FMA (AVX-512 not needed) and a C compiler,
+    for a method it serves, with dtype left at auto and batch invariance not declined, when the target (and the
+    draft the method uses) have their GGUF files here; otherwise hf (an explicit dtype asks for transformers'
+    weights in it, batch_invariant=False for its timed kernels, which only hf has).
 
     Why quant first: decoding on a CPU is bound by the bytes read a token, and it reads the GGUF's 4- and 6-bit
     blocks where hf reads 16-bit weights; and every piece of it is batch-invariant, so its output is exact."""
@@ -265,6 +265,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     keep = [*tokenizer.all_special_ids, *eos]  # the tokens a compact output layer must keep
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model),
              "backend": target.backend_name, "batch_invariant": invariant}
+    if target.backend_name == "quant" or invariant:  # qgemm.c runs its linears or its attention: on which path
+        from draftwise.backends.qgemm import kernel_isa
+
+        paths["kernel_isa"] = kernel_isa()
     parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     max_context = target.max_context
     if need == OWN_LAYERS:

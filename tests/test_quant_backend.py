@@ -4,11 +4,11 @@
 Decoding is checked against the gguf package's reference dequantization, bit for bit; the kernel against a float
 matmul (within the rounding of int8 activations, with a control that must fail) and against itself: a row's
 result is bit-identical alone, in any batch, on any thread count, and on the scalar path of a CPU without
-AVX512-VNNI. Then every method's greedy tokens equal `none`'s on SmolLM2-135M's Q4_1 file, alone and batched."""
+AVX2 or AVX-512 (every path against every other: test_kernel_isa.py). Then every method's greedy tokens equal
+`none`'s on SmolLM2-135M's Q4_1 file, alone and batched."""
 from __future__ import annotations
 
 import functools
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +30,8 @@ NEW_TOKENS = 40
 
 
 def kernel_vectorized() -> bool:
-    """Whether the kernel runs its AVX512-VNNI path here (False, too, where it cannot be compiled: those tests fail
-    on their own, with the compiler's message)."""
+    """Whether the kernel runs a vector path here (AVX-512, AVX-VNNI or AVX2; False, too, where it cannot be
+    compiled: those tests fail on their own, with the compiler's message)."""
     try:
         return qgemm.vectorized()
     except DraftwiseError:
@@ -109,14 +109,11 @@ def test_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_any_thread_cou
     assert not torch.equal(changed[4], together[4]) and torch.equal(changed[5:], together[5:])
 
 
-@pytest.mark.skipif(not kernel_vectorized(), reason="this CPU runs the scalar path already (no AVX512-VNNI)")
-def test_the_scalar_path_gives_the_vector_paths_bits(tmp_path):
+@pytest.mark.skipif(not kernel_vectorized(), reason="this CPU runs the scalar path already (no AVX2 or AVX-512)")
+def test_the_scalar_path_gives_the_vector_paths_bits():
     import ctypes
 
-    scalar = tmp_path / "scalar.so"
-    flags = [f for f in qgemm.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]  # AVX2: no VNNI
-    subprocess.run([qgemm.compiler(), *flags, "-o", str(scalar), str(qgemm.SOURCE), "-lm"], check=True)
-    lib = ctypes.CDLL(str(scalar))
+    lib = qgemm.library_for("scalar")  # (every path against every other: tests/test_kernel_isa.py)
     assert lib.dw_vectorized() == 0
     for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
         linear, _ = layer(type_name, n=48, k=512)
@@ -163,10 +160,10 @@ def test_the_models_linears_run_on_the_files_blocks():
     assert engine("none").speed_paths["target_kernels"] == {"q4": 210, "q8": 1}  # Q4_1 layers, Q8_0 output layer
 
 
-# Without AVX512-VNNI the kernel runs its scalar path, about 20 times slower: these runs would take minutes. That
+# Without AVX2 or AVX-512 the kernel runs its scalar path, about 20 times slower: these runs would take minutes. That
 # path's bits equal the vector path's (test_the_scalar_path_gives_the_vector_paths_bits, where both run).
 @pytest.mark.real_model
-@pytest.mark.skipif(not kernel_vectorized(), reason="the scalar path (no AVX512-VNNI) is too slow for real-model runs")
+@pytest.mark.skipif(not kernel_vectorized(), reason="the scalar path (no AVX2, no AVX-512) is too slow for real models")
 @pytest.mark.parametrize("method", ["lookup", "lookup-tree", "draft", "hybrid-tree", "skip"])
 def test_every_method_gives_the_tokens_of_none_alone_and_batched(method):
     eng = engine(method)
@@ -338,7 +335,7 @@ def test_the_head_refuses_an_output_layer_without_float_rows():
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not kernel_vectorized(), reason="the scalar path (no AVX512-VNNI) is too slow for real-model runs")
+@pytest.mark.skipif(not kernel_vectorized(), reason="the scalar path (no AVX2, no AVX-512) is too slow for real models")
 @pytest.mark.parametrize("method", ["head", "hybrid-head"])
 def test_a_head_on_the_quant_target_gives_the_tokens_of_none_alone_and_batched(method, tmp_path_factory):
     folder = quant_head(str(tmp_path_factory.getbasetemp() / "quant-head"))
@@ -470,7 +467,7 @@ def test_auto_picks_quant_only_where_it_runs_fast_and_exact(monkeypatch, tmp_pat
     assert auto_backend("no-such-model", None, "none", dtype="bfloat16") == "hf"
     assert auto_backend("no-such-model", None, "none", batch_invariant=False) == "hf"  # timed kernels: hf's only
     monkeypatch.setattr(qgemm, "fast_here", lambda: False)
-    assert auto_backend("no-such-model", None, "none") == "hf"  # (no AVX512-VNNI here, or no compiler)
+    assert auto_backend("no-such-model", None, "none") == "hf"  # (no AVX2 + FMA here, or no compiler)
     monkeypatch.setattr(qgemm, "fast_here", lambda: True)
     with pytest.raises(DraftwiseError, match="no-such-model"):  # a typo is still an error, not a silent hf
         auto_backend("no-such-model", None, "none")

@@ -9,7 +9,14 @@
 //   q: unsigned values stored in 4, 6 or 8 bits (BITS: 4 for Q4_K, 6 for Q6_K and Q5_0, 8 for Q8_0), g = k / G its group, s = g / S its
 //   super-group. Every GGUF type draftwise reads maps onto this exactly (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1).
 // Activations: each row quantized per group of G to int8 with its own scale, as llama.cpp does (Q8_K);
-//   the integer dot products then run on AVX512-VNNI (64 multiply-adds an instruction).
+//   the integer dot products then run on AVX512-VNNI (64 multiply-adds an instruction), AVX-VNNI or AVX2 (32).
+//
+// One source, a library per instruction set (qgemm.py builds each with its own flags and -DDW_ISA, and picks one
+// from the CPU's flags or DRAFTWISE_KERNEL_ISA): avx512 (AVX512-VNNI), avxvnni (AVX2 + FMA + AVX-VNNI's 256-bit
+// vpdpbusd), avx2 (AVX2 + FMA alone), scalar (plain C). They give the same bits: the integer dot products are exact
+// on every path, and every float operation around them (the activations' scale and rounding, the weights' scales,
+// the accumulation over groups, attention's lanes, reductions and exp) is the same operation in the same order,
+// fused where the others fuse. See docs/kernel-isa.md.
 //
 // Batch invariance: a row's result depends only on that row and the weights. The instruction sequence that
 // computes y[m, n] is the same whatever M is, whichever chunk of rows m falls in, and whichever thread runs
@@ -18,11 +25,38 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define DW_VNNI 1
+
+#define DW_SCALAR 0
+#define DW_AVX2 1
+#define DW_AVXVNNI 2
+#define DW_AVX512 3
+#ifndef DW_ISA  // (qgemm.py always says which; a build by hand takes the best the flags allow)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DW_ISA DW_AVX512
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define DW_ISA DW_AVXVNNI
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DW_ISA DW_AVX2
 #else
-#define DW_VNNI 0
+#define DW_ISA DW_SCALAR
+#endif
+#endif
+#if DW_ISA == DW_AVX512 && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#error "DW_ISA=3 (avx512) needs -mavx512vnni -mavx512bw -mavx512vl"
+#elif DW_ISA == DW_AVXVNNI && !(defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__))
+#error "DW_ISA=2 (avxvnni) needs -mavxvnni -mavx2 -mfma"
+#elif DW_ISA == DW_AVX2 && !(defined(__AVX2__) && defined(__FMA__))
+#error "DW_ISA=1 (avx2) needs -mavx2 -mfma"
+#endif
+#define DW_VNNI (DW_ISA == DW_AVX512)  // 512-bit registers: 16 channels in one
+#define DW_AVX (DW_ISA == DW_AVX2 || DW_ISA == DW_AVXVNNI)  // 256-bit registers: 16 channels in two halves of 8
+#if DW_ISA != DW_SCALAR
+#include <immintrin.h>
+#endif
+// A test-only build (-DDW_TEST_OTHER_ORDER) sums in another order on the 256-bit path: the control that shows the
+// cross-path tests can see a change of order (tests/test_kernel_isa.py). Never built by qgemm.py.
+#ifndef DW_TEST_OTHER_ORDER
+#define DW_TEST_OTHER_ORDER 0
 #endif
 
 #define TILE 16  // output channels per tile: one float32 lane each
@@ -40,6 +74,13 @@ static inline void quantize_group(const float *v, int g, int8_t *out, float *sca
     __m512 top = _mm512_setzero_ps();
     for (int i = 0; i < g; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
     amax = _mm512_reduce_max_ps(top);
+#elif DW_AVX
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < g; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
 #else
     for (int i = 0; i < g; i++) amax = fmaxf(amax, fabsf(v[i]));
 #endif
@@ -55,6 +96,19 @@ static inline void quantize_group(const float *v, int g, int8_t *out, float *sca
         count = _mm512_add_epi32(count, qv);
     }
     total = _mm512_reduce_add_epi32(count);
+#elif DW_AVX
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i count = _mm256_setzero_si256();
+    for (int i = 0; i < g; i += 8) {
+        const __m256i qv = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), iv));
+        // |qv| <= 127, so the saturating packs to int16 and int8 keep every value as it is (as vpmovdb does)
+        const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(qv), _mm256_extracti128_si256(qv, 1));
+        _mm_storel_epi64((__m128i *)(out + i), _mm_packs_epi16(halves, halves));
+        count = _mm256_add_epi32(count, qv);
+    }
+    int32_t counts[8];
+    _mm256_storeu_si256((__m256i *)counts, count);
+    for (int l = 0; l < 8; l++) total += counts[l];
 #else
     for (int i = 0; i < g; i++) {
         const int qv = (int)nearbyintf(v[i] * inv);
@@ -77,7 +131,8 @@ void dw_quantize_rows(const float *x, int rows, int k, int g, int8_t *xq, float 
         }
 }
 
-int dw_vectorized(void) { return DW_VNNI; }
+int dw_vectorized(void) { return DW_ISA != DW_SCALAR; }
+int dw_isa(void) { return DW_ISA; }  // which path this library was built as (qgemm.py checks it at load)
 
 #if DW_VNNI
 // One tile of 16 channels over R rows. G: group size (16 or 32); BITS: 4 (two values a byte), 6 (a nibble plane,
@@ -145,20 +200,138 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (size_t)r * ldy, acc[r]);
 }
 
-#define ROWS_CASE(R, G, BITS)                                                                            \
-    case R:                                                                                              \
-        tile_rows(R, G, BITS, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);                            \
-        break;
-#define ALL_ROWS(G, BITS)                                                                                \
-    switch (R) {                                                                                         \
-        ROWS_CASE(1, G, BITS) ROWS_CASE(2, G, BITS) ROWS_CASE(3, G, BITS) ROWS_CASE(4, G, BITS)              \
-        ROWS_CASE(5, G, BITS) ROWS_CASE(6, G, BITS) ROWS_CASE(7, G, BITS) ROWS_CASE(8, G, BITS)              \
-        ROWS_CASE(9, G, BITS) ROWS_CASE(10, G, BITS) ROWS_CASE(11, G, BITS) ROWS_CASE(12, G, BITS)           \
-        ROWS_CASE(13, G, BITS) ROWS_CASE(14, G, BITS) ROWS_CASE(15, G, BITS) ROWS_CASE(16, G, BITS)          \
+#elif DW_AVX
+// The AVX-512 path's tile on 256-bit registers: each of its 64-byte registers of 16 channels x 4 values is two here,
+// w[2 * i + h] holding channels 8h to 8h + 7 (the packed layout is the same bytes, read 32 at a time).
+//
+// The integer dot of a channel over a group is exact on every path, so it is the same number. AVX-VNNI's vpdpbusd
+// (u8 x s8, four products summed into int32) never saturates. AVX2 has no such instruction: vpmaddubsw sums a pair of
+// u8 x s8 products into an int16 that saturates at +-32767. It cannot here: an activation is an int8 (|x| <= 128; the
+// quantizer gives |x| <= 127) and a 4-bit value is at most 15, so a pair is at most 2 * 15 * 128 = 3840 and the eight
+// pairs a channel gets from a 32-group's 8 registers at most 30720, summed in int16 (vpaddw, exact below 32768)
+// before vpmaddwd widens them to int32; a 6-bit value is at most 63, a pair at most 16128, two of them 32256. An
+// 8-bit value (up to 255) would overflow a pair (65280), so it is split into its nibbles, hi * 16 + lo, each summed as
+// a 4-bit value is and weighted 16 and 1 by vpmaddwd: exact again.
+static inline __attribute__((always_inline)) __m256i dot_half(const int BITS, const int vecs, const __m256i *w,
+                                                              const __m256i *wh, const __m256i *xb, const int h) {
+#if DW_ISA == DW_AVXVNNI
+    (void)BITS;
+    (void)wh;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // two chains: half the latency
+    for (int i = 0; i < vecs; i += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, w[2 * i + h], xb[i]);
+        s1 = _mm256_dpbusd_avx_epi32(s1, w[2 * i + 2 + h], xb[i + 1]);
     }
+    return _mm256_add_epi32(s0, s1);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (BITS == 6) {  // two registers' pairs at a time in int16
+        __m256i s = _mm256_setzero_si256();
+        for (int i = 0; i < vecs; i += 2) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * i + h], xb[i]),
+                                               _mm256_maddubs_epi16(w[2 * i + 2 + h], xb[i + 1]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+        }
+        return s;
+    }
+    __m256i p = _mm256_maddubs_epi16(w[h], xb[0]);  // 4 bits, or an 8-bit value's low nibbles: all in int16
+    for (int i = 1; i < vecs; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[2 * i + h], xb[i]));
+    __m256i s = _mm256_madd_epi16(p, ones);
+    if (BITS == 8) {
+        __m256i ph = _mm256_maddubs_epi16(wh[h], xb[0]);
+        for (int i = 1; i < vecs; i++) ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(wh[2 * i + h], xb[i]));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(ph, _mm256_set1_epi16(16)));
+    }
+    return s;
+#endif
+}
+
+static inline __attribute__((always_inline)) void tile_rows(
+    const int R, const int G, const int BITS, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
+    const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y, int ldy) {
+    const int groups = k / G;
+    const int vecs = G / 4;  // the AVX-512 path's registers of 16 channels x 4 values per group
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[MAX_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 dv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int j = 0; j < groups; j++) {
+        __m256 ws[2], wm[2];
+        for (int h = 0; h < 2; h++) {
+            if (j % S == 0) {
+                dv[h] = _mm256_loadu_ps(d + (size_t)(j / S) * TILE + 8 * h);
+                dmv[h] = _mm256_loadu_ps(dmin + (size_t)(j / S) * TILE + 8 * h);
+            }
+            ws[h] = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(sc + (size_t)j * TILE + 8 * h)))));
+            wm[h] = _mm256_mul_ps(dmv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64((const __m128i *)(mn + (size_t)j * TILE + 8 * h)))));
+        }
+        __m256i w[16], wh[16];
+        const char *ahead = (const char *)(q + (size_t)(j + PREFETCH_GROUPS) * TILE * G * BITS / 8);
+        for (int line = 0; line < TILE * G * BITS / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)(sc + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
+        _mm_prefetch((const char *)(mn + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
+        if (BITS < 8) {
+            const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
+            for (int i = 0; i < vecs / 2; i++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+                    w[2 * i + h] = _mm256_and_si256(packed, low);
+                    w[2 * (i + vecs / 2) + h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                }
+            if (BITS == 6) {
+                const __m256i two = _mm256_set1_epi8(0x03);
+                for (int hh = 0; hh < vecs / 4; hh++)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i high =
+                            _mm256_loadu_si256((const __m256i *)(p + 64 * (vecs / 2) + 64 * hh + 32 * h));
+                        for (int b = 0; b < 4; b++) {
+                            const __m256i part = _mm256_and_si256(_mm256_srli_epi16(high, 2 * b), two);
+                            const int at = 2 * (4 * hh + b) + h;
+                            w[at] = _mm256_or_si256(w[at], _mm256_slli_epi16(part, 4));
+                        }
+                    }
+            }
+        } else {
+            const uint8_t *p = q + (size_t)j * TILE * G;
+            for (int i = 0; i < 2 * vecs; i++) {
+                w[i] = _mm256_loadu_si256((const __m256i *)(p + 32 * i));
+#if DW_ISA == DW_AVX2
+                wh[i] = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), low);  // (see dot_half)
+                w[i] = _mm256_and_si256(w[i], low);
+#endif
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (size_t)r * k + (size_t)j * G;
+            __m256i xb[8];  // the row's values 4i to 4i + 3, in every lane
+            for (int i = 0; i < vecs; i++) {
+                int32_t a;
+                memcpy(&a, xr + 4 * i, 4);
+                xb[i] = _mm256_set1_epi32(a);
+            }
+            const size_t at = (size_t)r * groups + j;
+            for (int h = 0; h < 2; h++) {
+                const __m256 dot = _mm256_cvtepi32_ps(dot_half(BITS, vecs, w, wh, xb, h));
+#if DW_TEST_OTHER_ORDER  // (the control: the minimum's term first)
+                acc[r][h] = _mm256_fnmadd_ps(wm[h], _mm256_set1_ps(xsum[at]), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[at])), acc[r][h]);
+#else
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[at])), acc[r][h]);
+                acc[r][h] = _mm256_fnmadd_ps(wm[h], _mm256_set1_ps(xsum[at]), acc[r][h]);
+#endif
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + (size_t)r * ldy, acc[r][0]);
+        _mm256_storeu_ps(y + (size_t)r * ldy + 8, acc[r][1]);
+    }
+}
 
 #else
-// Without AVX512-VNNI: the same arithmetic one lane at a time (integer dots are exact; the float steps are the
+// Without vector instructions: the same arithmetic one lane at a time (integer dots are exact; the float steps are the
 // same operations in the same order, fused where the vector code fuses), so results are bit-identical, slowly.
 static inline int value_at(const uint8_t *p, int G, int BITS, int c, int kk) {
     const int vec = kk / 4, r = kk % 4;
@@ -196,6 +369,20 @@ static void tile_rows(int R, int G, int BITS, int k, int S, const uint8_t *q, co
     for (int r = 0; r < R; r++) memcpy(y + (size_t)r * ldy, acc[r], sizeof(acc[r]));
 }
 #define ALL_ROWS(G, BITS) tile_rows(R, G, BITS, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);
+#endif
+#if DW_ISA != DW_SCALAR  // every R its own unrolled copy
+#define ROWS_CASE(R, G, BITS)                                                                            \
+    case R:                                                                                              \
+        tile_rows(R, G, BITS, k, S, q, sc, mn, d, dmin, xq, xs, xsum, y, ldy);                            \
+        break;
+#define ALL_ROWS(G, BITS)                                                                                \
+    switch (R) {                                                                                         \
+        ROWS_CASE(1, G, BITS) ROWS_CASE(2, G, BITS) ROWS_CASE(3, G, BITS) ROWS_CASE(4, G, BITS)              \
+        ROWS_CASE(5, G, BITS) ROWS_CASE(6, G, BITS) ROWS_CASE(7, G, BITS) ROWS_CASE(8, G, BITS)              \
+        ROWS_CASE(9, G, BITS) ROWS_CASE(10, G, BITS) ROWS_CASE(11, G, BITS) ROWS_CASE(12, G, BITS)           \
+        ROWS_CASE(13, G, BITS) ROWS_CASE(14, G, BITS) ROWS_CASE(15, G, BITS) ROWS_CASE(16, G, BITS)          \
+    }
+
 #endif
 
 static void tile_dispatch(int R, int G, int bits, int k, int S, const uint8_t *q, const int8_t *sc,
@@ -274,6 +461,26 @@ static inline float dot_lanes(const float *a, const float *b, int d) {
         acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
     }
     _mm512_storeu_ps(part, acc);
+#elif DW_AVX
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0 to 7 and 8 to 15
+    int i = 0;
+    for (; i + LANES <= d; i += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    if (i < d) {  // the lanes past d add fma(0, 0, lane), as the masked loads of the AVX-512 path do
+        const __m256i left = _mm256_set1_epi32(d - i), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m0 = _mm256_cmpgt_epi32(left, lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(left, _mm256_add_epi32(lane, _mm256_set1_epi32(8)));
+        lo = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m0), _mm256_maskload_ps(b + i, m0), lo);
+        hi = _mm256_fmadd_ps(_mm256_maskload_ps(a + i + 8, m1), _mm256_maskload_ps(b + i + 8, m1), hi);
+    }
+    _mm256_storeu_ps(part, lo);
+    _mm256_storeu_ps(part + 8, hi);
+#if DW_TEST_OTHER_ORDER  // (the control: the lanes added one after another)
+    for (int l = 1; l < LANES; l++) part[0] += part[l];
+    return part[0];
+#endif
 #else
     for (int l = 0; l < LANES; l++) part[l] = 0.0f;
     int i = 0;
@@ -294,6 +501,10 @@ static inline void add_scaled(float *o, float p, const float *v, int d) {
     const __m512 pv = _mm512_set1_ps(p);
     for (; i + LANES <= d; i += LANES)
         _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#elif DW_AVX
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
 #endif
     for (; i < d; i++) o[i] = fmaf(p, v[i], o[i]);
 }

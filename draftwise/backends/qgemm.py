@@ -1,13 +1,16 @@
 """qgemm.c built for this machine and called from PyTorch: QuantLinear, an nn.Linear on a GGUF file's own blocks.
 
-The library is compiled once per source and CPU (-march=native: AVX512-VNNI where the CPU has it, a scalar
-path with the same results where not) into $DRAFTWISE_HOME/kernels, and loaded after torch, so that it shares
-torch's OpenMP runtime (one thread team, not two fighting for the cores).
+The library has a path per instruction set (ISAS: avx512, avxvnni, avx2, scalar; docs/kernel-isa.md), each built
+from the same source with its own flags and -DDW_ISA, all giving the same bits. The fastest the CPU's flags allow
+is used, or the one DRAFTWISE_KERNEL_ISA names (for tests and measurement). Each is compiled once per source, flags
+and CPU into $DRAFTWISE_HOME/kernels (the file name carries the ISA and a hash of all three), and loaded after
+torch, so that it shares torch's OpenMP runtime (one thread team, not two fighting for the cores).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import platform
 import shutil
 import subprocess
@@ -23,7 +26,19 @@ from draftwise.errors import DraftwiseError
 from draftwise.files import write_whole
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+# -ffp-contract=off: the compiler fuses nothing on its own, so each path's float steps are the ones its source writes.
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+ISA_VARIABLE = "DRAFTWISE_KERNEL_ISA"
+ISAS = ("avx512", "avxvnni", "avx2", "scalar")  # the kernel's paths, fastest first; qgemm.c's DW_ISA numbers them
+ISA_CODES = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512": 3}
+# what each path needs in /proc/cpuinfo's flags
+ISA_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), "avxvnni": ("avx2", "fma", "avx_vnni"),
+             "avx2": ("avx2", "fma"), "scalar": ()}
+# The vector paths take exactly their instruction sets (the AVX2 path must run on a CPU without AVX-512, whatever
+# this one has); avx512 and scalar take the machine's own (-march=native: the scalar path's plain C may be
+# auto-vectorized, which never reorders a float sum without -ffast-math).
+ISA_FLAGS = {"avx512": ("-march=native",), "avxvnni": ("-mavx2", "-mfma", "-mavxvnni", "-mtune=native"),
+             "avx2": ("-mavx2", "-mfma", "-mtune=native"), "scalar": ("-march=native",)}
 
 
 def kernel_dir() -> Path:
@@ -40,10 +55,31 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
+def isas_here() -> tuple[str, ...]:
+    """The kernel's paths this CPU can run, fastest first (scalar always)."""
+    flags = set(_cpu_flags().split())
+    return tuple(isa for isa in ISAS if set(ISA_NEEDS[isa]) <= flags)
+
+
+def chosen_isa() -> str:
+    """The path the kernel runs: DRAFTWISE_KERNEL_ISA where set (an ISA this CPU has), else the fastest here."""
+    here = isas_here()
+    forced = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if forced in ("", "auto"):
+        return here[0]
+    if forced not in ISAS:
+        raise DraftwiseError(f"{ISA_VARIABLE} must be one of {', '.join(ISAS)} (or auto), got {forced!r}")
+    if forced not in here:
+        missing = sorted(set(ISA_NEEDS[forced]) - set(_cpu_flags().split()))
+        raise DraftwiseError(f"{ISA_VARIABLE}={forced}: this CPU lacks {', '.join(missing)}; it runs "
+                             f"{', '.join(here)}")
+    return forced
+
+
 def fast_here() -> bool:
-    """Whether this machine would run the kernel's vector path (AVX512-VNNI and a C compiler), without compiling it."""
-    flags = _cpu_flags().split()
-    return "avx512_vnni" in flags and "avx512bw" in flags and find_compiler() is not None
+    """Whether this machine would run a vector path of the kernel (AVX2 + FMA at least, and a C compiler), without
+    compiling it."""
+    return chosen_isa() != "scalar" and find_compiler() is not None
 
 
 def find_compiler() -> str | None:
@@ -59,24 +95,63 @@ def compiler() -> str:
     return found
 
 
+def build_flags(isa: str) -> list[str]:
+    """The compiler's flags for one path of the kernel."""
+    return [*FLAGS, *ISA_FLAGS[isa], f"-DDW_ISA={ISA_CODES[isa]}"]
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The kernel library for this machine, compiled on first use (a few seconds)."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    path = kernel_dir() / f"qgemm-{key}.so"
+    """The kernel library for this machine (the path chosen_isa names), compiled on first use (a few seconds).
+    Where the fastest path fails to compile unasked (a compiler too old for -mavxvnni), the next one is used."""
+    isa = chosen_isa()
+    forced = os.environ.get(ISA_VARIABLE, "").strip().lower() not in ("", "auto")
+    candidates = (isa,) if forced else isas_here()[isas_here().index(isa):]
+    failure = None
+    for candidate in candidates:
+        try:
+            return library_for(candidate)
+        except DraftwiseError as error:
+            failure = failure or error
+    raise failure
+
+
+def kernel_isa() -> str:
+    """The path the kernel library in use runs (compiling it if needed): what speed_paths["kernel_isa"] says."""
+    return library().isa
+
+
+@lru_cache(maxsize=None)
+def library_for(isa: str) -> ctypes.CDLL:
+    """One path's library, whatever the environment says (tests load several side by side: each CDLL keeps its own
+    symbols)."""
+    if isa not in ISAS:
+        raise DraftwiseError(f"the kernel's paths are {', '.join(ISAS)}, not {isa!r}")
+    source, flags = SOURCE.read_bytes(), build_flags(isa)
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    path = kernel_dir() / f"qgemm-{isa}-{key}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         cc = compiler()
 
         def build(partial: Path) -> None:
-            done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
+            done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True,
                                   text=True)
             if done.returncode:
-                raise DraftwiseError(f"compiling the quant kernel failed ({cc}):\n{done.stderr[-2000:]}")
+                raise DraftwiseError(f"compiling the quant kernel's {isa} path failed ({cc}):\n"
+                                     f"{done.stderr[-2000:]}")
 
         write_whole(path, build)
+    return open_library(path, isa)
+
+
+def open_library(path: Path, isa: str) -> ctypes.CDLL:
+    """A built library of the kernel, checked to run path isa, its functions declared."""
     lib = ctypes.CDLL(str(path))
+    lib.dw_isa.restype = ctypes.c_int
+    if lib.dw_isa() != ISA_CODES[isa]:
+        raise DraftwiseError(f"the quant kernel built for {isa} runs path {lib.dw_isa()} ({path})")
+    lib.isa = isa
     pointer, number = ctypes.c_void_p, ctypes.c_int
     lib.dw_linear.argtypes = [pointer, *[number] * 6, *[pointer] * 6]
     lib.dw_linear.restype = number
@@ -116,7 +191,8 @@ class LayerStruct(ctypes.Structure):
 
 
 def vectorized() -> bool:
-    """Whether the kernel runs its AVX512-VNNI path here (else the scalar one: same results, far slower)."""
+    """Whether the kernel runs a vector path here (avx512, avxvnni or avx2; else the scalar one: same results, far
+    slower)."""
     return bool(library().dw_vectorized())
 
 
