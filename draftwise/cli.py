@@ -156,10 +156,12 @@ def _add_models(commands) -> None:
     sub = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
 
     ls = sub.add_parser("list", formatter_class=_Formatter, help="show the known models and which are pulled",
-                        description="Show every known model: name, pulled or not, size on disk, description, path.")
+                        description="Show every known model: name, pulled or not, size on disk (the float copy "
+                                    "--backend hf makes, if made, included and shown apart), description, path.")
     ls.add_argument("--json", action="store_true",
-                    help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes), path, "
-                         "terms (the license or terms of use of the weights)")
+                    help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes, all of the "
+                         "model's folder), float_copy (bytes of those that are the float copy only --backend hf "
+                         "reads; 0: none made), path, terms (the license or terms of use of the weights)")
     ls.set_defaults(func=cmd_models_list)
 
     pull = sub.add_parser("pull", formatter_class=_Formatter, help="download, check and store a model",
@@ -372,6 +374,7 @@ def _status_dict(status) -> dict:
         "description": status.description,
         "pulled": bool(status.pulled),
         "size_on_disk": int(status.size_on_disk),
+        "float_copy": int(status.float_copy),
         "path": None if status.path is None else str(status.path),
         "terms": status.terms,
     }
@@ -384,11 +387,12 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [("NAME", "PULLED", "SIZE", "TERMS", "DESCRIPTION", "PATH")] + [
+    table = [("NAME", "PULLED", "SIZE", "FLOAT-COPY", "TERMS", "DESCRIPTION", "PATH")] + [
         (
             row["name"],
             "yes" if row["pulled"] else "no",
             human_size(row["size_on_disk"]) if row["pulled"] else "-",
+            human_size(row["float_copy"]) if row["float_copy"] else "-",
             row["terms"] or "-",
             row["description"],
             row["path"] or "-",

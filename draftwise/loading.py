@@ -131,18 +131,50 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
     if draft is not None:
         draft_source = resolve(draft, progress=progress)
         # Tokenizers load in seconds, models in minutes: refuse a pair the method cannot run before either model.
-        draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
-        if method is not None:
-            check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
+        # A draft whose tokenizer files are the target's shares its tokenizer (None: assemble's word for that).
+        if not same_tokenizer_files(target_source, draft_source):
+            draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
+            if method is not None:
+                check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
         # On the quant backend a draft with a GGUF file runs on its blocks too (assemble shrinks its output layer);
         # one without (a folder, a draft version's merged floats) stays float and assemble compacts it onto 4 bits.
-        draft_model = load_draft(draft_source, dtype, device, progress, quantized)
+        # The target's own file as its draft is loaded once (assemble gives the draft its own output layer).
+        if not (quantized and _same_file(target_source, draft_source)):
+            draft_model = load_draft(draft_source, dtype, device, progress, quantized)
     if quantized:
         target_model = load_quant_model(target_source, target, progress)
+        if draft is not None and draft_model is None:
+            draft_model = target_model
     else:
         floats = target_source.float_weights(progress)  # (a store model's float copy is made on first use)
         target_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     return target_model, tokenizer, draft_model, draft_tokenizer
+
+
+# The files a transformers tokenizer is made from (a chat template is not among them: it changes no token's id,
+# and the draft's is never applied). Two folders whose files these are, byte for byte, give the same tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def same_tokenizer_files(a, b) -> bool:
+    """Whether two resolved sources load the same tokenizer: the same .gguf file, or folders holding the same
+    tokenizer files byte for byte (the store's Qwen2.5-Coder 1.5B and 0.5B do)."""
+    if a.gguf_file is not None or b.gguf_file is not None:
+        return a.gguf_file is not None and b.gguf_file is not None and \
+            (a.path / a.gguf_file).resolve() == (b.path / b.gguf_file).resolve()
+    if a.path.resolve() == b.path.resolve():
+        return True
+    found = [name for name in TOKENIZER_FILES if (a.path / name).is_file() or (b.path / name).is_file()]
+    return bool(found) and all((a.path / name).is_file() and (b.path / name).is_file()
+                               and (a.path / name).stat().st_size == (b.path / name).stat().st_size
+                               and (a.path / name).read_bytes() == (b.path / name).read_bytes() for name in found)
+
+
+def _same_file(a, b) -> bool:
+    """Whether two resolved sources are one GGUF file, with no adapter on the draft's (b)."""
+    first, second = a.gguf_path, b.gguf_path
+    return b.adapter is None and first is not None and second is not None and first.resolve() == second.resolve()
 
 
 def load_quant_model(source, name: str, progress: bool = True):

@@ -398,22 +398,27 @@ def test_models_list_json_on_an_empty_store(capsys, store):
     assert [row["name"] for row in rows] == list(KNOWN_MODELS)
     for row in rows:
         assert row == {"name": row["name"], "description": KNOWN_MODELS[row["name"]].description,
-                       "pulled": False, "size_on_disk": 0, "path": None, "terms": KNOWN_MODELS[row["name"]].terms}
+                       "pulled": False, "size_on_disk": 0, "float_copy": 0, "path": None,
+                       "terms": KNOWN_MODELS[row["name"]].terms}
         assert row["terms"]  # every packaged model says what its weights come under
 
 
 def test_models_list_table(capsys, monkeypatch, tmp_path):
     statuses = [
-        ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model", "Apache-2.0"),
+        ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model", "Apache-2.0",
+                    float_copy=1024**3),
+        ModelStatus("gguf-model", "the GGUF alone", True, 1024**2, tmp_path / "gguf-model", "MIT"),
         ModelStatus("small-model", "not pulled", False, 0, None, "Gemma Terms of Use"),
     ]
     monkeypatch.setattr("draftwise.models.list_models", lambda: statuses)
     code, out, _ = run(capsys, "models", "list")
     assert code == 0
-    header, big, small = out.splitlines()
-    assert header.split() == ["NAME", "PULLED", "SIZE", "TERMS", "DESCRIPTION", "PATH"]
-    assert big.split()[:5] == ["big-model", "yes", "1.5", "GiB", "Apache-2.0"] and big.endswith(str(tmp_path / "big-model"))
-    assert small.split()[:6] == ["small-model", "no", "-", "Gemma", "Terms", "of"] and small.endswith("-")
+    header, big, gguf, small = out.splitlines()
+    assert header.split() == ["NAME", "PULLED", "SIZE", "FLOAT-COPY", "TERMS", "DESCRIPTION", "PATH"]
+    assert big.split()[:7] == ["big-model", "yes", "1.5", "GiB", "1.0", "GiB", "Apache-2.0"]
+    assert big.endswith(str(tmp_path / "big-model"))
+    assert gguf.split()[:6] == ["gguf-model", "yes", "1.0", "MiB", "-", "MIT"]
+    assert small.split()[:6] == ["small-model", "no", "-", "-", "Gemma", "Terms"] and small.endswith("-")
     assert big.index("yes") == small.index("no"), "columns line up"
 
 

@@ -40,6 +40,8 @@ def test_a_local_pair_loads_and_keeps_the_targets_greedy_output(folders):
 def test_a_tree_method_for_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(folders, tmp_path,
                                                                                            monkeypatch):
     other = save(tmp_path / "other", tiny_model("qwen2", 1), tiny_tokenizer())
+    config = tmp_path / "other" / "tokenizer_config.json"  # files other than the target's: its tokenizer is loaded
+    config.write_text(json.dumps({**json.loads(config.read_text()), "note": "renamed"}))
     renamed = RenamedToken(tiny_tokenizer(), 270, "ZZ")
     import draftwise.loading as loading
 
@@ -122,3 +124,22 @@ def test_a_folder_that_needs_the_models_own_code_is_refused_not_asked_about(tmp_
         with pytest.raises(DraftwiseError, match="stopped before loading"):
             load(str(folder))
     assert asked == [False, False]
+
+
+def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(folders, tmp_path, monkeypatch):
+    from draftwise.loading import same_tokenizer_files
+    from draftwise.models import resolve
+
+    target, draft = resolve(folders["target"], progress=False), resolve(folders["draft"], progress=False)
+    assert same_tokenizer_files(target, draft)  # the same tiny tokenizer saved twice
+    other = save(tmp_path / "other", tiny_model("qwen2", 1), tiny_tokenizer())
+    config = tmp_path / "other" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"note": 1, ', 1))
+    assert not same_tokenizer_files(target, resolve(other, progress=False))
+    import draftwise.loading as loading
+
+    loads = []
+    real = loading.load_tokenizer
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a: loads.append(a) or real(*a))
+    engine = Engine.from_pretrained(target=folders["target"], draft=folders["draft"], progress=False)
+    assert len(loads) == 1 and engine.speed_paths["draft_tokenizer"] == "shared tokenizer"

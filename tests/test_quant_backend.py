@@ -374,6 +374,7 @@ def test_a_draft_beside_a_quant_target_runs_on_its_files_blocks_with_a_cut_outpu
     assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
     assert draft.get_output_embeddings().out_features < eng.target.vocab_size  # the common tokens and the special
     assert eng.speed_paths["backend"] == "quant"
+    assert draft.model is eng.target.model.model  # the target's own file as its draft: loaded once, its decoder shared
 
 
 # ---- sampling: the target's own distribution on this route ------------------------------------------------

@@ -16,14 +16,17 @@ The result runs the same kernels, in the same order, on the same values as a flo
 from __future__ import annotations
 
 import copy
+import mmap
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from draftwise.backends.gguf_cache import PackCache
 from draftwise.backends.gguf_file import GGUFFile
-from draftwise.backends.gguf_weights import DECODERS, decode, pack
+from draftwise.backends.gguf_weights import DECODERS, pack_raw
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.errors import DraftwiseError
 from draftwise.progress import bar
@@ -82,13 +85,16 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} rows"
 
 
-def load_gguf_model(path: str | Path, config=None, progress: bool = True):
+def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache: bool = True):
     """The transformers model of a GGUF file, its linears on the file's blocks (QuantLinear), its embedding rows
     de-quantized on lookup; config: the model's config when the caller has it (the store saved it at pull), else read
-    from the file's metadata. Refuses a file it cannot run by name, before reading any weight."""
+    from the file's metadata. Refuses a file it cannot run by name, before reading any weight.
+
+    cache: take the blocks already packed for the kernel from the file's pack cache (gguf_cache.py: mapped, not
+    copied), and write one after packing them, so that the next load only maps them; the same bytes either way."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    from draftwise.backends.quant_model import _model_order, _on_quant_layers
+    from draftwise.backends.quant_model import _on_quant_layers
 
     file = GGUFFile(path)
     check_architecture(file)
@@ -105,6 +111,8 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
     embedding = model.get_input_embeddings()
     embedding_name = _parameter_of(model, embedding)
     tied = "output.weight" not in file.tensors
+    packs = PackCache.of(file.path) if cache else None
+    packed_all, fresh = {}, False  # every tensor's packed blocks (for a cache to write), whether any was packed here
     for tensor, target in bar(plan, desc="quantized weights", disable=not progress):
         module_name, _, attribute = target.rpartition(".")
         if tensor.tensor_type.name in FLOAT_TYPES:
@@ -119,12 +127,40 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True):
             if not tied:
                 continue
             module_name = _parameter_of(model, model.get_output_embeddings()).rpartition(".")[0]
-        blocks = _model_order(decode(tensor.tensor_type.name, tensor.data, n, k), tensor.name, file.architecture,
-                              config)
+        order, order_key = _channel_order(tensor.name, n, file.architecture, config)
+        packed = packs.get(tensor.name, order_key) if packs is not None else None
+        if packed is None:
+            packed, fresh = pack_raw(tensor.tensor_type.name, tensor.data, n, k, order), True
+            _let_go(file, tensor)
+        packed_all[tensor.name] = (packed, order_key)
         bias = floats.get(f"{module_name}.bias")
-        _replace(model, modules, module_name, QuantLinear(pack(blocks), bias))
+        _replace(model, modules, module_name, QuantLinear(packed, bias))
     _check_complete(model, file.path.name)
+    if packs is not None and fresh:
+        packs.save(packed_all)
     return _on_quant_layers(model.eval())
+
+
+def _channel_order(tensor: str, rows: int, architecture: str, config) -> tuple[np.ndarray | None, str]:
+    """(the order of a weight's output channels in the model, None for the file's; a name for it): llama.cpp writes a
+    Llama q or k projection with its rotary halves interleaved, which transformers' loader undoes
+    (quant_model._model_order, for blocks)."""
+    from draftwise.backends.quant_model import llama_order
+
+    if architecture != "llama" or not re.search(r"\.attn_[qk]\.", tensor):
+        return None, "file"
+    heads = config.num_attention_heads if ".attn_q." in tensor else config.num_key_value_heads
+    return llama_order(rows, heads), f"llama-{heads}"
+
+
+def _let_go(file: GGUFFile, tensor) -> None:
+    """Drop the pages of a tensor's bytes from this process (they stay in the page cache): once packed they are not
+    read again, and holding them would count the file twice in the load's peak memory."""
+    page = mmap.PAGESIZE
+    begin = -(-int(tensor.data_offset) // page) * page
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // page * page
+    if end > begin and hasattr(file.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        file.mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 def tensor_names(model: nn.Module, architecture: str) -> dict[str, str]:

@@ -49,12 +49,18 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)
 
 
-def _q4_k(blocks: np.ndarray):  # 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+def _q4_k_scales(blocks: np.ndarray):  # (sc, mn [blocks, 8], d, dmin [blocks, 1]) of Q4_K blocks
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    packed = blocks[:, 4:16].reshape(-1, 3, 4)
-    a, b, c = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)  # [blocks, 8]
-    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    # the 12 bytes as three words a, b, c of 4 bytes (each byte's arithmetic on its own, four at a time)
+    words = np.ascontiguousarray(blocks[:, 4:16]).view(np.uint32)  # [blocks, 3]
+    a, b, c = words[:, 0:1], words[:, 1:2], words[:, 2:3]
+    sc = np.concatenate([a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)], axis=-1)  # [blocks, 2 words]
+    mn = np.concatenate([b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)], axis=-1)
+    return sc.view(np.uint8), mn.view(np.uint8), d, dmin  # [blocks, 8] each
+
+
+def _q4_k(blocks: np.ndarray):  # 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+    sc, mn, d, dmin = _q4_k_scales(blocks)
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     return (qs & 0x0F).reshape(-1, 256), sc, mn, d, dmin, 32, 8
 
@@ -168,6 +174,142 @@ def pack(blocks: Blocks) -> Packed:
     mins = scales if blocks.mn is blocks.sc else by_tile(blocks.mn)  # shared: the kernel reads the same bytes
     return Packed(np.ascontiguousarray(q).ravel(), scales, mins, by_tile(blocks.d), by_tile(blocks.dmin), n, k, g,
                   blocks.supers, blocks.bits)
+
+
+# Packing straight from the file's bytes (pack_raw): the kernel's bytes of a group of one channel are byte operations
+# on the file's bytes of that group, for these types; others go through decode and pack, a slice of rows at a time.
+CHUNK_BYTES = 1 << 20  # the file's bytes packed at a time: the temporaries of a slice stay in the CPU's caches
+
+
+def _q4_k_bytes(blocks: np.ndarray) -> np.ndarray:
+    """[blocks, 8 groups, 16]: a group's bytes as pack lays them, byte o = value o | value 16 + o << 4. The file holds
+    groups 2c and 2c + 1 as the low and high nibbles of its 32 bytes of chunk c."""
+    x = np.ascontiguousarray(blocks[:, 16:]).view(np.uint64).reshape(-1, 4, 2, 2)  # 8 bytes a word
+    a, b = x[:, :, 0], x[:, :, 1]  # [blocks, chunk, 2 words]: bytes 0..15 and 16..31 of each chunk
+    return np.stack(_nibble_pairs(a, b), axis=2).view(np.uint8).reshape(-1, 8, 16)
+
+
+LOW = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
+def _nibble_pairs(a: np.ndarray, b: np.ndarray):
+    """(a's low nibbles | b's low nibbles << 4, a's high nibbles | b's high nibbles << 4), byte by byte, on uint64
+    words of 8 bytes each."""
+    return (a & LOW) | ((b & LOW) << np.uint64(4)), ((a >> np.uint64(4)) & LOW) | (b & ~LOW)
+
+
+def _q6_k_bytes(blocks: np.ndarray) -> np.ndarray:
+    """[blocks, 16 groups, 12]: each group of 16 values as pack lays a 6-bit group: 8 bytes of low nibbles (byte o =
+    value o | value 8 + o << 4), then 4 bytes of 2-bit highs (byte i = sum of value 4b + i's high bits << 2b). In the
+    file, value h*128 + j*32 + l (group h*8 + j*2 + l // 16) has its low nibble in byte h*64 + (j % 2)*32 + l of
+    ql (the high nibble for j >= 2), its high bits at 2j of byte h*32 + l of qh."""
+    x = np.ascontiguousarray(blocks[:, :128]).view(np.uint64).reshape(-1, 2, 2, 2, 2)  # [blocks, h, j % 2, l // 16,
+    a, b = x[..., 0], x[..., 1]  # o // 8] words of 8 bytes
+    low = np.stack(_nibble_pairs(a, b), axis=2).view(np.uint8)  # [blocks, h, j // 2, j % 2, l // 16, 8]
+    words = np.ascontiguousarray(blocks[:, 128:192]).view(np.uint32).reshape(-1, 2, 2, 4)  # [blocks, h, l // 16, b]
+    high = np.stack([sum(((words[..., b] >> (2 * j)) & 0x03030303) << (2 * b) for b in range(4))
+                     for j in range(4)], axis=2)  # [blocks, h, j, l // 16] (4 bytes i each)
+    return np.concatenate([low.reshape(-1, 2, 4, 2, 8), high.view(np.uint8).reshape(-1, 2, 4, 2, 4)],
+                          axis=-1).reshape(-1, 16, 12)
+
+
+def _q8_0_bytes(blocks: np.ndarray) -> np.ndarray:  # the int8 values + 128
+    return (blocks[:, 2:34] ^ 0x80).reshape(-1, 1, 32)
+
+
+def _q4_0_bytes(blocks: np.ndarray) -> np.ndarray:  # the file's own nibble order is pack's (value o | value 16 + o)
+    return blocks[:, 2:18].reshape(-1, 1, 16)
+
+
+def _q4_1_bytes(blocks: np.ndarray) -> np.ndarray:
+    return blocks[:, 4:20].reshape(-1, 1, 16)
+
+
+def _q6_k_raw_scales(blocks):
+    sc, d = blocks[:, 192:208].copy().view(np.int8), _f16(blocks[:, 208:210])
+    return sc, sc, d, 32 * d
+
+
+def _q8_0_raw_scales(blocks):
+    d = _f16(blocks[:, 0:2])
+    return *_unit_scales(len(blocks)), d, 128 * d
+
+
+def _q4_0_raw_scales(blocks):
+    d = _f16(blocks[:, 0:2])
+    return *_unit_scales(len(blocks)), d, 8 * d
+
+
+def _q4_1_raw_scales(blocks):
+    sc, _ = _unit_scales(len(blocks))
+    return sc, -sc, _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+
+
+# type -> (the kernel's bytes of each group, the group's scales as the decoder gives them)
+RAW_PACKERS = {"Q4_K": (_q4_k_bytes, _q4_k_scales), "Q6_K": (_q6_k_bytes, _q6_k_raw_scales),
+               "Q8_0": (_q8_0_bytes, _q8_0_raw_scales), "Q4_0": (_q4_0_bytes, _q4_0_raw_scales),
+               "Q4_1": (_q4_1_bytes, _q4_1_raw_scales)}
+
+
+def pack_raw(type_name: str, raw: np.ndarray, n: int, k: int, order: np.ndarray | None = None) -> Packed:
+    """pack(decode(type_name, raw, n, k).rows(order)), the same bytes, made a slice of rows at a time straight from
+    the file's bytes (no byte a value, no copy of the whole weight): what a load does for every weight of a file.
+    order: the output channels' order (llama_order), or None for the file's."""
+    if type_name not in DECODERS:
+        raise DraftwiseError(f"the quant backend reads {', '.join(DECODERS)} weights, not {type_name}")
+    size, values, decoder, bits = DECODERS[type_name]
+    raw = raw.reshape(n, -1)  # [n, bytes a row]
+    probe = decode(type_name, raw[:1], 1, k)  # (a row, for the type's group and super-group sizes)
+    group, supers = probe.group, probe.supers
+    groups, super_groups = k // group, k // (group * supers)
+    tiles = -(-n // TILE)
+    per_group = group * bits // 8  # the kernel's bytes a group of one channel
+    shared = probe.mn is probe.sc  # its minimum is its scale (Q6_K, Q8_0, ...): one array, as decode gives it
+    q = np.empty(tiles * TILE * groups * per_group, dtype=np.uint8)
+    sc = np.empty(tiles * TILE * groups, dtype=np.int8)
+    mn = sc if shared else np.empty_like(sc)
+    d, dmin = (np.empty(tiles * TILE * super_groups, dtype=np.float32) for _ in range(2))
+    step = max(TILE, CHUNK_BYTES // max(raw.shape[1], 1) // TILE * TILE)  # rows a slice, whole tiles
+    for start in range(0, n, step):
+        rows = min(step, n - start)
+        chunk = raw[start:start + rows] if order is None else raw[order[start:start + rows]]
+        if type_name in RAW_PACKERS:
+            blocks = np.ascontiguousarray(chunk, dtype=np.uint8).reshape(rows * (k // values), size)
+            to_bytes, to_scales = RAW_PACKERS[type_name]
+            qb = to_bytes(blocks).reshape(rows, groups, per_group)
+            s, m, dd, dm = to_scales(blocks)
+            part = _tiles(qb, s.reshape(rows, groups), m.reshape(rows, groups), dd.reshape(rows, super_groups),
+                          dm.reshape(rows, super_groups), shared)
+        else:
+            one = pack(decode(type_name, chunk, rows, k))
+            part = one.q, one.sc, one.mn, one.d, one.dmin
+        begin, end = start // TILE, -(-(start + rows) // TILE)  # tiles of this slice
+        q[begin * TILE * groups * per_group:end * TILE * groups * per_group] = part[0]
+        sc[begin * TILE * groups:end * TILE * groups] = part[1]
+        if not shared:
+            mn[begin * TILE * groups:end * TILE * groups] = part[2]
+        d[begin * TILE * super_groups:end * TILE * super_groups] = part[3]
+        dmin[begin * TILE * super_groups:end * TILE * super_groups] = part[4]
+    return Packed(q, sc, mn, d, dmin, n, k, group, supers, bits)
+
+
+def _tiles(qb: np.ndarray, sc, mn, d, dmin, shared: bool):
+    """A slice's per-channel arrays [rows, ...] in pack's tile-major layout (flat), rows padded to whole tiles with
+    zeros as pack pads them."""
+    rows = len(qb)
+    padded = -rows % TILE
+    if padded:
+        pad = lambda a: np.pad(a, ((0, padded),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+        qb, sc, d, dmin = pad(qb), pad(sc), pad(d), pad(dmin)
+        mn = sc if shared else pad(mn)
+    tiles, groups = len(qb) // TILE, qb.shape[1]
+    # [tiles, channel, groups, registers] -> [tiles, groups, registers, channel]: a register is 4 bytes of a channel
+    words = np.ascontiguousarray(qb).view(np.uint32).reshape(tiles, TILE, groups, -1).transpose(0, 2, 3, 1)
+    by_tile = lambda a: np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1)).ravel()  # noqa: E731
+    scales = by_tile(sc.astype(np.int8))
+    return (np.ascontiguousarray(words).view(np.uint8).ravel(), scales,
+            scales if shared else by_tile(mn.astype(np.int8)), by_tile(d.astype(np.float32)),
+            by_tile(dmin.astype(np.float32)))
 
 
 def unpack(packed: Packed) -> Blocks:
