@@ -93,8 +93,8 @@ def test_a_tensor_that_does_not_fit_the_model_is_refused(tmp_path):
 
 
 def test_an_architecture_it_does_not_run_is_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "gemma.gguf", "gemma3")
-    refused(path, "runs the GGUF architectures qwen2 .* not 'gemma3': use --backend llamacpp")
+    path = write_gguf(tmp_path / "gemma.gguf", "gemma2")
+    refused(path, "runs the GGUF architectures qwen2 .* not 'gemma2' \\(its attention soft cap.*\\): use --backend llamacpp")
 
 
 def test_blocks_the_kernel_does_not_read_are_refused_before_loading(tmp_path):

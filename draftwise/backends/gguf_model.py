@@ -34,7 +34,13 @@ from draftwise.progress import bar
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF architectures the quant backend runs, with the transformers families they load as (llama.cpp writes Mistral
 # and SmolLM2 as "llama"). Others are refused by name before anything loads.
-ARCHITECTURES = {"qwen2": "Qwen2", "llama": "Llama, SmolLM2, Mistral"}
+ARCHITECTURES = {"qwen2": "Qwen2", "llama": "Llama, SmolLM2, Mistral", "qwen3": "Qwen3", "gemma3": "Gemma 3",
+                 "phi3": "Phi-3"}
+# Why some that transformers has a class for are not run (the rest: no transformers class reads their GGUF files)
+NOT_RUN = {"gemma2": "its attention soft cap, which the batch-invariant attention does not compute",
+           "qwen2moe": "its experts, which have no quantized kernel here", "qwen3moe": "its experts, which have no "
+           "quantized kernel here", "mistral3": "transformers has no GGUF loader for it (llama.cpp's newer Mistral "
+           "files)"}
 
 
 class QuantEmbedding(nn.Module):
@@ -184,8 +190,9 @@ def tensor_names(model: nn.Module, architecture: str) -> dict[str, str]:
 def check_architecture(file: GGUFFile) -> None:
     if file.architecture not in ARCHITECTURES:
         runs = "; ".join(f"{arch} ({families})" for arch, families in ARCHITECTURES.items())
+        why = f" ({NOT_RUN[file.architecture]})" if file.architecture in NOT_RUN else ""
         raise DraftwiseError(f"{file.path.name}: the quant backend runs the GGUF architectures {runs}, not "
-                             f"{file.architecture!r}: use --backend llamacpp or --backend hf for it")
+                             f"{file.architecture!r}{why}: use --backend llamacpp or --backend hf for it")
 
 
 def gguf_config(path: Path):

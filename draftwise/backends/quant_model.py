@@ -25,17 +25,24 @@ from draftwise.progress import bar
 LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
+# Phi-3's fused projections: one qkv tensor, and ffn_up holding the gate's rows then the up's (gate_up_proj)
+FUSED_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 CHECKED_ROWS = 16  # rows of each weight compared with the float model: catches a wrong name or channel order
 def runs_on_blocks(model: nn.Module) -> bool:
     """Whether model's linears run on GGUF blocks (on_gguf_weights made it)."""
     return any(isinstance(module, QuantLinear) for module in model.modules())
 
 
-def module_name(tensor: str, tied: bool) -> str | None:
-    """The model's module for a GGUF weight, or None for one that is not a linear (norms, embeddings)."""
+def module_name(tensor: str, tied: bool, modules=None) -> str | None:
+    """The model's module for a GGUF weight, or None for one that is not a linear (norms, embeddings); modules: the
+    model's, where a fused projection (Phi-3's) is looked for when the unfused one is not there."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor)
-    if match and match.group(2) in LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{LAYER_TENSORS[match.group(2)]}"
+    if match:
+        layer, part = match.groups()
+        for table in (LAYER_TENSORS, FUSED_TENSORS):
+            name = f"model.layers.{layer}.{table.get(part)}"
+            if part in table and (modules is None or name in modules):
+                return name
     if tensor == "output.weight" or (tied and tensor == "token_embd.weight"):
         return "lm_head"
     return None
@@ -57,7 +64,8 @@ def on_gguf_weights(model: nn.Module, gguf_path: Path, progress: bool = True) ->
     tensors = {t.name: t for t in reader.tensors}
     tied = "output.weight" not in tensors
     modules = dict(model.named_modules())
-    jobs = [(t, module_name(name, tied)) for name, t in tensors.items() if module_name(name, tied) in modules]
+    jobs = [(t, module_name(name, tied, modules)) for name, t in tensors.items()
+            if module_name(name, tied, modules) in modules]
     if not jobs:
         raise DraftwiseError(f"{gguf_path.name}: no weight in it matches a linear of the {arch} model")
     for tensor, name in bar(jobs, desc="quantized weights", disable=not progress):
