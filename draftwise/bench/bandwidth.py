@@ -1,0 +1,197 @@
+"""The machine's memory-bandwidth bound on a plain decoding step: the bytes a step reads over the rate this machine
+reads memory at.
+
+Decoding one token on a CPU reads every weight once (the token embedding's one row excepted), so no engine's plain
+step can be shorter than bytes read / read rate. The bench prints each engine's plain step beside that bound, so that
+a peer far from it (a bad build, a VM's slow memory) shows before any ratio between engines is read.
+
+- bytes a step reads: a GGUF file's tensor bytes from its header (every tensor but the token embedding, of which one
+  row; the whole embedding where no output.weight follows, since a tied output layer reads it all), or a loaded
+  model's parameter bytes counted the same way; the KV cache's few megabytes at the bench's lengths are left out.
+- read rate: torch summing a float32 buffer several times the last-level cache, on the threads the bench runs,
+  the best of a few repeats (the rate the memory gives a streaming read, not a mean over a busy machine's moods).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+READ_REPEATS = 5
+MIN_BUFFER = 256 * MIB
+MAX_BUFFER = 4096 * MIB
+CACHE_MULTIPLE = 4  # the buffer is this many times the last-level cache, so that no repeat reads from the cache
+EMBEDDING = "token_embd.weight"
+OUTPUT = "output.weight"
+
+# GGUF metadata value types -> struct formats (8: string, 9: array, handled apart)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data, self.at = data, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.data, self.at)
+        self.at += struct.calcsize("<" + fmt)
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        text = self.data[self.at:self.at + n].decode("utf-8", errors="replace")
+        self.at += n
+        return text
+
+    def skip_value(self, kind: int) -> None:
+        if kind == 8:
+            self.string()
+        elif kind == 9:
+            inner, count = self.take("I"), self.take("Q")
+            if inner in _SCALARS:
+                self.at += count * struct.calcsize(_SCALARS[inner])
+            else:
+                for _ in range(count):
+                    self.skip_value(inner)
+        else:
+            self.at += struct.calcsize(_SCALARS[kind])
+
+
+def gguf_tensor_bytes(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{tensor name: (shape, bytes)} from a GGUF file's header alone (no tensor data is read)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    size, chunk = path.stat().st_size, 1 << 24
+    with open(path, "rb") as f:
+        data = f.read(min(size, chunk))
+        while True:  # the header (vocabularies included) is a few MB; read more while it runs past what is read
+            try:
+                return _tensors(_Reader(data), GGML_QUANT_SIZES, GGMLQuantizationType)
+            except struct.error:
+                if len(data) >= size:
+                    raise ValueError(f"{path.name}: truncated GGUF header") from None
+                data += f.read(chunk)
+
+
+def _tensors(reader: _Reader, sizes, types) -> dict[str, tuple[tuple[int, ...], int]]:
+    if reader.take("4s") != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version = reader.take("I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not read here")
+    n_tensors, n_kv = reader.take("Q"), reader.take("Q")
+    for _ in range(n_kv):
+        reader.string()
+        reader.skip_value(reader.take("I"))
+    tensors = {}
+    for _ in range(n_tensors):
+        name = reader.string()
+        dims = tuple(reader.take("Q") for _ in range(reader.take("I")))
+        kind = reader.take("I")
+        reader.take("Q")  # offset
+        block, block_bytes = sizes[types(kind)]
+        elements = 1
+        for d in dims:
+            elements *= d
+        tensors[name] = (dims, elements // block * block_bytes)
+    return tensors
+
+
+def gguf_bytes_per_token(path: str | os.PathLike) -> int:
+    """The bytes of a GGUF file's tensors that one decoding step reads: all but the token embedding's other rows."""
+    tensors = gguf_tensor_bytes(path)
+    total = sum(n for _, n in tensors.values())
+    if EMBEDDING in tensors and OUTPUT in tensors:
+        dims, n = tensors[EMBEDDING]
+        rows = dims[-1]  # GGUF lists dimensions innermost first: [hidden, vocabulary]
+        total -= n - n // rows
+    return total
+
+
+def model_bytes_per_token(model) -> int:
+    """The same count for a loaded torch model: its parameters' bytes (each tensor once; buffers such as rotary
+    tables are not weights), the input embedding's other rows left out unless the output layer shares it."""
+    seen, total = set(), 0
+    for tensor in model.parameters():
+        if tensor.data_ptr() in seen:
+            continue  # tied weights once
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
+    if not tied:
+        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest cache this CPU reports (Linux sysfs), or None where it says nothing."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def buffer_bytes() -> int:
+    """CACHE_MULTIPLE x the last-level cache, at least MIN_BUFFER, at most MAX_BUFFER and a quarter of the memory
+    free now."""
+    cache = last_level_cache_bytes() or 64 * MIB
+    size = max(MIN_BUFFER, CACHE_MULTIPLE * cache)
+    available = _available_bytes()
+    if available is not None:
+        size = min(size, available // 4)
+    return max(MIB, min(size, MAX_BUFFER)) // MIB * MIB
+
+
+def measure_read_rate(threads: int | None = None, size: int | None = None, repeats: int = READ_REPEATS) -> dict:
+    """The machine's streaming read rate: the best of repeats timed sums of a float32 buffer of size bytes (default
+    buffer_bytes()) by torch on threads threads (default: torch's own). Returns {bytes_per_s, buffer_bytes,
+    cache_bytes, threads, repeats, how}."""
+    import torch
+
+    size = size or buffer_bytes()
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(size // 4, dtype=torch.float32)  # written once: every page is there before timing
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first warms up the threads
+            started = time.perf_counter()
+            float(buffer.sum())
+            best = min(best, time.perf_counter() - started)
+        del buffer
+    finally:
+        torch.set_num_threads(previous)
+    return {"bytes_per_s": size / best, "buffer_bytes": size, "cache_bytes": last_level_cache_bytes(),
+            "threads": threads, "repeats": repeats,
+            "how": f"torch sums a {size / MIB:.0f} MiB float32 buffer on {threads} thread{'s' * (threads != 1)}, "
+                   f"best of {repeats}"}
+
+
+def bound_ms(bytes_per_token: int | None, read: dict | None) -> float | None:
+    """The shortest a plain step can be on this machine: its bytes over the read rate, in ms."""
+    if not bytes_per_token or not read or not read.get("bytes_per_s"):
+        return None
+    return 1000 * bytes_per_token / read["bytes_per_s"]

