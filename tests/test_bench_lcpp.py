@@ -76,8 +76,10 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """A fake llama-server binary; .requests() and .argv() read what it was sent."""
-    binary = tmp_path / "llama-server"
+    """A fake llama-server binary, in a bin/ folder as a build lays it out; .entries(key) reads what it was started
+    with and sent."""
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
     binary.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
     binary.chmod(0o755)
     log = tmp_path / "fake.jsonl"

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import tiny_model, tiny_tokenizer
-from test_bench_lcpp import FAKE_SERVER
+from test_bench_lcpp import fake  # noqa: F401 (the fake llama-server, a fixture)
 
 from draftwise import cli
 from draftwise.bench import bandwidth, command
@@ -26,25 +26,6 @@ from draftwise.hardware import resolve_dtype
 VOCAB, HIDDEN = 40, 8
 
 
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    """A fake llama-server (see test_bench_lcpp); .entries(key) reads what it was started with and sent."""
-    binary = tmp_path / "bin" / "llama-server"
-    binary.parent.mkdir()
-    binary.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
-    binary.chmod(0o755)
-    log = tmp_path / "fake.jsonl"
-    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
-
-    class Fake:
-        path = binary
-
-        @staticmethod
-        def entries(key):
-            lines = log.read_text().splitlines() if log.exists() else []
-            return [json.loads(line)[key] for line in lines if key in json.loads(line)]
-
-    return Fake
 
 
 def _write_gguf(path, tied: bool = False):
