@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from gguf_files import write_gguf
 
-from draftwise.backends.gguf_file import GGUFFile
+from draftwise.models.gguf_file import GGUFFile
 from draftwise.backends.gguf_model import load_gguf_model
 from draftwise.errors import DraftwiseError
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
-from draftwise.backends.gguf_file import GGUFFile
+from draftwise.models.gguf_file import GGUFFile
 from draftwise.backends.gguf_weights import DECODERS, pack_raw
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.errors import DraftwiseError

@@ -183,7 +183,7 @@ def float_copy(folder: Path, manifest: dict, progress: bool = True, steps: "Pull
 
 def float32_bytes(gguf: Path) -> int:
     """What the float32 copy of a GGUF file's weights takes: four bytes a value (read from its tensor list)."""
-    from draftwise.backends.gguf_file import GGUFFile
+    from draftwise.models.gguf_file import GGUFFile
 
     return 4 * sum(t.n_elements for t in GGUFFile(gguf).tensors.values())
 
