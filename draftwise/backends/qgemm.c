@@ -64,6 +64,17 @@
 // waiting on memory, so a pass over 4 to 8 rows cost the weight read plus the arithmetic, not the larger of them.
 #define PREFETCH_GROUPS 8
 #define MAX_ROWS 16  // rows per pass over a tile: one accumulator register each
+#if DW_ISA != DW_SCALAR
+// A tile's group j of blocks, scales and minima into the cache, PREFETCH_GROUPS ahead of the one being read (every
+// vector path reads groups in the same order).
+static inline __attribute__((always_inline)) void prefetch_group(const uint8_t *q, const int8_t *sc, const int8_t *mn,
+                                                                  int j, int G, int BITS) {
+    const char *ahead = (const char *)(q + (size_t)j * TILE * G * BITS / 8);
+    for (int line = 0; line < TILE * G * BITS / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    _mm_prefetch((const char *)(sc + (size_t)j * TILE), _MM_HINT_T0);
+    _mm_prefetch((const char *)(mn + (size_t)j * TILE), _MM_HINT_T0);
+}
+#endif
 
 // One group of g values (a multiple of 16) to int8 with its scale (largest magnitude -> 127) and the float sum of
 // what it stands for. The vector and scalar forms give the same bits: a maximum does not depend on order, each
@@ -156,10 +167,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         const __m512 wm = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                  _mm_loadu_si128((const __m128i *)(mn + (size_t)j * TILE)))));
         __m512i w[8];
-        const char *ahead = (const char *)(q + (size_t)(j + PREFETCH_GROUPS) * TILE * G * BITS / 8);
-        for (int line = 0; line < TILE * G * BITS / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sc + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
-        _mm_prefetch((const char *)(mn + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
+        prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
         if (BITS < 8) {
             const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++) {
@@ -268,10 +276,7 @@ static inline __attribute__((always_inline)) void tile_rows(
                                               _mm_loadl_epi64((const __m128i *)(mn + (size_t)j * TILE + 8 * h)))));
         }
         __m256i w[16], wh[16];
-        const char *ahead = (const char *)(q + (size_t)(j + PREFETCH_GROUPS) * TILE * G * BITS / 8);
-        for (int line = 0; line < TILE * G * BITS / 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sc + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
-        _mm_prefetch((const char *)(mn + (size_t)(j + PREFETCH_GROUPS) * TILE), _MM_HINT_T0);
+        prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
         if (BITS < 8) {
             const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++)

@@ -233,9 +233,13 @@ class QuantLinear(nn.Module):
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[out, in] float32, or [len(rows), in] for those output channels: the weight its blocks stand for (a feature
         head reads out through the output layer's float rows; the kernel never forms them)."""
-        buffers = (getattr(self, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
-        blocks = unpack(Packed(*buffers, self.out_features, self.in_features, self.group, self.supers, self.bits))
+        blocks = unpack(self.packed())
         return torch.from_numpy((blocks if rows is None else blocks.rows(rows.cpu().numpy())).dequantize())
+
+    def packed(self) -> Packed:
+        """The blocks as they were packed in (views of this module's buffers)."""
+        buffers = (getattr(self, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
+        return Packed(*buffers, self.out_features, self.in_features, self.group, self.supers, self.bits)
 
     def struct(self) -> WeightStruct:
         """The weight as qgemm.c's fused calls take it (valid while this module's buffers live)."""

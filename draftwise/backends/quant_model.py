@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from draftwise.backends.gguf_weights import Blocks, Packed, decode, pack, quantize_4bit, unpack
+from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit, unpack
 from draftwise.backends.attention import use_row_invariant_attention
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.backends.quant_layers import fuse_layers
@@ -143,8 +143,7 @@ def compact_on_blocks(model: nn.Module, special_ids=(), keep_vocab: int = 32768)
         return model, None
     kept = sorted(set(range(keep_vocab)) | {i for i in special_ids if 0 <= i < vocab})
     token_ids = torch.tensor(kept, dtype=torch.long)  # [kept]
-    buffers = (getattr(head, name).numpy() for name in ("q", "sc", "mn", "d", "dmin"))
-    blocks = unpack(Packed(*buffers, head.out_features, head.in_features, head.group, head.supers, head.bits))
+    blocks = unpack(head.packed())
     small = QuantLinear(pack(blocks.rows(np.array(kept))), None if head.bias is None else head.bias[token_ids])
     twin = copy.copy(model)  # (a model on blocks holds C structs: shared, never deep-copied)
     twin._modules = dict(model._modules)  # its own children: the output layer set below is the copy's alone
