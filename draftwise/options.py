@@ -64,12 +64,12 @@ def add_backend(group) -> None:
     """--backend: what runs the models (methods.BACKENDS)."""
     chains = ", ".join(available_methods("hybrid", "llamacpp"))
     group.add_argument("--backend", choices=(*BACKENDS, AUTO_BACKEND), default=AUTO_BACKEND,
-                       help="what runs the models: 'hf' (transformers, every method), 'quant' (transformers with "
-                            "its linears on the GGUF file's own 4- and 6-bit blocks, draftwise's integer kernel, "
-                            "compiled here on first use; float32 around it; every method) or "
+                       help="what runs the models: 'hf' (transformers, every method), 'quant' (the GGUF file "
+                            "itself: its 4- and 6-bit blocks on draftwise's integer kernel, compiled here on first "
+                            "use, float32 around it; every method) or "
                             "'llamacpp' (the GGUF file as published, through llama-cpp-python: pip install "
                             f"'draftwise[llamacpp]'; the methods {chains}; --dtype does not apply) or 'auto' (quant "
-                            "where this CPU has AVX512-VNNI, the models their GGUF files, --dtype is left at auto "
+                            "where this CPU has AVX2 and FMA (AVX-512 not needed), the models their GGUF files, --dtype is left at auto "
                             "and --no-batch-invariant not given; hf otherwise) (default: %(default)s)")
 
 

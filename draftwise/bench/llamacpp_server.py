@@ -36,11 +36,23 @@ class LlamaServerError(DraftwiseError):
     """llama-server is missing, did not start, or answered with an error."""
 
 
-def built_binary_path() -> Path:
-    """Where scripts/build_llama_server.sh puts the binary: beside the model store, per source and version."""
+def peer_isa() -> str:
+    """The llama.cpp build the peer runs: `avx2` (scripts/build_llama_server.sh with ISA=avx2) where draftwise's
+    kernel is forced onto its AVX2 path on a CPU that has AVX-512, so that both engines use the same instructions;
+    `native` otherwise (on a CPU without AVX-512 the native build is the AVX2 one)."""
+    from draftwise.backends import qgemm
+
+    forced_down = qgemm.chosen_isa() == "avx2" and qgemm.isas_here()[0] != "avx2"
+    return "avx2" if forced_down else "native"
+
+
+def built_binary_path(isa: str | None = None) -> Path:
+    """Where scripts/build_llama_server.sh puts the binary: beside the model store, per source, version and ISA."""
     from draftwise.models.store import store_home
 
-    return store_home() / "llama.cpp" / f"{LLAMA_CPP_SOURCE}-{LLAMA_CPP_VERSION}" / "bin" / "llama-server"
+    isa = peer_isa() if isa is None else isa
+    suffix = "" if isa == "native" else f"-{isa}"
+    return store_home() / "llama.cpp" / f"{LLAMA_CPP_SOURCE}-{LLAMA_CPP_VERSION}{suffix}" / "bin" / "llama-server"
 
 
 def build_record(binary: Path) -> dict | None:
@@ -59,18 +71,23 @@ def source_of(binary: Path) -> str:
         return f"a llama-server of unrecorded source ({binary})"
     text = (f"llama.cpp from {record.get('source', '?')} {record.get('version', '?')}'s source, "
             f"ggml {record.get('ggml', '?')}")
-    return text + (", native" if record.get("native") else "") + ("" if record.get("amx") else ", AMX off")
+    isa = record.get("isa", "native" if record.get("native") else "?")
+    isa_text = ", native" if isa == "native" else f", {isa} alone (GGML_NATIVE off)"
+    return text + isa_text + ("" if record.get("amx") else ", AMX off")
 
 
 def server_binary() -> Path:
     """The llama-server to run: $DRAFTWISE_LLAMA_SERVER, else the built one; an error that says how to build it."""
     given = os.environ.get(BINARY_ENV)
-    path = Path(given).expanduser() if given else built_binary_path()
+    isa = peer_isa()
+    path = Path(given).expanduser() if given else built_binary_path(isa)
     if not (path.is_file() and os.access(path, os.X_OK)):
         where = f"${BINARY_ENV} names {path}, which is not an executable file" if given else \
-            f"no llama-server built at {path}"
+            f"no llama-server built at {path}" + (" (the kernel is forced onto AVX2, so the peer is llama.cpp built "
+                                                  "for AVX2 alone)" if isa == "avx2" else "")
+        make = "make llama-server" + (" ISA=avx2" if isa == "avx2" else "")
         raise LlamaServerError(
-            f"{where}. Build it once with `make llama-server` (scripts/build_llama_server.sh: llama.cpp from "
+            f"{where}. Build it once with `{make}` (scripts/build_llama_server.sh: llama.cpp from "
             f"{LLAMA_CPP_SOURCE} {LLAMA_CPP_VERSION}'s source, about half an hour on 2 cores), or set "
             f"{BINARY_ENV} to a llama-server of your own")
     return path
