@@ -262,9 +262,42 @@ def pack_raw(type_name: str, raw: np.ndarray, n: int, k: int, order: np.ndarray 
     probe = decode(type_name, raw[:1], 1, k)  # (a row, for the type's group and super-group sizes)
     group, supers = probe.group, probe.supers
     groups, super_groups = k // group, k // (group * supers)
-    tiles = -(-n // TILE)
     per_group = group * bits // 8  # the kernel's bytes a group of one channel
     shared = probe.mn is probe.sc  # its minimum is its scale (Q6_K, Q8_0, ...): one array, as decode gives it
+
+    def part(chunk: np.ndarray, rows: int):
+        if type_name not in RAW_PACKERS:
+            one = pack(decode(type_name, chunk, rows, k))
+            return one.q, one.sc, one.mn, one.d, one.dmin
+        blocks = np.ascontiguousarray(chunk, dtype=np.uint8).reshape(rows * (k // values), size)
+        to_bytes, to_scales = RAW_PACKERS[type_name]
+        qb = to_bytes(blocks).reshape(rows, groups, per_group)
+        s, m, dd, dm = to_scales(blocks)
+        return _tiles(qb, s.reshape(rows, groups), m.reshape(rows, groups), dd.reshape(rows, super_groups),
+                      dm.reshape(rows, super_groups), shared)
+    return _by_slices(raw, order, (n, k, group, supers, bits), shared, part)
+
+
+def requantize_4bit(type_name: str, raw: np.ndarray, n: int, k: int, order: np.ndarray | None = None) -> Packed:
+    """pack(quantize_4bit(decode(type_name, raw, n, k).rows(order).dequantize())), a slice of rows at a time: a wider
+    type's weight (Q6_K, Q8_0) on 4-bit blocks for a draft, which then reads fewer bytes a forward (its values move a
+    little: only acceptance can). quantize_4bit works row by row, so slicing changes no byte; the float copy of a
+    slice is the only one made (never of the weight, nor of the model)."""
+    raw = raw.reshape(n, -1)  # [n, bytes a row]
+    probe = quantize_4bit(np.zeros((1, k), dtype=np.float32))  # (the 4-bit form's group and super-group sizes)
+
+    def part(chunk: np.ndarray, rows: int):
+        one = pack(quantize_4bit(decode(type_name, chunk, rows, k).dequantize()))
+        return one.q, one.sc, one.mn, one.d, one.dmin
+    return _by_slices(raw, order, (n, k, probe.group, probe.supers, 4), False, part)
+
+
+def _by_slices(raw: np.ndarray, order: np.ndarray | None, sizes: tuple, shared: bool, part) -> Packed:
+    """The Packed of sizes (n, k, group, supers, bits), filled a slice of whole tiles at a time: part(the slice's raw
+    rows [rows, bytes a row], rows) -> its (q, sc, mn, d, dmin) in pack's layout (rows padded to a tile)."""
+    n, k, group, supers, bits = sizes
+    groups, super_groups = k // group, k // (group * supers)
+    tiles, per_group = -(-n // TILE), group * bits // 8
     q = np.empty(tiles * TILE * groups * per_group, dtype=np.uint8)
     sc = np.empty(tiles * TILE * groups, dtype=np.int8)
     mn = sc if shared else np.empty_like(sc)
@@ -273,23 +306,14 @@ def pack_raw(type_name: str, raw: np.ndarray, n: int, k: int, order: np.ndarray 
     for start in range(0, n, step):
         rows = min(step, n - start)
         chunk = raw[start:start + rows] if order is None else raw[order[start:start + rows]]
-        if type_name in RAW_PACKERS:
-            blocks = np.ascontiguousarray(chunk, dtype=np.uint8).reshape(rows * (k // values), size)
-            to_bytes, to_scales = RAW_PACKERS[type_name]
-            qb = to_bytes(blocks).reshape(rows, groups, per_group)
-            s, m, dd, dm = to_scales(blocks)
-            part = _tiles(qb, s.reshape(rows, groups), m.reshape(rows, groups), dd.reshape(rows, super_groups),
-                          dm.reshape(rows, super_groups), shared)
-        else:
-            one = pack(decode(type_name, chunk, rows, k))
-            part = one.q, one.sc, one.mn, one.d, one.dmin
+        pq, psc, pmn, pd, pdmin = part(chunk, rows)
         begin, end = start // TILE, -(-(start + rows) // TILE)  # tiles of this slice
-        q[begin * TILE * groups * per_group:end * TILE * groups * per_group] = part[0]
-        sc[begin * TILE * groups:end * TILE * groups] = part[1]
+        q[begin * TILE * groups * per_group:end * TILE * groups * per_group] = pq
+        sc[begin * TILE * groups:end * TILE * groups] = psc
         if not shared:
-            mn[begin * TILE * groups:end * TILE * groups] = part[2]
-        d[begin * TILE * super_groups:end * TILE * super_groups] = part[3]
-        dmin[begin * TILE * super_groups:end * TILE * super_groups] = part[4]
+            mn[begin * TILE * groups:end * TILE * groups] = pmn
+        d[begin * TILE * super_groups:end * TILE * super_groups] = pd
+        dmin[begin * TILE * super_groups:end * TILE * super_groups] = pdmin
     return Packed(q, sc, mn, d, dmin, n, k, group, supers, bits)
 
 
