@@ -189,13 +189,13 @@ def calibration_kept_out_of_the_users_home(tmp_path_factory):
 def pack_caches_kept_out_of_the_users_home(tmp_path_factory):
     """Loads of the tests' GGUF files write their pack caches (backends/gguf_cache.py) to a scratch folder, not the
     real $DRAFTWISE_HOME/kernels/packed; a test that points DRAFTWISE_HOME elsewhere gets that home's."""
-    from draftwise.backends import gguf_cache
+    from draftwise.models import packed
     from draftwise.models.store import store_home
 
     users_home, scratch = store_home(), tmp_path_factory.mktemp("packed")
-    own_folder = gguf_cache.cache_dir
+    own_folder = packed.cache_dir
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf_cache, "cache_dir", lambda: scratch if store_home() == users_home else own_folder())
+        patch.setattr(packed, "cache_dir", lambda: scratch if store_home() == users_home else own_folder())
         yield
 
 

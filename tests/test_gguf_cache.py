@@ -13,6 +13,7 @@ from gguf_files import raw_blocks, write_gguf
 
 from draftwise.backends import gguf_cache, gguf_model, gguf_weights
 from draftwise.backends.gguf_model import load_gguf_model
+from draftwise.models import packed
 
 IDS = torch.tensor([[1, 5, 9, 33, 200, 7, 7, 150, 3]])
 FILES = [("qwen2", True, "Q4_K", "Q6_K"), ("llama", False, "Q4_1", "Q8_0"), ("qwen2", False, "Q6_K", "Q4_K"),
@@ -115,5 +116,5 @@ def test_a_damaged_cache_is_a_miss_not_an_error(home, tmp_path, damage):
 def test_an_unwritable_cache_leaves_the_load_as_it_is(home, tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf")
     want = logits(load_gguf_model(path, progress=False, cache=False))
-    monkeypatch.setattr(gguf_cache, "cache_dir", lambda: Path("/proc/no-such-folder"))
+    monkeypatch.setattr(packed, "cache_dir", lambda: Path("/proc/no-such-folder"))
     assert torch.equal(logits(load_gguf_model(path, progress=False)), want)

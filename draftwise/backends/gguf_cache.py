@@ -1,6 +1,7 @@
 """The blocks of a GGUF file packed into qgemm.c's layout, kept in a file of their own so a later load maps them.
 
     cache = PackCache.of(gguf)           # the cache of this file, as it is now (size, mtime), or an empty one
+    cache = PackCache.of(gguf, "q4")     # its draft's blocks (the wider ones re-quantized): a file of their own
     packed = cache.get(name, order)      # a Packed over the mapped cache file (nothing copied), or None
     cache.save(all_packed)               # after a load that packed: written once, whole (files.write_whole)
 
@@ -9,13 +10,14 @@ the pages are the page cache's, shared by every process that maps them. The byte
 the cache gives the same bits as a load that packs.
 
 The file lives under $DRAFTWISE_HOME/kernels/packed (never beside a user's file, never in a repository), named for
-the GGUF's path; it holds the GGUF's size and mtime and LAYOUT, and is used only while all three match (a file
-replaced, or a release that packs otherwise, packs again and overwrites it). Anything unreadable in it (truncated,
-another version, a tensor missing) is a miss, never an error: the load packs from the GGUF as if it were absent.
+the GGUF's path and the kind of blocks; it holds the GGUF's path, size and mtime, the kind and LAYOUT, and is used
+only while all match (a file replaced, or a release that packs otherwise, packs again and overwrites it). The path
+also says whose it is: the store counts and removes a model's with it (models/packed.py). Anything unreadable in it
+(truncated, another version, a tensor missing) is a miss, never an error: the load packs from the GGUF as if it were
+absent.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -25,47 +27,37 @@ import numpy as np
 
 from draftwise.backends.gguf_weights import Packed
 from draftwise.files import write_whole
+from draftwise.models.packed import FILE_BLOCKS, MAGIC, cache_path, read_index
 
 LAYOUT = 1  # pack_raw's layout of the bytes (raise it when qgemm.c's layout changes)
-MAGIC = b"DWPACK1\n"
 ALIGN = 64  # every array starts on a cache line (and a page of its own is not needed: the kernel reads linearly)
 FIELDS = ("q", "sc", "mn", "d", "dmin")
 DTYPES = {"|u1", "|i1", "<f4"}  # what Packed's arrays are: a cache naming another type is not read
 
 
-def cache_dir() -> Path:
-    from draftwise.models.store import store_home
-
-    return store_home() / "kernels" / "packed"
-
-
-def cache_path(gguf: Path) -> Path:
-    """Where the cache of a GGUF file lives: one file a path (a new version of the file overwrites it)."""
-    where = hashlib.sha256(str(Path(os.path.abspath(gguf))).encode()).hexdigest()[:16]
-    return cache_dir() / f"{gguf.stem}-{where}.dwpack"
-
-
-def _identity(gguf: Path) -> dict:
+def _identity(gguf: Path, blocks: str) -> dict:
     stat = gguf.stat()
-    return {"layout": LAYOUT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"layout": LAYOUT, "gguf": os.path.abspath(gguf), "blocks": blocks, "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns}
 
 
 class PackCache:
     """The packed tensors of one GGUF file, read from its cache file (a map of it), or none yet."""
 
-    def __init__(self, gguf: Path, path: Path, entries: dict, mapped: np.ndarray | None):
-        self.gguf, self.path, self.entries, self.mapped = gguf, path, entries, mapped
+    def __init__(self, gguf: Path, path: Path, entries: dict, mapped: np.ndarray | None, blocks: str = FILE_BLOCKS):
+        self.gguf, self.path, self.entries, self.mapped, self.blocks = gguf, path, entries, mapped, blocks
 
     @classmethod
-    def of(cls, gguf: str | os.PathLike[str]) -> "PackCache":
+    def of(cls, gguf: str | os.PathLike[str], blocks: str = FILE_BLOCKS) -> "PackCache":
+        """blocks: which blocks (FILE_BLOCKS, the file's own; another name, a draft's re-quantized ones)."""
         gguf = Path(gguf)
-        path = cache_path(gguf)
+        path = cache_path(gguf, blocks)
         entries, mapped = {}, None
         try:
-            entries, mapped = _read(path, _identity(gguf))
+            entries, mapped = _read(path, _identity(gguf, blocks))
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             entries, mapped = {}, None  # absent, stale or damaged: a miss
-        return cls(gguf, path, entries, mapped)
+        return cls(gguf, path, entries, mapped, blocks)
 
     def get(self, name: str, order: str) -> Packed | None:
         """The packed tensor (order: how its channels were ordered, "file" or llama_order's heads), or None."""
@@ -87,7 +79,7 @@ class PackCache:
         (a read-only store, a full disk): the load goes on without one."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_whole(self.path, lambda partial: _write(partial, _identity(self.gguf), tensors))
+            write_whole(self.path, lambda partial: _write(partial, _identity(self.gguf, self.blocks), tensors))
         except OSError:
             return False
         return True
@@ -120,16 +112,10 @@ def _write(path: Path, identity: dict, tensors: dict[str, tuple[Packed, str]]) -
 
 
 def _read(path: Path, identity: dict) -> tuple[dict, np.ndarray]:
-    with open(path, "rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
-            raise ValueError("not a pack cache")
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > 1 << 28:
-            raise ValueError("index too large")
-        index = json.loads(f.read(length))
+    index, head = read_index(path)
     if any(index.get(key) != value for key, value in identity.items()):
         raise ValueError("stale")
-    start = -(-(len(MAGIC) + 8 + length) // ALIGN) * ALIGN
+    start = -(-head // ALIGN) * ALIGN
     data_bytes = int(index["data_bytes"])
     if path.stat().st_size < start + data_bytes:
         raise ValueError("truncated")
