@@ -75,7 +75,8 @@ def build_engine(engine_cls, *, target: str, draft: str | None = None, method: s
 
 
 # How an engine on the quant backend is assembled: its linears' kernel is the quantized one (nothing to time); the
-# target's own layers (skip) stay as they are; a draft model is compacted onto a 4-bit copy of itself.
+# target's own layers (skip) stay as they are; a float draft model is compacted onto a 4-bit copy of itself (a GGUF
+# draft was loaded on 4-bit blocks: load_draft).
 QUANT_ASSEMBLY = {"target_kernels": ("dense",), "compact_draft": False, "draft_kernels": (FOUR_BIT,)}
 
 
@@ -136,15 +137,15 @@ def load_models(target: str, draft: str | None = None, dtype: str = "auto", devi
             draft_tokenizer = load_tokenizer(str(draft_source.path), draft_source.gguf_file)
             if method is not None:
                 check_pair_method(method, draft_path(tokenizer, draft_tokenizer))
-        # On the quant backend a draft with a GGUF file runs on its blocks too (assemble shrinks its output layer);
-        # one without (a folder, a draft version's merged floats) stays float and assemble compacts it onto 4 bits.
-        # The target's own file as its draft is loaded once (assemble gives the draft its own output layer).
+        # On the quant backend a draft with a GGUF file runs on its blocks too, the wider ones on 4 bits (assemble
+        # shrinks its output layer); one without (a folder, a draft version's merged floats) stays float and
+        # assemble compacts it onto 4 bits. The target's own file as its draft shares the target's linears.
         if not (quantized and _same_file(target_source, draft_source)):
             draft_model = load_draft(draft_source, dtype, device, progress, quantized)
     if quantized:
         target_model = load_quant_model(target_source, target, progress)
         if draft is not None and draft_model is None:
-            draft_model = target_model
+            draft_model = load_quant_model(draft_source, draft, progress, draft=True, sharing=target_model)
     else:
         floats = target_source.float_weights(progress)  # (a store model's float copy is made on first use)
         target_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
@@ -177,13 +178,15 @@ def _same_file(a, b) -> bool:
     return b.adapter is None and first is not None and second is not None and first.resolve() == second.resolve()
 
 
-def load_quant_model(source, name: str, progress: bool = True):
+def load_quant_model(source, name: str, progress: bool = True, draft: bool = False, sharing=None):
     """The model of a resolved source on the quant backend: its GGUF file as published (backends/gguf_model.py), no
-    float copy of it made; or an error that says how to get a file."""
+    float copy of it made; or an error that says how to get a file. draft: a draft's, its blocks wider than 4 bits
+    re-quantized to 4 (fewer bytes a forward); sharing: the target loaded from the same file, whose linears the
+    draft keeps where it can (left as it is)."""
     from draftwise.backends.gguf_model import load_gguf_model
 
     gguf = source.published_gguf(name, "the quant backend")
-    return load_gguf_model(gguf, config=_saved_config(source), progress=progress)
+    return load_gguf_model(gguf, config=_saved_config(source), progress=progress, draft=draft, sharing=sharing)
 
 
 def _saved_config(source):
@@ -198,9 +201,10 @@ def _saved_config(source):
 
 def load_draft(source, dtype: str, device: str = "cpu", progress: bool = True, quantized: bool = False):
     """The draft model of a resolved source: floats, a draft version (models/versions.py) with its adapter merged;
-    quantized (the quant backend): its GGUF file's blocks where it has one and no adapter."""
+    quantized (the quant backend): its GGUF file's blocks where it has one and no adapter, those wider than 4 bits
+    re-quantized to 4 (a draft's values may move; the target verifies every token)."""
     if quantized and source.adapter is None and source.gguf_path is not None:
-        return load_quant_model(source, source.name, progress)
+        return load_quant_model(source, source.name, progress, draft=True)
     floats = source.float_weights(progress)
     draft_model = load_model(str(floats.path), floats.gguf_file, dtype, device, progress)
     if source.adapter is not None:
@@ -353,7 +357,7 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
     """(the draft model's backend, the target id of each of its logits or None): compact unless told not to.
     Its speed paths go into paths."""
     token_ids = None
-    if runs_on_blocks(draft_model):  # already on its file's blocks: only the output layer is cut
+    if runs_on_blocks(draft_model):  # already on blocks (4-bit ones, loaded as a draft): only the output layer is cut
         draft_model, token_ids = compact_on_blocks(draft_model, keep, draft_vocab)
     elif compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)

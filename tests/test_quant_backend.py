@@ -366,15 +366,18 @@ def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
 
 
 @pytest.mark.real_model
-def test_a_draft_beside_a_quant_target_runs_on_its_files_blocks_with_a_cut_output_layer():
+def test_a_draft_beside_a_quant_target_runs_on_4bit_blocks_with_a_cut_output_layer():
     eng = engine("draft")
-    draft = eng.proposer.backend.model
-    # the file's own blocks: Q4_1 layers, the output layer on the Q8_0 embedding's rows (none re-quantized)
-    assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4, 8}
+    draft, target = eng.proposer.backend.model, eng.target.model
+    # SmolLM2's Q4_1 layers as they are; the output layer, on the Q8_0 embedding's rows, re-quantized to 4 bits
+    assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4}
     assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
     assert draft.get_output_embeddings().out_features < eng.target.vocab_size  # the common tokens and the special
-    assert eng.speed_paths["backend"] == "quant"
-    assert draft.model is eng.target.model.model  # the target's own file as its draft: loaded once, its decoder shared
+    assert eng.speed_paths["backend"] == "quant" and eng.speed_paths["draft_kernels"] == {"q4": 211}
+    # the target's own file as its draft: its 4-bit linears shared, the target's output layer still its file's
+    owned = dict(target.named_modules())
+    shared = [name for name, m in draft.named_modules() if isinstance(m, QuantLinear) and owned.get(name) is m]
+    assert len(shared) == 210 and target.get_output_embeddings().bits == 8
 
 
 # ---- sampling: the target's own distribution on this route ------------------------------------------------

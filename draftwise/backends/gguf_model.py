@@ -4,7 +4,8 @@
 
 The skeleton is built on the meta device from the config (the file's metadata, or the config.json the store saved from
 it), so no float copy of the model is ever made. Then, tensor by tensor:
-- each linear (and a tied output layer) becomes a QuantLinear on the file's own blocks, packed for qgemm.c;
+- each linear (and a tied output layer) becomes a QuantLinear on the file's own blocks, packed for qgemm.c (a
+  draft's wider blocks re-quantized to 4 bits: draft=True);
 - the token embedding becomes a QuantEmbedding: the file's rows, de-quantized only when looked up;
 - norms and biases are the file's float tensors, read as transformers' GGUF loader reads them (its processor: the
   same values, bit for bit);
@@ -26,12 +27,16 @@ from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
 from draftwise.models.gguf_file import GGUFFile
-from draftwise.backends.gguf_weights import DECODERS, pack_raw
+from draftwise.backends.gguf_weights import DECODERS, pack_raw, requantize_4bit
+from draftwise.models.packed import FILE_BLOCKS
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.errors import DraftwiseError
 from draftwise.progress import bar
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# A draft's blocks: the file's, those wider than 4 bits re-quantized (requantize_4bit), in a pack cache of their own
+# (rename it when quantize_4bit's output changes: a cache of the old one is then not read)
+DRAFT_BLOCKS = "q4"
 # GGUF architectures the quant backend runs, with the transformers families they load as (llama.cpp writes Mistral
 # and SmolLM2 as "llama"). Others are refused by name before anything loads.
 ARCHITECTURES = {"qwen2": "Qwen2", "llama": "Llama, SmolLM2, Mistral", "qwen3": "Qwen3", "gemma3": "Gemma 3",
@@ -91,13 +96,20 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.type_name} rows"
 
 
-def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache: bool = True):
+def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache: bool = True, draft: bool = False,
+                    sharing=None):
     """The transformers model of a GGUF file, its linears on the file's blocks (QuantLinear), its embedding rows
     de-quantized on lookup; config: the model's config when the caller has it (the store saved it at pull), else read
     from the file's metadata. Refuses a file it cannot run by name, before reading any weight.
 
     cache: take the blocks already packed for the kernel from the file's pack cache (gguf_cache.py: mapped, not
-    copied), and write one after packing them, so that the next load only maps them; the same bytes either way."""
+    copied), and write one after packing them, so that the next load only maps them; the same bytes either way.
+
+    draft: the model is a draft, whose values may move (the target verifies every token it proposes): its linears on
+    blocks wider than 4 bits (Q6_K, Q8_0, ...) are re-quantized to 4 bits, which a forward reads fewer bytes of,
+    and kept in a pack cache of their own (DRAFT_BLOCKS), so a target's of the same file is left as it is.
+    sharing: a model loaded from the same file (the target, drafting for itself): the linears the draft keeps on the
+    file's blocks are that model's own modules, not loaded again; it is not changed."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from draftwise.backends.quant_model import _on_quant_layers
@@ -117,9 +129,8 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
     embedding = model.get_input_embeddings()
     embedding_name = _parameter_of(model, embedding)
     tied = "output.weight" not in file.tensors
-    packs = PackCache.of(file.path) if cache else None
-    packed_all, fresh = {}, False  # every tensor's packed blocks (for a cache to write), whether any was packed here
-    for tensor, target in bar(plan, desc="quantized weights", disable=not progress):
+    linears = _Linears(file, config, cache, draft, sharing)
+    for tensor, target in bar(plan, desc="4-bit draft" if draft else "quantized weights", disable=not progress):
         module_name, _, attribute = target.rpartition(".")
         if tensor.tensor_type.name in FLOAT_TYPES:
             _set(modules[module_name], attribute, floats[target], target, file.path.name)
@@ -133,18 +144,41 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
             if not tied:
                 continue
             module_name = _parameter_of(model, model.get_output_embeddings()).rpartition(".")[0]
-        order, order_key = _channel_order(tensor.name, n, file.architecture, config)
-        packed = packs.get(tensor.name, order_key) if packs is not None else None
-        if packed is None:
-            packed, fresh = pack_raw(tensor.tensor_type.name, tensor.data, n, k, order), True
-            _let_go(file, tensor)
-        packed_all[tensor.name] = (packed, order_key)
-        bias = floats.get(f"{module_name}.bias")
-        _replace(model, modules, module_name, QuantLinear(packed, bias))
+        _replace(model, modules, module_name, linears.linear(tensor, module_name, n, k,
+                                                             floats.get(f"{module_name}.bias")))
     _check_complete(model, file.path.name)
-    if packs is not None and fresh:
-        packs.save(packed_all)
+    linears.save()
     return _on_quant_layers(model.eval())
+
+
+class _Linears:
+    """Each linear of a load on the kernel: a shared model's own module, the pack cache's blocks (mapped), or blocks
+    packed here from the file's (re-quantized to 4 bits where a draft's are wider); then, if any were packed here,
+    the cache written once, whole."""
+
+    def __init__(self, file: GGUFFile, config, cache: bool, draft: bool, sharing):
+        self.file, self.config, self.draft = file, config, draft
+        self.packs = PackCache.of(file.path, DRAFT_BLOCKS if draft else FILE_BLOCKS) if cache else None
+        self.shared = dict(sharing.named_modules()) if sharing is not None else {}
+        self.packed, self.fresh = {}, False  # every tensor this cache holds (for it to write), whether any is new
+
+    def linear(self, tensor, module_name: str, n: int, k: int, bias: torch.Tensor | None) -> QuantLinear:
+        type_name = tensor.tensor_type.name
+        wide = self.draft and DECODERS[type_name][3] > 4
+        shared = self.shared.get(module_name)
+        if not wide and isinstance(shared, QuantLinear) and (shared.out_features, shared.in_features) == (n, k):
+            return shared
+        order, order_key = _channel_order(tensor.name, n, self.file.architecture, self.config)
+        packed = self.packs.get(tensor.name, order_key) if self.packs is not None else None
+        if packed is None:
+            packed, self.fresh = (requantize_4bit if wide else pack_raw)(type_name, tensor.data, n, k, order), True
+            _let_go(self.file, tensor)
+        self.packed[tensor.name] = (packed, order_key)
+        return QuantLinear(packed, bias)
+
+    def save(self) -> None:
+        if self.packs is not None and self.fresh:
+            self.packs.save(self.packed)
 
 
 def _channel_order(tensor: str, rows: int, architecture: str, config) -> tuple[np.ndarray | None, str]:
