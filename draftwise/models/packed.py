@@ -47,30 +47,40 @@ def read_index(path: Path) -> tuple[dict, int]:
     return index, len(MAGIC) + 8 + length
 
 
-def entries_of(where: Path) -> list[Path]:
-    """The cache files packed from a GGUF file, or from any file in a folder (a store model's), current or stale: by
-    the path their index names; one written before indexes named it, by the name cache_path gives it."""
-    where = Path(os.path.abspath(where)).resolve()
-    files = [where] if where.is_file() or where.suffix == ".gguf" else sorted(where.glob("*.gguf"))
-    legacy = {cache_path(file) for file in files}
-    found = []
+def cache_files() -> list[tuple[Path, Path | None]]:
+    """(each cache file, the GGUF file its index names (_real); None where it names none or is unreadable)."""
+    files = []
     for path in sorted(cache_dir().glob(f"*{SUFFIX}")) if cache_dir().is_dir() else []:
         try:
             named = read_index(path)[0].get("gguf")
         except (OSError, ValueError, struct.error):
             named = None
-        if isinstance(named, str):
-            named = Path(named).resolve()
-            if named == where or where in named.parents:
-                found.append(path)
-        elif path in legacy:
-            found.append(path)
-    return found
+        files.append((path, _real(Path(named)) if isinstance(named, str) else None))
+    return files
 
 
-def entries_bytes(where: Path) -> int:
+def _real(file: Path) -> Path:
+    """file in its real folder (a link to the folder followed; a linked file is still itself: a store's own name)."""
+    file = Path(os.path.abspath(file))
+    return file.parent.resolve() / file.name
+
+
+def entries_of(where: Path, files: list[tuple[Path, Path | None]] | None = None) -> list[Path]:
+    """The cache files packed from a GGUF file, or from any file in a folder (a store model's), current or stale: by
+    the path their index names; one written before indexes named it, by the name cache_path gives it. files:
+    cache_files(), when the caller asks of several."""
+    one = Path(where).is_file() or Path(where).suffix == ".gguf"
+    where = _real(where) if one else Path(os.path.abspath(where)).resolve()
+    ggufs = [where] if one else sorted(where.glob("*.gguf"))
+    legacy = {cache_path(file) for file in ggufs}
+    return [path for path, named in (cache_files() if files is None else files)
+            if (named is not None and (named == where or where in named.parents))
+            or (named is None and path in legacy)]
+
+
+def entries_bytes(where: Path, files: list[tuple[Path, Path | None]] | None = None) -> int:
     """What the cache files of a GGUF file, or of a folder's, take on disk."""
-    return sum(path.stat().st_size for path in entries_of(where) if path.is_file())
+    return sum(path.stat().st_size for path in entries_of(where, files) if path.is_file())
 
 
 def remove_entries(where: Path) -> int:

@@ -9,6 +9,8 @@ Layout under store_home():
                         models/<name>/ itself, and keeps working as it is
     tmp/pull-<pid>-<name>-<random>/   work in progress; renamed into models/ only when complete
     heads/<target name>/  a feature head trained for that target (`draftwise train-head`), by default
+    kernels/packed/     the quant backend's packing cache of GGUF files (models/packed.py): counted with the model
+                        whose file it was packed from, and removed with it (remove_model)
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from draftwise.errors import ModelStoreError
 from draftwise.models.convert import Convert, convert_gguf, prepare_gguf
 from draftwise.models.fetch import Fetch, append_member, pip_download
 from draftwise.models.home import store_home
+from draftwise.models.packed import cache_files, entries_bytes, remove_entries
 from draftwise.models.versions import split_version, version_folder
 from draftwise.models.registry import KNOWN_MODELS, ModelSpec, WheelPart, get_spec, known_names
 
@@ -51,6 +54,7 @@ class ModelStatus:
     path: Path | None  # the model's folder; None when not pulled
     terms: str = ""  # the license or terms of use of the weights
     float_copy: int = 0  # bytes of those on disk that are the float copy the hf backend reads (0: none made)
+    packed_bytes: int = 0  # bytes of the quant backend's packing cache of its file (outside the folder; 0: none)
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def head_home(target: str) -> Path:
 
 def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[ModelStatus]:
     """Every known model, pulled or not, in registry order."""
-    statuses = []
+    statuses, packs = [], cache_files()  # (a packing cache left by a model removed by hand is still counted)
     for spec in registry.values():
         folder = _model_dir(spec.name)
         pulled = _is_pulled(folder, spec)
@@ -116,9 +120,35 @@ def list_models(*, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> list[Mod
         statuses.append(
             ModelStatus(spec.name, spec.description, pulled, _size_on_disk(folder) if pulled else 0,
                         folder if pulled else None, spec.terms,
-                        _size_on_disk(floats) if pulled and floats else _old_float_size(folder) if pulled else 0)
+                        _size_on_disk(floats) if pulled and floats else _old_float_size(folder) if pulled else 0,
+                        entries_bytes(folder, packs))
         )
     return statuses
+
+
+def remove_model(name: str, *, registry: Mapping[str, ModelSpec] = KNOWN_MODELS) -> tuple[int, int]:
+    """Remove a model from the store: its folder (the GGUF file, the float copy if made) and the packing cache of its
+    file, which lives outside it; (the folder's bytes, the cache's bytes) freed. A head trained for it (heads/) is
+    the user's work and is kept. The folder is moved aside whole first, so it is never seen half removed."""
+    spec = get_spec(name, registry)
+    folder = _model_dir(spec.name)
+    if not folder.exists() and not entries_bytes(folder):
+        raise ModelStoreError(f"model {name!r} is not in the store; nothing to remove")
+    try:
+        lock, work = _pull_lock(spec.name, progress=True), _new_work_dir(spec.name)
+    except OSError as err:
+        raise ModelStoreError(f"cannot remove {name} under {store_home()} ({err.strerror or err})") from None
+    with lock:  # (a pull of it waits, then pulls afresh)
+        try:
+            packed = remove_entries(folder)  # first: a legacy cache is found by the folder's file names
+            size = _size_on_disk(folder) if folder.is_dir() else 0
+            if folder.exists() or folder.is_symlink():
+                os.replace(folder, work / "removed")
+        except OSError as err:
+            raise ModelStoreError(f"removing {name} failed under {store_home()} ({err.strerror or err})") from err
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return size, packed
 
 
 def _old_float_size(folder: Path) -> int:
