@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
-from draftwise.models.gguf_file import GGUFFile
+from draftwise.models.gguf_file import ROPE_FACTORS, GGUFFile, rope_factors
 from draftwise.backends.gguf_weights import DECODERS, pack_raw, requantize_4bit
 from draftwise.models.packed import FILE_BLOCKS
 from draftwise.backends.qgemm import QuantLinear
@@ -118,6 +118,7 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
     check_architecture(file)
     config = config if config is not None else gguf_config(file.path)
     model = skeleton(config)
+    divide_rope_frequencies(model, file)
     processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=config.to_dict())
     names = tensor_names(model, file.architecture)  # GGUF tensor -> parameter ("blk.0.attn_q.weight" -> ...)
     plan = _plan(file, model, names)
@@ -258,6 +259,23 @@ def skeleton(config):
             with torch.no_grad():
                 model._init_weights(module)  # (its parameters are still meta: only the buffers get values)
     return model
+
+
+def divide_rope_frequencies(model: nn.Module, file: GGUFFile) -> None:
+    """Scale the rotary frequencies by the file's divisors (Llama 3.1's rope_freqs), as llama.cpp does: theta / f.
+    The config carries no scaling for such files, so without this every position would rotate as a Llama 3's."""
+    factors = rope_factors(file)
+    if factors is None:
+        return
+    rotaries = [module for module in model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
+    for rotary in rotaries:
+        if rotary.inv_freq.shape != factors.shape:
+            raise DraftwiseError(f"{file.path.name}: {ROPE_FACTORS} has {factors.size} values but the model rotates "
+                                 f"{rotary.inv_freq.numel()} frequencies (a corrupt file, or metadata that does not "
+                                 "match it)")
+        divided = rotary.inv_freq / torch.from_numpy(factors)  # [head_dim / 2]
+        rotary.inv_freq = divided
+        rotary.original_inv_freq = divided.clone()  # (what transformers' dynamic rotary types reset to)
 
 
 def _plan(file: GGUFFile, model: nn.Module, names: dict[str, str]) -> list:

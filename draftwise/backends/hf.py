@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 
 import torch
@@ -12,6 +13,7 @@ from draftwise.backends.capabilities import BackendCapabilities
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
+from draftwise.models.gguf_file import refuse_rope_factors
 from draftwise.hardware import resolve_dtype
 from draftwise.progress import transformers_progress
 
@@ -279,6 +281,8 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
 def load_model(path: str, gguf_file: str | None = None, dtype: str = "auto", device: str = "cpu",
                progress: bool = True) -> PreTrainedModel:
     """A causal LM from a local folder, or a .gguf file inside it, cast to dtype."""
+    if gguf_file:
+        refuse_rope_factors(os.path.join(path, gguf_file))
     kwargs = {"trust_remote_code": False, **({"gguf_file": gguf_file} if gguf_file else {})}
     try:
         with transformers_progress(progress):

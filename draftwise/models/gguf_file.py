@@ -199,3 +199,31 @@ class GGUFFile:
         if at > size:
             raise _Cut
         self.at = at
+
+
+# Llama 3.1's rotary scaling as llama.cpp's converter writes it: a tensor of one divisor per rotary frequency, not
+# metadata, so a config read from the file (transformers') leaves the frequencies unscaled.
+ROPE_FACTORS = "rope_freqs.weight"
+
+
+def rope_factors(file: GGUFFile) -> np.ndarray | None:
+    """The file's rotary frequency divisors [head_dim / 2] float32, or None where it has none."""
+    tensor = file.tensors.get(ROPE_FACTORS)
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name != "F32":
+        raise DraftwiseError(f"{file.path.name}: {ROPE_FACTORS} is {tensor.tensor_type.name}; llama.cpp writes it "
+                             "as F32 (a corrupt file?)")
+    return np.array(tensor.data, dtype=np.float32).reshape(-1)  # (a copy: torch wants writable memory)
+
+
+def refuse_rope_factors(path: str | os.PathLike[str]) -> None:
+    """transformers' GGUF loader drops a Llama 3.1 file's rotary scaling (its rope_freqs tensor), so a float model it
+    makes would rotate every position as a Llama 3's and say other things than the file: refused before it is made,
+    naming the backends that apply it."""
+    path = Path(path)
+    if ROPE_FACTORS in GGUFFile(path).tensors:
+        raise DraftwiseError(f"{path.name} scales its rotary frequencies with a {ROPE_FACTORS} tensor (as Llama 3.1 "
+                             "files do), which transformers' GGUF loader ignores; run it with --backend quant or "
+                             "--backend llamacpp, which apply it")
+
