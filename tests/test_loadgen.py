@@ -12,7 +12,8 @@ import pytest
 
 from draftwise.errors import DraftwiseError
 from draftwise.bench.load_plan import LoadPlan, base_url, request_body
-from draftwise.bench.load_record import RequestRecord, finish_record, http_error, sse_data, take_chunk
+from draftwise.bench.load_record import (RequestRecord, finish_record, http_error, sse_data, take_chunk,
+                                         time_per_token)
 from draftwise.bench.load_report import markdown_table, throttle_table
 from draftwise.bench.load_stats import acceptance, percentile, summarise
 from draftwise.bench.interleave import order_for_repeat
@@ -68,7 +69,7 @@ def test_summary_without_a_baseline_or_any_success():
     assert row["failed"] == 2 and row["tokens"] == 0 and row["tokens_per_s"] == 0.0
     assert row["vs_c1_off"] is None and row["ttft_p50_s"] is None and row["tbt_p95_s"] is None
     table = markdown_table(rows)
-    assert "| on | 4 | 2 (2) | 0.0 | - | - / - | - / - | - |" in table
+    assert "| on | 4 | 2 (2) | 0.0 | - | - / - | - / - | - / - | - |" in table
 
 
 def test_acceptance_falls_back_to_the_mean_of_reported_rates():
@@ -191,6 +192,29 @@ def test_completion_chunks_error_chunks_and_no_usage():
             take_chunk(_rec("on", 1), chunk, 0.1)
 
 
+def test_llama_servers_timings_give_acceptance_and_tpot_counts_tokens_not_chunks():
+    """llama-server reports its drafts in `timings`; a verified draft's tokens may come in one chunk, so TPOT
+    divides by the tokens the server counted, not by the chunks."""
+    r = _rec("on", 1)
+    for t, text in ((1.0, "a"), (1.1, "bcd"), (2.0, "ef")):  # 6 tokens in 3 chunks
+        take_chunk(r, {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}, t)
+    take_chunk(r, {"choices": [], "usage": {"completion_tokens": 6},
+                   "timings": {"predicted_n": 6, "draft_n": 8, "draft_n_accepted": 6}}, 2.01)
+    r.done = True
+    finish_record(r)
+    assert r.completion_tokens == 6 and r.acceptance == 0.75 and time_per_token(r) == pytest.approx(1.0 / 5)
+    assert acceptance([r]) == 0.75 and r.stats is None
+    # Without usage, the timings' count, not the chunks'.
+    bare = _rec("on", 1)
+    take_chunk(bare, {"choices": [{"index": 0, "text": "abc"}]}, 0.1)
+    take_chunk(bare, {"choices": [], "timings": {"predicted_n": 3}}, 0.2)
+    bare.done = True
+    finish_record(bare)
+    assert bare.completion_tokens == 3 and time_per_token(bare) == 0.0 and time_per_token(_rec("on", 1)) is None
+    with pytest.raises(ValueError, match="not in OpenAI's shape"):
+        take_chunk(_rec("on", 1), {"timings": {"draft_n": "eight"}}, 0.1)
+
+
 def test_sse_lines_and_http_errors():
     assert sse_data("data: [DONE]") == "[DONE]" and sse_data('data:{"a":1}') == '{"a":1}'
     assert sse_data("") is None and sse_data(": keep-alive") is None and sse_data("event: x") is None
@@ -240,6 +264,9 @@ def test_the_report_keeps_the_command_without_the_api_key():
     (["--methods", ":d@v1"], "--methods"),
     (["--max-tokens", "0"], "--max-tokens"), (["--timeout", "0"], "--timeout"), (["--timeout", "inf"], "--timeout"),
     (["--categories", "nope"], "unknown category"),
+    (["--temperature", "2.5"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--seed", "1"], "--seed apply to sampled runs only"), (["--top-p", "0.9"], "--top-p apply"),
+    (["--temperature", "0.7", "--top-p", "0"], "--top-p"), (["--temperature", "0.7", "--seed", "-1"], "--seed"),
 ])
 def test_bad_options_fail_before_any_request(argv, message):
     with pytest.raises(DraftwiseError, match=message):
@@ -257,12 +284,20 @@ def _args(*argv) -> argparse.Namespace:
 TOKENS = ["Hello", ",", " world", "!"]
 
 
+# What a strict OpenAI-compatible server takes (llama-server's own extensions among them); anything else is refused.
+OPENAI_FIELDS = {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream",
+                 "stream_options", "top_k", "min_p"}
+
+
 class StandIn:
     """An OpenAI-style streaming server on a free loopback port. It records each request; `faults` maps the
-    n-th POST (1-based, warm-ups included) to what goes wrong with it."""
+    n-th POST (1-based, warm-ups included) to what goes wrong with it. kind: 'draftwise' (owned_by draftwise, its
+    stats in the last chunk) or 'llama.cpp' (as llama-server: /props with build_info, timings instead of stats, a
+    request with a field it does not know refused with 400, as a strict server may)."""
 
-    def __init__(self, key: str | None = None, faults: dict | None = None, gap_s: float = 0.002):
-        self.key, self.faults, self.gap_s = key, faults or {}, gap_s
+    def __init__(self, key: str | None = None, faults: dict | None = None, gap_s: float = 0.002,
+                 kind: str = "draftwise"):
+        self.key, self.faults, self.gap_s, self.kind = key, faults or {}, gap_s, kind
         self.posts: list[tuple[str, dict]] = []
         self.in_flight = self.most_in_flight = 0
         self.lock = threading.Lock()
@@ -284,7 +319,11 @@ class StandIn:
             def do_GET(self):
                 if self._refused():
                     return
-                self._json(200, {"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+                llama = standin.kind == "llama.cpp"
+                if self.path == "/props":
+                    return self._json(200, {"build_info": "b7777-standin", "total_slots": 4} if llama else {})
+                owner = "llamacpp" if llama else "draftwise"
+                self._json(200, {"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": owner}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -306,6 +345,9 @@ class StandIn:
             def _answer(self, body, fault):
                 if fault == "500":
                     return self._json(500, {"error": {"message": "boom", "type": "server_error", "param": None}})
+                unknown = sorted(set(body) - OPENAI_FIELDS)
+                if standin.kind == "llama.cpp" and unknown:
+                    return self._json(400, {"error": {"message": f"unknown fields: {unknown}", "type": "invalid"}})
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
@@ -329,8 +371,12 @@ class StandIn:
                 stats = None if off else {"method": "draft", "proposed": 4, "accepted": 3, "acceptance_rate": 0.75,
                                           "mean_accepted_length": 2.0}
                 n = min(len(TOKENS), body["max_tokens"])
-                self._event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n,
-                                                      "total_tokens": 5 + n}, "draftwise": stats})
+                last = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+                if standin.kind == "llama.cpp":
+                    last["timings"] = {"predicted_n": n, "draft_n": 4, "draft_n_accepted": 2}
+                else:
+                    last["draftwise"] = stats
+                self._event(last)
                 self._done()
 
             @staticmethod
@@ -543,3 +589,77 @@ def test_no_server_at_the_address_is_a_clear_error(tmp_path):
         port = probe.getsockname()[1]
     with pytest.raises(DraftwiseError, match=f"cannot reach http://127.0.0.1:{port}"):
         _run("--url", f"http://127.0.0.1:{port}", "--per-category", "1", "--out", str(tmp_path))
+
+
+# -- sampled runs, and servers that are not draftwise ------------------------------------------------------
+
+
+def test_a_sampled_run_sends_the_temperature_and_a_seed_per_request(tmp_path, standin):
+    code = _run("--url", standin.url, "--concurrency", "1,2", "--speculation", "on", "--requests", "3",
+                "--max-tokens", "2", "--per-category", "1", "--temperature", "0.7", "--seed", "5",
+                "--out", str(tmp_path))
+    assert code == 0
+    bodies = [body for _, body in standin.posts]
+    assert all(b["temperature"] == 0.7 and b["top_p"] == 1.0 for b in bodies)
+    assert not any("top_k" in b or "min_p" in b for b in bodies)  # llama.cpp's fields, for llama.cpp alone
+    # Each level: its warm-ups (seeds 5, 5 + 1, ...), then requests 0-2 with seeds 5, 6, 7, the same at every level.
+    assert [b["seed"] for b in bodies] == [5, 5, 6, 7] + [5, 6, 5, 6, 7]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["seed"] for r in results["requests"]] == [5, 6, 7, 5, 6, 7]
+    assert results["meta"]["temperature"] == 0.7 and results["meta"]["seed"] == 5
+    assert results["meta"]["server"] == "draftwise" and results["meta"]["server_kind"] == "draftwise"
+    report = (tmp_path / "report.md").read_text()
+    assert "temperature 0.7, top_p 1, seed 5 + the request's index" in report and "temperature 0 " not in report
+    # Greedy (the default) sends no seed nor top_p, and says so.
+    greedy = StandIn()
+    try:
+        assert _run("--url", greedy.url, "--concurrency", "1", "--speculation", "on", "--requests", "1",
+                    "--max-tokens", "1", "--per-category", "1", "--out", str(tmp_path / "g")) == 0
+        assert all(b["temperature"] == 0 and "seed" not in b and "top_p" not in b for _, b in greedy.posts)
+        assert "temperature 0 (greedy)" in (tmp_path / "g" / "report.md").read_text()
+    finally:
+        greedy.close()
+
+
+@pytest.mark.parametrize("standin", [{"kind": "llama.cpp"}], indirect=True)
+def test_llama_server_is_sent_no_draftwise_field_and_named_in_the_report(tmp_path, standin, capsys):
+    code = _run("--url", standin.url, "--concurrency", "1,2", "--speculation", "on", "--requests", "2",
+                "--max-tokens", "4", "--per-category", "1", "--temperature", "0.7", "--out", str(tmp_path))
+    assert code == 0  # the stand-in refuses (400) any body with a field it does not know: none was sent
+    bodies = [body for _, body in standin.posts]
+    assert len(bodies) == 1 + 2 + 2 + 2 and not any(set(b) - OPENAI_FIELDS for b in bodies)
+    assert all(b["top_k"] == 0 and b["min_p"] == 0.0 and b["temperature"] == 0.7 for b in bodies)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["server"] == "llama.cpp llama-server b7777-standin"
+    assert all(r["failed"] == 0 and r["acceptance"] == 0.5 and r["tpot_p50_s"] > 0 for r in results["summary"])
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith(f"# Load test of {standin.url}, llama.cpp llama-server b7777-standin")
+    assert "no `speculation` field sent" in report and "llama.cpp llama-server b7777-standin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("standin", [{"kind": "llama.cpp"}], indirect=True)
+def test_the_control_a_draftwise_field_sent_to_llama_server_fails(tmp_path, standin):
+    """Taken for draftwise (--server draftwise), a method is asked for in the `speculation` field, and the strict
+    server refuses it: the check above would catch a body that carried it."""
+    with pytest.raises(DraftwiseError, match=r"warm-up request .* HTTP 400: unknown fields: \['speculation'\]"):
+        _run("--url", standin.url, "--server", "draftwise", "--concurrency", "1", "--speculation", "on",
+             "--methods", "hybrid", "--requests", "1", "--max-tokens", "2", "--per-category", "1",
+             "--out", str(tmp_path))
+    assert [set(b) - OPENAI_FIELDS for _, b in standin.posts] == [{"speculation"}]
+
+
+@pytest.mark.parametrize("standin", [{"kind": "llama.cpp"}], indirect=True)
+def test_modes_a_plain_server_cannot_run_are_refused_before_any_request(tmp_path, standin):
+    for argv in (["--speculation", "on,off"], ["--speculation", "on", "--methods", "lookup"]):
+        with pytest.raises(DraftwiseError, match="llama.cpp llama-server b7777-standin, not draftwise"):
+            _run("--url", standin.url, "--concurrency", "1", "--per-category", "1", "--out", str(tmp_path), *argv)
+    assert standin.posts == []
+    # --server plain: taken for a server that takes no draftwise field, whatever /v1/models says.
+    plain = StandIn()
+    try:
+        with pytest.raises(DraftwiseError, match=r"an OpenAI-compatible server \(owned_by 'draftwise'\), not draft"):
+            _run("--url", plain.url, "--server", "plain", "--concurrency", "1", "--per-category", "1",
+                 "--out", str(tmp_path))
+        assert plain.posts == []
+    finally:
+        plain.close()

@@ -13,6 +13,7 @@ from draftwise.errors import DraftwiseError
 # drafting its full k every round (adaptive off); off: the target alone.
 MODES = ("on", "always", "off")
 OFF = "off"
+SEED_SPAN = 2**32  # llama.cpp takes a seed as uint32; a request's seed stays within it
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class LoadPlan:
     model: str | None = None
     api_key: str | None = None
     timeout: float = 300.0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # sampled runs only: sent so that no server's own default truncates the distribution
+    seed: int = 0  # sampled runs: request i of a level sends request_seed(i)
+    server: str = "auto"  # what the server is taken for (load_server.SERVER_CHOICES)
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def request_seed(self, index: int) -> int | None:
+        """The seed of a level's request `index` (a warm-up's, of its position): the same at every level, cell and
+        repeat, so that where a server honours seeds a run repeats and its cells draw alike; None when greedy."""
+        return (self.seed + index) % SEED_SPAN if self.sampled else None
 
     @property
     def path(self) -> str:
@@ -87,21 +101,29 @@ def method_speculation(method: str) -> dict:
     return {"method": name, "draft": draft} if draft else {"method": name}
 
 
-def request_body(model: str, plan: LoadPlan, mode: str, method: str | None = None) -> dict:
+def request_body(model: str, plan: LoadPlan, mode: str, method: str | None = None,
+                 speculation: bool = True, extra: dict | None = None) -> dict:
     """The body shared by a cell's requests (method: what mode on or always asks for; None, the server's own); the
-    prompt goes in per request."""
-    body = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0, "stream": True,
+    prompt and seed go in per request. speculation=False: a server that is not draftwise, sent OpenAI's fields alone
+    (plus `extra`, the fields its kind is known to take), never draftwise's `speculation`."""
+    body = {"model": model, "max_tokens": plan.max_tokens, "temperature": plan.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if plan.sampled:
+        body["top_p"] = plan.top_p
+    body.update(extra or {})
+    if not speculation:
+        return body
     if mode == OFF:
         body["speculation"] = {"method": "none"}
         return body
-    speculation = method_speculation(method) if method else {}
+    asked = method_speculation(method) if method else {}
     if mode == "always":
-        speculation["adaptive"] = False
-    if speculation:
-        body["speculation"] = speculation
+        asked["adaptive"] = False
+    if asked:
+        body["speculation"] = asked
     return body
 
 
-def with_prompt(body: dict, text: str, chat: bool) -> dict:
+def with_prompt(body: dict, text: str, chat: bool, seed: int | None = None) -> dict:
+    body = dict(body, seed=seed) if seed is not None else body
     return dict(body, messages=[{"role": "user", "content": text}]) if chat else dict(body, prompt=text)

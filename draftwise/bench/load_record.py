@@ -27,6 +27,8 @@ class RequestRecord:
     tokens_from_usage: bool = False  # False: no usage chunk came, the content chunks were counted instead
     acceptance: float | None = None
     stats: dict | None = None  # the reply's `draftwise` field, as sent
+    timings: dict | None = None  # llama-server's `timings` field, as sent (its draft_n, draft_n_accepted)
+    seed: int | None = None  # what the request sent (None: greedy)
     finish_reason: str | None = None
     status: int | None = None  # the HTTP status
     done: bool = False  # the stream ended with data: [DONE]
@@ -35,11 +37,30 @@ class RequestRecord:
 
 
 def finish_record(record: RequestRecord) -> None:
-    """After the stream: a stream cut before [DONE] is a failure; without a usage chunk, count the chunks."""
+    """After the stream: a stream cut before [DONE] is a failure; without a usage chunk, llama-server's timings
+    say how many tokens, else count the chunks (which undercounts a server that sends several tokens in one)."""
     if record.error is None and not record.done:
         record.error = "the stream ended before data: [DONE]"
+    predicted = (record.timings or {}).get("predicted_n")
     if not record.tokens_from_usage:
-        record.completion_tokens = len(record.chunk_times_s)
+        record.completion_tokens = int(predicted) if predicted is not None else len(record.chunk_times_s)
+
+
+def time_per_token(record: RequestRecord) -> float | None:
+    """TPOT: from the first chunk with text to the last, per token after the first. Unlike the gaps between
+    chunks, it does not depend on how the server cuts its tokens into chunks; None under two tokens."""
+    if record.completion_tokens < 2 or len(record.chunk_times_s) < 1:
+        return None
+    return (record.chunk_times_s[-1] - record.chunk_times_s[0]) / (record.completion_tokens - 1)
+
+
+def draft_counts(record: RequestRecord) -> tuple[int, int] | None:
+    """(proposed, accepted) draft tokens, from draftwise's stats or llama-server's timings; None without them."""
+    if record.stats and record.stats.get("proposed"):
+        return record.stats["proposed"], record.stats.get("accepted", 0)
+    if record.timings and record.timings.get("draft_n"):
+        return record.timings["draft_n"], record.timings.get("draft_n_accepted", 0)
+    return None
 
 
 def sse_data(line: str) -> str | None:
@@ -50,6 +71,7 @@ def sse_data(line: str) -> str | None:
 
 
 STAT_NUMBERS = ("proposed", "accepted", "acceptance_rate", "mean_accepted_length")  # what the summary reads
+TIMING_NUMBERS = ("predicted_n", "draft_n", "draft_n_accepted")  # llama-server's, likewise
 
 
 def take_chunk(record: RequestRecord, chunk: dict, t: float) -> None:
@@ -87,6 +109,13 @@ def _take(record: RequestRecord, chunk: dict, t: float) -> None:
             raise TypeError(f"the draftwise stats hold a non-number among {', '.join(STAT_NUMBERS)}")
         record.stats = stats
         record.acceptance = stats.get("acceptance_rate")
+    timings = chunk.get("timings")
+    if isinstance(timings, dict):
+        if any(not isinstance(timings.get(name, 0), (int, float)) for name in TIMING_NUMBERS):
+            raise TypeError(f"the timings hold a non-number among {', '.join(TIMING_NUMBERS)}")
+        record.timings = timings
+        if timings.get("draft_n") and record.stats is None:
+            record.acceptance = timings.get("draft_n_accepted", 0) / timings["draft_n"]
 
 
 def http_error(status: int, body: bytes) -> str:

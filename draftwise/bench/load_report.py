@@ -7,13 +7,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftwise.bench.load_plan import OFF, LoadPlan
+from draftwise.bench.load_server import DRAFTWISE, ServerKind
 from draftwise.bench.load_stats import THROTTLE_FLOOR, rivals
 from draftwise.files import write_whole
 
 
-def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], command: str = "") -> None:
+def write_results(out: Path, plan: LoadPlan, records: list, rows: list[dict], command: str = "",
+                  server: ServerKind | None = None) -> None:
+    """server: what was measured (None: a run that stopped before it was asked)."""
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"url": plan.url, "endpoint": plan.path, "command": command, "max_tokens": plan.max_tokens,
+    meta = {"url": plan.url, "server": server and server.name, "server_kind": server and server.kind,
+            "endpoint": plan.path, "command": command,
+            "max_tokens": plan.max_tokens, "temperature": plan.temperature,
+            "top_p": plan.top_p if plan.sampled else None, "seed": plan.seed if plan.sampled else None,
             "methods": list(plan.methods), "repeats": plan.repeats, "slices": plan.slices, "prompts": len(plan.prompts),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     results = {"meta": meta, "summary": rows, "requests": [asdict(r) for r in records]}
@@ -49,12 +55,14 @@ def _rate_cell(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| method | speculation | concurrency | requests (failed) | aggregate tok/s | vs c1 off "
-             "| TTFT p50 / p95 s | TBT p50 / p95 ms | acceptance |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p50 / p95 s | TBT p50 / p95 ms | TPOT p50 / p95 ms | acceptance |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["mode"] == OFF, method_name(r), r["concurrency"], r["mode"])):
         ratio = "-" if r["vs_c1_off"] is None else f"{r['vs_c1_off']:.2f}x"
         lines.append(f"| {method_name(r)} | {r['mode']} | {r['concurrency']} | {r['requests']} ({r['failed']}) "
                      f"| {_rate_cell(r)} | {ratio} | {fmt(r['ttft_p50_s'])} / {fmt(r['ttft_p95_s'])} "
                      f"| {fmt(r['tbt_p50_s'], 1, 1000)} / {fmt(r['tbt_p95_s'], 1, 1000)} "
+                     f"| {fmt(r.get('tpot_p50_s'), 1, 1000)} / {fmt(r.get('tpot_p95_s'), 1, 1000)} "
                      f"| {fmt(r['acceptance'])} |")
     return "\n".join(lines)
 
@@ -81,20 +89,39 @@ def _in_slices(meta: dict) -> str:
     return f", each cell in {slices} slices, a method's modes taking turns slice by slice" if slices > 1 else ""
 
 
+def sampling_words(meta: dict) -> str:
+    """'temperature 0 (greedy)' or 'temperature 0.7, top_p 1, seed 0 + the request's index'."""
+    temperature = meta.get("temperature") or 0
+    if not temperature:
+        return "temperature 0 (greedy)"
+    return (f"temperature {temperature:g}, top_p {meta.get('top_p', 1):g}, seed {meta.get('seed')} + the request's "
+            f"index (sampled: texts differ from run to run where the server does not honour seeds)")
+
+
+def _speculation_words(meta: dict, methods: str) -> str:
+    if meta.get("server_kind", DRAFTWISE) in (DRAFTWISE, None):
+        return f"speculation on and always: {methods}; off: `{{\"method\": \"none\"}}`"
+    return "speculation as the server was started (no `speculation` field sent: it is not draftwise)"
+
+
 def report_markdown(meta: dict, rows: list[dict]) -> str:
     methods = ", ".join(m or "the server's default" for m in meta["methods"])
     verdicts = throttle_table(rows)
+    server = f", {meta['server']}" if meta.get("server") else ""
     return (
-        f"# Load test of {meta['url']}\n\n"
+        f"# Load test of {meta['url']}{server}\n\n"
         f"{meta['date']}, `{meta['command']}`\n\n"
-        f"POST {meta['endpoint']}, streamed, temperature 0, max_tokens {meta['max_tokens']}, {meta['prompts']} "
-        f"prompts, {meta['repeats']} repeat(s) interleaved{_in_slices(meta)}; speculation on and always: {methods}; off: "
-        f"`{{\"method\": \"none\"}}`.\n\n"
+        f"POST {meta['endpoint']}, streamed, {sampling_words(meta)}, max_tokens {meta['max_tokens']}, "
+        f"{meta['prompts']} prompts, {meta['repeats']} repeat(s) interleaved{_in_slices(meta)}; "
+        f"{_speculation_words(meta, methods)}.\n\n"
         f"{markdown_table(rows)}\n\n"
         "Aggregate tok/s: completion tokens of the requests that succeeded over the run's wall time (with slices, "
         "the sum of its slices'); with repeats, "
         "the median and (the range). vs c1 off: that over concurrency 1 with speculation off. TTFT: time to the "
-        "first chunk with text. TBT: gaps between one request's consecutive chunks (one per token), pooled. "
+        "first chunk with text. TBT: gaps between one request's consecutive chunks with text, pooled; a server "
+        "may send a verified draft's tokens in one chunk or as chunks in one burst (llama-server does), which "
+        "leaves TBT near 0 within a burst. TPOT: each request's time from its first chunk with text to its last, "
+        "over its tokens after the first (tokens as the server's usage says), whatever the chunking. "
         "Acceptance: accepted over proposed draft tokens, as the server reports them.\n"
         + (f"\n## Throttle\n\n{verdicts}\n\nOn (adaptive) over the better of always and off, repeat by repeat: "
            f"the median and (the range); it should be at least {THROTTLE_FLOOR}.\n" if verdicts else "")

@@ -3,7 +3,7 @@ times, acceptance, and the throttle's verdict (on against the better of always a
 from __future__ import annotations
 
 from draftwise.bench.load_plan import OFF
-from draftwise.bench.load_record import RequestRecord
+from draftwise.bench.load_record import RequestRecord, draft_counts, time_per_token
 
 # What the throttle promises: adaptive speculation at least this share of the better of always and off.
 THROTTLE_FLOOR = 0.95
@@ -42,6 +42,7 @@ def _summary_row(mode: str, method: str | None, level: int, group: list[RequestR
     rates = [rate for rate in runs if rate is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.gaps_s]  # pooled: a long request weighs by its number of tokens
+    tpots = [t for t in map(time_per_token, ok) if t is not None]
     methods = sorted({r.stats["method"] for r in ok if r.stats and r.stats.get("method")})
     return {
         "mode": mode, "method": method, "concurrency": level, "requests": len(group), "failed": len(group) - len(ok),
@@ -50,6 +51,7 @@ def _summary_row(mode: str, method: str | None, level: int, group: list[RequestR
         "tokens_per_s_high": max(rates, default=None), "runs_tokens_per_s": runs,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
         "tbt_p50_s": percentile(gaps, 50), "tbt_p95_s": percentile(gaps, 95),
+        "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95),
         "acceptance": acceptance(ok), "mean_accepted_length": _mean(r.stats.get("mean_accepted_length")
                                                                     for r in ok if r.stats),
         "server_methods": methods,
@@ -112,9 +114,9 @@ def _at(row: dict, repeat: int) -> float | None:
 def acceptance(records: list[RequestRecord]) -> float | None:
     """Accepted over proposed draft tokens, pooled over the requests, when the server reports both counts;
     else the mean of the requests' own rates; None when no request reported any (speculation off)."""
-    counted = [r.stats for r in records if r.stats and r.stats.get("proposed")]
+    counted = [c for c in map(draft_counts, records) if c is not None]
     if counted:
-        return sum(s.get("accepted", 0) for s in counted) / sum(s["proposed"] for s in counted)
+        return sum(accepted for _, accepted in counted) / sum(proposed for proposed, _ in counted)
     return _mean(r.acceptance for r in records)
 
 

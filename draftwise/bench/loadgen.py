@@ -9,9 +9,9 @@ slice by slice of those N (LoadPlan.schedule). Off is the target alone whatever 
 method's on and always (a block of three cells): a round of many cells spans minutes, over which a shared machine's
 speed drifts, and an on judged against an off minutes away would measure the drift (how far it drifted:
 docs/experiments/constants/README.md). Per cell: aggregate tokens/s (completion tokens over the run's wall time, a
-repeat's slices pooled; the median of the repeats, and their range), p50/p95 time to first token and time between
-tokens (gaps between one request's consecutive content chunks: the server sends one chunk per token), and the
-server-reported acceptance. Per method and level, the throttle's verdict: on over the better of always and off, repeat
+repeat's slices pooled; the median of the repeats, and their range), p50/p95 time to first token, time between
+chunks (TBT) and time per output token (TPOT: a server may send a verified draft's tokens in one chunk or in a
+burst), and the server-reported acceptance. Per method and level, the throttle's verdict: on over the better of always and off, repeat
 by repeat (the cells of one repeat ran back to back).
 
 This module is the HTTP driver (run_load and the coroutines under it). Beside it, each with one job: the plan
@@ -30,15 +30,18 @@ from collections import deque
 from draftwise.bench.load_plan import LoadPlan, request_body, with_prompt
 from draftwise.bench.load_record import RequestRecord, finish_record, http_error, sse_data, take_chunk
 from draftwise.bench.load_report import cell_name, fmt
+from draftwise.bench.load_server import check_plan, identify
 from draftwise.bench.load_stats import summarise
 from draftwise.errors import DraftwiseError
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 
 
-async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> list[RequestRecord]:
+async def run_load(plan: LoadPlan, log=None, records: list | None = None,
+                   found: dict | None = None) -> list[RequestRecord]:
     """Every level of the plan, and in it every repeat of its cells; the records of the counted requests, added to
-    `records` run by run (so that a caller keeps those of the runs that ended when a later one fails)."""
+    `records` run by run (so that a caller keeps those of the runs that ended when a later one fails). found["server"]:
+    the ServerKind measured, as soon as it is known (the report names it)."""
     import httpx
 
     log = log or _stderr
@@ -49,13 +52,19 @@ async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> lis
     # trust_env=False: the server named by --url, never a proxy from the environment (with the API key in clear).
     async with httpx.AsyncClient(base_url=plan.url, headers=headers, timeout=plan.timeout, limits=limits,
                                  trust_env=False) as http:
-        model = plan.model or await first_model(http, plan.url)
-        log(f"loadgen: {plan.url}{plan.path}, model {model}, {len(plan.prompts)} prompts, "
-            f"max_tokens {plan.max_tokens}, {plan.repeats} repeat(s), {plan.slices} slice(s)")
+        listing = await list_models(http, plan.url, required=plan.model is None)
+        model = plan.model or first_model(listing, plan.url)
+        server = await identify(http, listing, plan.server)
+        check_plan(plan, server)  # before any request
+        if found is not None:
+            found["server"] = server
+        log(f"loadgen: {plan.url}{plan.path} ({server.name}), model {model}, {len(plan.prompts)} prompts, "
+            f"max_tokens {plan.max_tokens}, temperature {plan.temperature:g}, {plan.repeats} repeat(s), "
+            f"{plan.slices} slice(s)")
         for level in plan.levels:
             parts, warm = plan.parts(level), set()
             for repeat, part, mode, method in plan.schedule(level):
-                body = request_body(model, plan, mode, method)
+                body = request_body(model, plan, mode, method, server.speculation, server.extra_fields(plan))
                 if (mode, method) not in warm:
                     await _warm_up(http, plan, body, mode, level)
                     warm.add((mode, method))
@@ -65,7 +74,9 @@ async def run_load(plan: LoadPlan, log=None, records: list | None = None) -> lis
     return records
 
 
-async def first_model(http, url: str) -> str:
+async def list_models(http, url: str, required: bool = True) -> dict | None:
+    """GET /v1/models. Not required (--model given): None where it does not answer, and the warm-up meets the
+    reason; a server that cannot be reached at all is an error either way."""
     import httpx
 
     try:
@@ -73,11 +84,22 @@ async def first_model(http, url: str) -> str:
     except httpx.HTTPError as err:
         raise DraftwiseError(f"cannot reach {url}: {_describe(err)}; is the server running?") from None
     if response.status_code != 200:
+        if not required:
+            return None
         raise DraftwiseError(f"GET {url}/v1/models answered {http_error(response.status_code, response.content)}"
                              f"{_auth_hint(response.status_code)}")
     try:
-        return response.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        return response.json()
+    except ValueError:
+        if required:
+            raise DraftwiseError(f"GET {url}/v1/models did not answer JSON; give a model with --model") from None
+        return None
+
+
+def first_model(listing: dict | None, url: str) -> str:
+    try:
+        return listing["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
         raise DraftwiseError(f"GET {url}/v1/models did not list a model; give one with --model") from None
 
 
@@ -87,8 +109,8 @@ async def _warm_up(http, plan: LoadPlan, body: dict, mode: str, level: int) -> N
     batches and the others not. If even these fail, every counted one would too: stop with the first one's reason."""
     records = [RequestRecord(mode, level, "warm-up") for _ in range(level)]
     started = time.perf_counter()
-    await asyncio.gather(*(one_request(http, plan, body, plan.prompts[i % len(plan.prompts)], record, started)
-                           for i, record in enumerate(records)))
+    await asyncio.gather(*(one_request(http, plan, body, plan.prompts[i % len(plan.prompts)], record, started,
+                                       plan.request_seed(i)) for i, record in enumerate(records)))
     failed = next((r for r in records if r.error is not None), None)
     if failed is not None:
         raise DraftwiseError(f"the warm-up request (speculation {mode}, concurrency {level}) failed: "
@@ -101,14 +123,15 @@ async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | Non
     cycled), `level` workers each sending the next one as soon as its last one ends."""
     prompts = [plan.prompts[i % len(plan.prompts)] for i in requests]
     mode, method, repeat, part = cell
-    records = [RequestRecord(mode, level, str(p.question_id), method, repeat, part) for p in prompts]
+    records = [RequestRecord(mode, level, str(p.question_id), method, repeat, part, seed=plan.request_seed(i))
+               for i, p in zip(requests, prompts)]
     todo = deque(zip(prompts, records))
     origin = time.perf_counter()
 
     async def worker():
         while todo:
             prompt, record = todo.popleft()
-            await one_request(http, plan, body, prompt, record, origin)
+            await one_request(http, plan, body, prompt, record, origin, record.seed)
 
     await asyncio.gather(*(worker() for _ in range(level)))
     wall = time.perf_counter() - origin
@@ -117,7 +140,8 @@ async def run_level(http, plan: LoadPlan, body: dict, cell: tuple[str, str | Non
     return records
 
 
-async def one_request(http, plan: LoadPlan, body: dict, prompt, record: RequestRecord, origin: float) -> None:
+async def one_request(http, plan: LoadPlan, body: dict, prompt, record: RequestRecord, origin: float,
+                      seed: int | None = None) -> None:
     """Send one streamed request and fill its record; any failure lands in record.error, nothing is raised."""
     import httpx
 
@@ -125,7 +149,8 @@ async def one_request(http, plan: LoadPlan, body: dict, prompt, record: RequestR
     record.start_s = started - origin
     try:
         # wait_for bounds the whole request; httpx's own timeout bounds only each read or connect.
-        await asyncio.wait_for(_stream(http, plan.path, with_prompt(body, prompt.text, plan.chat), record, started),
+        await asyncio.wait_for(_stream(http, plan.path, with_prompt(body, prompt.text, plan.chat, seed), record,
+                                       started),
                                plan.timeout)
     except asyncio.TimeoutError:
         record.error = f"timed out after {plan.timeout:g}s"

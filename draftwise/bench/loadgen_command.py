@@ -13,9 +13,10 @@ import os
 import shlex
 import sys
 
-from draftwise.bench.load_plan import MODES, LoadPlan, base_url
+from draftwise.bench.load_plan import MODES, SEED_SPAN, LoadPlan, base_url
 from draftwise.bench.load_record import RequestRecord
 from draftwise.bench.load_report import markdown_table, throttle_table, write_results
+from draftwise.bench.load_server import SERVER_CHOICES
 from draftwise.bench.load_stats import summarise
 from draftwise.bench.loadgen import API_KEY_ENV, run_load
 from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
@@ -41,8 +42,12 @@ def add_loadgen(commands, formatter) -> None:
             "parts, a method's modes taking turns part by part. Each cell\n"
             "starts (its first run only) with C warm-up requests at once, not counted, so that the server has\n"
             "timed the level's batch shapes before any cell is measured; then --requests requests; a failed\n"
-            "request is counted, never retried. Greedy\n"
-            "(temperature 0), one chunk per token.\n"
+            "request is counted, never retried. Greedy (temperature 0) unless --temperature T: then every\n"
+            "request is sampled at T, request i of a level seeded with --seed + i.\n"
+            "\n"
+            "Against a server that is not draftwise (found from /v1/models, and llama-server from its /props,\n"
+            "or as --server says) only --speculation on runs, and no `speculation` field is sent: the\n"
+            "report names the server measured.\n"
             "\n"
             "Per cell and level: aggregate tokens/s (completion tokens of the requests that succeeded over the\n"
             "run's wall time), p50/p95 time to first token (TTFT), p50/p95 time between tokens (TBT, the gaps\n"
@@ -61,6 +66,8 @@ def add_loadgen(commands, formatter) -> None:
             "  draftwise loadgen --url http://127.0.0.1:8000 --method lookup --no-chat --json\n"
             "  draftwise loadgen --url http://127.0.0.1:8000 --methods draft,lookup,hybrid \\\n"
             "      --speculation on,always,off --repeats 3\n"
+            "  llama-server -m TARGET.gguf -md DRAFT.gguf -np 4 --port 8080 &\n"
+            "  draftwise loadgen --url http://127.0.0.1:8080 --speculation on --temperature 0.7 --concurrency 1,4\n"
             "\n"
             "a run sends about (levels x cells x (repeats x requests + 1)) requests, a cell being a mode and a\n"
             "method (off: one cell); by default every level sends each\n"
@@ -74,6 +81,10 @@ def add_loadgen(commands, formatter) -> None:
                              "e.g. http://127.0.0.1:8000")
     server.add_argument("--api-key", metavar="KEY", help=f"sent as a bearer token (default: ${API_KEY_ENV})")
     server.add_argument("--model", metavar="ID", help="the model id to ask for (default: the first of /v1/models)")
+    server.add_argument("--server", choices=SERVER_CHOICES, default="auto",
+                        help="what the server is: 'auto' asks it (/v1/models, /props), 'plain' an OpenAI-compatible "
+                             "server that takes no draftwise field (--speculation on only), 'draftwise' one that "
+                             "takes the `speculation` field (default: %(default)s)")
     server.add_argument("--timeout", type=float, default=300.0, metavar="S",
                         help="seconds one request may take in all before it counts as failed (default: %(default)s)")
     work = p.add_argument_group("workload")
@@ -99,6 +110,14 @@ def add_loadgen(commands, formatter) -> None:
                            "at least the largest concurrency)")
     work.add_argument("--max-tokens", type=int, default=64, metavar="N",
                       help="max_tokens of every request (default: %(default)s)")
+    work.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="sample every request at T, 0-2 (default: %(default)s, greedy)")
+    work.add_argument("--top-p", type=float, metavar="P",
+                      help="with --temperature: nucleus sampling's top_p, sent to every server so that none "
+                           "applies its own default (default: 1, the whole distribution)")
+    work.add_argument("--seed", type=int, metavar="S",
+                      help="with --temperature: request i of a level sends seed S + i, the same at every level and "
+                           "cell, so that a run repeats where the server honours seeds (default: 0)")
     work.add_argument("--categories", default="all", metavar="C,C,...",
                       help="the bench's prompt categories, comma-separated, or 'all' (default: %(default)s)")
     work.add_argument("--per-category", type=int, default=4, metavar="N",
@@ -130,13 +149,33 @@ def plan_from_args(args: argparse.Namespace) -> LoadPlan:
     if (args.methods is not None and methods == (None,)) or unnamed:
         raise DraftwiseError(f"--methods takes a comma list of method names, each optionally METHOD:DRAFT, got "
                              f"{args.methods!r}")
+    sampling = _sampling(args)
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts()
     return LoadPlan(
         url=base_url(args.url), levels=_int_list(args.concurrency, "--concurrency"), modes=modes,
         prompts=tuple(select_prompts(prompts, args.categories, args.per_category)), requests=args.requests,
         max_tokens=args.max_tokens, chat=args.chat, methods=methods, repeats=args.repeats, slices=args.slices,
         model=args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout=args.timeout,
+        server=args.server, **sampling,
     )
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """--temperature, --top-p and --seed, checked; the last two mean nothing to a greedy run, which refuses them."""
+    t = args.temperature
+    if not (math.isfinite(t) and 0 <= t <= 2):
+        raise DraftwiseError(f"--temperature must be a number from 0 to 2, got {t!r}")
+    if t == 0:
+        given = [name for name, value in (("--top-p", args.top_p), ("--seed", args.seed)) if value is not None]
+        if given:
+            raise DraftwiseError(f"{' and '.join(given)} apply to sampled runs only: give --temperature T > 0")
+        return {"temperature": 0.0}
+    top_p = 1.0 if args.top_p is None else args.top_p
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise DraftwiseError(f"--top-p must be a number in (0, 1], got {args.top_p!r}")
+    if args.seed is not None and not 0 <= args.seed < SEED_SPAN:
+        raise DraftwiseError(f"--seed must be an integer from 0 to {SEED_SPAN - 1}, got {args.seed!r}")
+    return {"temperature": t, "top_p": top_p, "seed": args.seed or 0}
 
 
 def without_secrets(argv: list[str]) -> list[str]:
@@ -174,13 +213,15 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     out = prepare_out(args.out, "results.json, report.md and the plot")  # before the run, not after it
     records: list[RequestRecord] = []
+    found: dict = {}
     try:
-        asyncio.run(run_load(plan, records=records))
+        asyncio.run(run_load(plan, records=records, found=found))
     finally:  # a level that failed (the server went away) or Ctrl-C: the levels already run are kept
         rows = summarise(records)
         if records:
             write_results(out, plan, records, rows,
-                          command="draftwise " + " ".join(shlex.quote(a) for a in without_secrets(sys.argv[1:])))
+                          command="draftwise " + " ".join(shlex.quote(a) for a in without_secrets(sys.argv[1:])),
+                          server=found.get("server"))
             print(f"loadgen: wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'loadgen.png'}",
                   file=sys.stderr)
     verdicts = throttle_table(rows)
