@@ -132,13 +132,15 @@ class ServerSpec:
     draft_max: int | None = None
     threads: int | None = None
     context: int = CONTEXT_TOKENS
+    slots: int = 1
+    prompt_cache: bool = False
 
     def arguments(self, host: str, port: int) -> list[str]:
-        # One slot, so every request runs alone as the bench's others do; no prompt cache held in memory (each
-        # request prefills afresh: the same work as ours, and no reuse that could change the logits).
+        # The bench: one slot, so every request runs alone as the bench's others do; no prompt cache held in memory
+        # (each request prefills afresh: the same work as ours, and no reuse that could change the logits).
         # Log level 4 (trace) adds only the start-up's system_info line: the CPU features its kernels use.
         args = ["-m", str(self.model), "--host", host, "--port", str(port), "-c", str(self.context),
-                "-np", "1", "--cache-ram", "0", "-lv", "4"]
+                "-np", str(self.slots), *([] if self.prompt_cache else ["--cache-ram", "0"]), "-lv", "4"]
         if self.threads is not None:
             args += ["-t", str(self.threads), "-tb", str(self.threads)]
         if self.draft is not None:
