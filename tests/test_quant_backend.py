@@ -239,6 +239,14 @@ def logits_of_ragged_batches(backend) -> list[torch.Tensor]:
             view.close()
 
 
+def count_layer_calls(monkeypatch) -> list:
+    """Grows by one at each of the kernel's one-call layers, whichever route made the call."""
+    calls, lib = [], qgemm.library()
+    call = lib.dw_decoder_layer
+    monkeypatch.setattr(lib, "dw_decoder_layer", lambda *a: calls.append(1) or call(*a))
+    return calls
+
+
 @pytest.mark.real_model
 def test_a_layer_in_one_call_gives_the_bits_of_its_parts_called_one_by_one(monkeypatch):
     from draftwise.backends import quant_layers
@@ -246,10 +254,7 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_parts_called_one_by_one(monke
     backend = engine("none").target
     layers = backend.model.model.layers
     assert all(isinstance(layer, quant_layers.OneCallLayer) for layer in layers)
-    calls = []
-    one_call = quant_layers.OneCallLayer._in_one_call
-    monkeypatch.setattr(quant_layers.OneCallLayer, "_in_one_call",
-                        lambda *a: calls.append(1) or one_call(*a))
+    calls = count_layer_calls(monkeypatch)
     fused = logits_of_ragged_batches(backend)
     assert len(calls) == 6 * len(layers)  # three prefills, three passes
     with monkeypatch.context() as patch:
@@ -266,6 +271,51 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_parts_called_one_by_one(monke
         assert not torch.equal(logits_of_ragged_batches(backend)[0], parts[0])
     finally:
         middle._one_call.__init__()
+
+
+@pytest.mark.real_model
+def test_the_loop_of_one_call_layers_gives_the_bits_of_transformers_forward(monkeypatch):
+    from draftwise.backends import hf, quant_layers
+
+    backend = engine("none").target
+    layers = backend.model.model.layers
+    module_calls = []
+    one_call = quant_layers.OneCallLayer._in_one_call
+    monkeypatch.setattr(quant_layers.OneCallLayer, "_in_one_call", lambda *a: module_calls.append(1) or one_call(*a))
+    kernel_calls = count_layer_calls(monkeypatch)
+    looped = logits_of_ragged_batches(backend)
+    assert (len(module_calls), len(kernel_calls)) == (0, 6 * len(layers))  # the loop, past the layers' modules
+    with monkeypatch.context() as patch:  # transformers' forward over the same one-call layers
+        patch.setattr(hf, "layer_structs", lambda model: None)
+        routed = logits_of_ragged_batches(backend)
+    assert len(module_calls) == 6 * len(layers)
+    for got, want in zip(looped, routed):
+        assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"
+    # control: the loop with two layers in each other's place gives other logits
+    order = hf.layer_structs(backend.model)
+    order[3], order[4] = order[4], order[3]
+    monkeypatch.setattr(hf, "layer_structs", lambda model: order)
+    assert not torch.equal(logits_of_ragged_batches(backend)[0], routed[0])
+
+
+@pytest.mark.real_model
+def test_greedy_tokens_and_hidden_states_are_those_of_transformers_forward(monkeypatch):
+    from draftwise.backends import hf
+
+    eng = engine("none")
+    view = eng.target.open_slot()
+    try:
+        view.prefill(ids(PROMPT))
+        # hidden states asked for: hooks on the decoder, so transformers' forward runs (its logits, the loop's bits)
+        (logits,), (hidden,) = eng.target.forward_batch([(view, [5, 6])], hidden=True)
+        view.trim(len(ids(PROMPT)))
+        assert torch.equal(logits, view.forward([5, 6]))
+        assert hidden.shape == (2, eng.target.model.config.hidden_size)
+    finally:
+        view.close()
+    looped = baseline(OTHER)
+    monkeypatch.setattr(hf, "layer_structs", lambda model: None)
+    assert tuple(eng.generate(ids(OTHER), max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids) == looped
 
 
 @pytest.mark.real_model

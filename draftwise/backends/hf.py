@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from draftwise.backends.base import SharedBackend, SlotView
 from draftwise.backends.capabilities import BackendCapabilities
 from draftwise.backends.prefix_cache import PrefixCache
+from draftwise.backends.quant_stack import layer_structs, runs_in_one_call, stack_logits
 from draftwise.backends.slots import Slot, SlotCache
 from draftwise.errors import DraftwiseError
 from draftwise.models.gguf_file import refuse_rope_factors
@@ -41,6 +42,7 @@ class HFBackend(SharedBackend):
         self._windows = attention_windows(config)
         self._bool_mask = getattr(config, "_attn_implementation", "sdpa") != "eager"
         self._cache_keyword = cache_keyword(model)
+        self._on_blocks = runs_in_one_call(model)  # (whether a pass may take quant_stack's loop; checked per pass)
         self.cache = SlotCache()
         self.default = self.open_slot()
         self._prefix_cache: PrefixCache | None = None  # the prompt cache, shared with other models
@@ -137,9 +139,12 @@ class HFBackend(SharedBackend):
             position_ids = position_ids.clone() if position_ids is positions else position_ids  # (GPT-2's) must
             for row, n in enumerate(lengths):  # still hold its ids, so it repeats the row's last
                 position_ids[row, n:] = position_ids[row, n - 1]
+        mask = self._masks(positions, end, trees, position_ids, lengths)
+        structs = layer_structs(self.model) if self._on_blocks and torch.is_tensor(mask) else None
+        if structs is not None:  # every layer in one call: the loop of those calls, past transformers' dispatch
+            return stack_logits(self.model, structs, input_ids, mask, position_ids, self.cache, logits_to_keep)
         out = self.model(input_ids=input_ids, **{self._cache_keyword: self.cache}, use_cache=True,
-                         attention_mask=self._masks(positions, end, trees, position_ids, lengths),
-                         position_ids=position_ids, logits_to_keep=logits_to_keep)
+                         attention_mask=mask, position_ids=position_ids, logits_to_keep=logits_to_keep)
         return out.logits  # [B, logits_to_keep, vocab]
 
     def _masks(self, positions: torch.Tensor, end: int, trees: list, position_ids: torch.Tensor | None = None,
