@@ -7,7 +7,8 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from draftwise.config import SamplingConfig
-from draftwise.sampling import logits_to_probs
+from draftwise.sampling import logits_to_probs, sample
+from stats_helpers import fit_pvalue
 
 
 def transformers_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -41,3 +42,48 @@ def test_top_p_keeps_the_token_that_crosses_the_mass_and_no_more():
     # top-k first, then top-p over what is left (renormalized): 0.5 / 0.8 = 0.625 already holds 0.6.
     kept = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=2, top_p=0.6))
     assert kept.tolist() == pytest.approx([1, 0, 0])
+
+
+# --- drawing one token: the inverted cumulative sum --------------------------------------------------------
+
+WEIGHTS = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.25])  # unnormalized, zeros among them, at both ends
+
+
+def draws(sampler, n=20000, seed=0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [sampler(WEIGHTS, g) for _ in range(n)]
+
+
+def test_a_drawn_token_follows_the_weights_and_never_has_weight_0():
+    drawn = draws(sample)
+    table = {i: float(w / WEIGHTS.sum()) for i, w in enumerate(WEIGHTS) if w > 0}
+    assert not {i for i, w in enumerate(WEIGHTS) if w == 0} & set(drawn)
+    assert fit_pvalue(drawn, table) > 1e-3
+
+
+def test_a_sampler_that_bends_its_uniform_fails_the_same_test():
+    import draftwise.sampling as sampling
+
+    def bent(probs, g):  # u^1.1 in u's place: mass slides toward the first tokens
+        cdf = probs.double().cumsum(-1)
+        return sampling.invert(cdf, float(torch.rand((), dtype=torch.float64, generator=g)) ** 1.1 * float(cdf[-1]))
+
+    table = {i: float(w / WEIGHTS.sum()) for i, w in enumerate(WEIGHTS) if w > 0}
+    assert fit_pvalue(draws(bent), table) < 1e-6
+
+
+def test_the_inversion_at_share_boundaries_takes_a_token_that_has_a_share():
+    from draftwise.sampling import invert
+
+    cdf = torch.tensor([0.0, 0.5, 0.5, 1.0], dtype=torch.float64)  # weights 0, 0.5, 0, 0.5
+    assert [invert(cdf, at) for at in (0.0, 0.25, 0.5, 0.75)] == [1, 1, 3, 3]
+    assert invert(cdf, 1.0) == 3  # u * total rounded up to the total
+    assert invert(torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64), 0.5) == 1  # (a last token of weight 0)
+
+
+def test_a_seeded_draw_repeats_and_weights_without_mass_are_refused():
+    assert draws(sample, n=50, seed=3) == draws(sample, n=50, seed=3)
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")]), torch.tensor([1.0, float("inf")])):
+        with pytest.raises(RuntimeError, match="probabilities must be finite"):
+            sample(bad, torch.Generator().manual_seed(0))
+
