@@ -20,6 +20,15 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's largest logit's id, logits [rows, vocab]: the first of equal maxima, a NaN counted largest, as
+    torch.argmax has it. A CPU float row goes through numpy, whose argmax reads a 152k-entry row in about 10 us where
+    torch's takes about 300 us on one thread: greedy decoding's whole use of the target's logits."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order transformers uses). logits: [..., vocab]."""
     logits = logits.float()

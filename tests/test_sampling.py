@@ -87,3 +87,12 @@ def test_a_seeded_draw_repeats_and_weights_without_mass_are_refused():
         with pytest.raises(RuntimeError, match="probabilities must be finite"):
             sample(bad, torch.Generator().manual_seed(0))
 
+
+def test_argmax_ids_are_torchs_own_ties_nans_and_infinities_included():
+    from draftwise.sampling import argmax_ids
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, nan, 3.0, nan], [2.0, 5.0, 5.0, 1.0], [-inf] * 4, [inf, 1.0, inf, 0.0]])
+    random = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    for logits in (rows, random, random.double(), random[:, ::3], random.bfloat16()):
+        assert argmax_ids(logits) == logits.argmax(dim=-1).tolist()

@@ -12,7 +12,7 @@ from draftwise.backends.base import Backend, SharedBackend, SlotView
 from draftwise.config import SamplingConfig
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.batch import run_round
-from draftwise.sampling import logits_to_probs, sample
+from draftwise.sampling import argmax_ids, logits_to_probs, sample
 from draftwise.types import Draft
 
 
@@ -147,7 +147,7 @@ class DraftModelProposer(Proposer):
         if self._sampling.greedy:
             if self.token_ids is None:
                 logits = logits[: self.target_vocab_size]  # rows past the target's vocabulary are padding
-            best = int(logits.argmax())
+            best = argmax_ids(logits[None])[0]
             confidence = float(torch.softmax(logits, -1)[best]) if want_confidence else 1.0
             return (best if self.token_ids is None else int(self.token_ids[best])), None, confidence
         q = logits_to_probs(self._fit_vocab(logits), self._sampling)  # [target_vocab]

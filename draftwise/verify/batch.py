@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.config import SamplingConfig
-from draftwise.sampling import logits_to_probs, sample
+from draftwise.sampling import argmax_ids, logits_to_probs, sample
 from draftwise.types import Draft, TreeLayout, Verdict
 from draftwise.verify.rejection import _residual
 from draftwise.verify.tree import verify_tree_greedy, verify_tree_sampled
@@ -41,7 +41,7 @@ class DraftBatch:
 def verify_batch(batch: DraftBatch, logits: torch.Tensor, samplings: list[SamplingConfig],
                  generators: list[torch.Generator]) -> list[Verdict]:
     """logits: [T + B, vocab], sequence b's rows at batch.rows(b). Returns one Verdict per sequence."""
-    greedy_ids = logits.argmax(dim=-1).tolist() if any(s.greedy for s in samplings) else None  # [T + B]
+    greedy_ids = argmax_ids(logits) if any(s.greedy for s in samplings) else None  # [T + B]
     verdicts = []
     for b, (sampling, generator) in enumerate(zip(samplings, generators)):
         draft = batch.token_ids[batch.offsets[b] : batch.offsets[b + 1]]  # [n_b]

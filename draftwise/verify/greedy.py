@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.sampling import argmax_ids
 from draftwise.types import Verdict
 
 
@@ -12,7 +13,7 @@ def verify_greedy(draft_ids: list[int] | tuple[int, ...], target_logits: torch.T
     The output is exactly the target's own greedy text: every kept token is the target's argmax,
     and the next token is the target's argmax after the kept prefix.
     """
-    target_ids = target_logits.argmax(dim=-1).tolist()  # [n + 1]
+    target_ids = argmax_ids(target_logits)  # [n + 1]
     accepted = 0
     for proposed, wanted in zip(draft_ids, target_ids):
         if proposed != wanted:
