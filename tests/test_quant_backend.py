@@ -240,10 +240,12 @@ def logits_of_ragged_batches(backend) -> list[torch.Tensor]:
 
 
 def count_layer_calls(monkeypatch) -> list:
-    """Grows by one at each of the kernel's one-call layers, whichever route made the call."""
+    """Grows by one at each layer the kernel runs in one call, whichever route made the call (a layer alone, or the
+    whole stack in one: its count of layers)."""
     calls, lib = [], qgemm.library()
-    call = lib.dw_decoder_layer
-    monkeypatch.setattr(lib, "dw_decoder_layer", lambda *a: calls.append(1) or call(*a))
+    layer, stack = lib.dw_decoder_layer, lib.dw_decoder_stack
+    monkeypatch.setattr(lib, "dw_decoder_layer", lambda *a: calls.append(1) or layer(*a))
+    monkeypatch.setattr(lib, "dw_decoder_stack", lambda *a: calls.extend([1] * a[1]) or stack(*a))
     return calls
 
 

@@ -728,3 +728,21 @@ done:
     free(v);
     return status;
 }
+
+// A pass's decoder layers back to back (quant_stack.py): layer i reads one of two buffers and writes the other, its
+// cache is kc[i], vc[i] (every layer's with the same strides), and the last layer's output ends in out. The same
+// dw_decoder_layer calls, in the same order, on the same values as a caller's loop over them: the same bits, without
+// a return to Python between layers (where everything the weights' streaming pushed out of the caches is read back).
+int dw_decoder_stack(const dw_layer *const *layers, int count, const float *x, int batch, int n, const float *cos,
+                     const float *sin, float *const *kc, float *const *vc, long rs, long hs, long ps,
+                     const int64_t *cache_rows, const int64_t *write_at, const uint8_t *visible, int keys, float *out,
+                     float *spare) {
+    for (int i = 0; i < count; i++) {
+        float *to = (count - i) % 2 ? out : spare;  // (the last layer writes out)
+        int status = dw_decoder_layer(layers[i], x, batch, n, cos, sin, kc[i], vc[i], rs, hs, ps, cache_rows,
+                                      write_at, visible, keys, to);
+        if (status) return status;
+        x = to;
+    }
+    return 0;
+}

@@ -170,6 +170,9 @@ def open_library(path: Path, isa: str) -> ctypes.CDLL:
     lib.dw_decoder_layer.argtypes = [ctypes.POINTER(LayerStruct), pointer, number, number, pointer, pointer, pointer,
                                      pointer, *[stride] * 3, *[pointer] * 3, number, pointer]
     lib.dw_decoder_layer.restype = number
+    lib.dw_decoder_stack.argtypes = [pointer, number, pointer, number, number, pointer, pointer, pointer, pointer,
+                                     *[stride] * 3, *[pointer] * 3, number, pointer, pointer]
+    lib.dw_decoder_stack.restype = number
     return lib
 
 
