@@ -50,7 +50,7 @@ def layer_structs(model: nn.Module) -> list | None:
         struct = layer._one_call.struct(layer)
         if struct is None:
             return None
-        structs.append((layer.self_attn, struct))
+        structs.append((layer._modules["self_attn"], struct))
     shapes = {(attn.kv_heads, attn.head_dim) for attn, _ in structs}
     return structs if len(shapes) == 1 else None  # (every layer's cache then has the same strides)
 
