@@ -155,7 +155,8 @@ class Round:
         per_row = [row if seqs[i].constraint is None else seqs[i].constraint.mask(row, drafts[i])
                    for i, row in zip(live, per_row)]
         batch = DraftBatch.of([drafts[i] for i in live])
-        found = verify_batch(batch, torch.cat(per_row),  # [T + B, vocab]
+        logits = per_row[0] if len(per_row) == 1 else torch.cat(per_row)  # [T + B, vocab] (one row: no copy)
+        found = verify_batch(batch, logits,
                              [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
         return dict(zip(live, found)), dict(zip(live, features))
 
