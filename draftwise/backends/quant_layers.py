@@ -201,8 +201,9 @@ def _parts(layer: nn.Module) -> tuple:
     layer, and nn.Module's attribute lookup costs about a microsecond each."""
     children = layer._modules
     attn, mlp = children["self_attn"], children["mlp"]
-    return (children["input_layernorm"], attn, children["post_attention_layernorm"], mlp,
-            *(attn._modules.get(name) for name in ATTENTION_PARTS), *(mlp._modules.get(name) for name in MLP_PARTS))
+    a, m = attn._modules.get, mlp._modules.get  # (spelled out: a generator costs more than the lookups)
+    return (children["input_layernorm"], attn, children["post_attention_layernorm"], mlp, a("q_proj"), a("k_proj"),
+            a("v_proj"), a("o_proj"), m("gate_proj"), m("up_proj"), m("down_proj"))
 
 
 def fuse_layers(model: nn.Module) -> int:
