@@ -93,6 +93,26 @@ def test_no_float_copy_of_the_model_is_made(root):
         embedding(torch.tensor([VOCAB]))
 
 
+@pytest.mark.parametrize("embedding_type", ["Q6_K", "Q8_0", "Q4_K"])
+def test_rows_kept_from_earlier_lookups_are_the_rows_looked_up_afresh(root, embedding_type):
+    from draftwise.backends import gguf_model
+
+    embedding = load_gguf_model(tiny_file(root, "qwen2", False, embedding=embedding_type),
+                                progress=False).get_input_embeddings()
+    table = embedding.weight  # [vocab, dim]: every row de-quantized at once, nothing kept
+    steps = [[5], [5], [9, 5, 9], [VOCAB - 1], list(range(40)), [0]]  # repeats, a few at once, past the limit
+    embedding._kept_limit = 32  # (so that the steps above clear the kept rows too)
+    for ids in steps:
+        assert torch.equal(embedding(torch.tensor([ids])), table[torch.tensor([ids])]), ids
+        assert len(embedding._kept) <= 40
+    many = torch.arange(gguf_model.KEPT_LOOKUP + 1)[None]  # a prefill's lookup: de-quantized, not kept
+    before = dict(embedding._kept)
+    assert torch.equal(embedding(many), table[many]) and embedding._kept.keys() == before.keys()
+    # control: a kept row of another id gives another embedding
+    embedding._kept[5] = table[6]
+    assert not torch.equal(embedding(torch.tensor([[5]])), table[torch.tensor([[5]])])
+
+
 def test_a_drafts_output_layer_cut_on_its_blocks_keeps_those_rows_bits(root):
     native = load_gguf_model(tiny_file(root, "qwen2", True), progress=False)
     full = logits(native)

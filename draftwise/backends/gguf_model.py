@@ -48,6 +48,10 @@ NOT_RUN = {"gemma2": "its attention soft cap, which the batch-invariant attentio
            "files)"}
 
 
+KEPT_ROW_BYTES = 16 << 20  # de-quantized rows a QuantEmbedding keeps: about 2,700 of a 1.5B model's 1536 floats
+KEPT_LOOKUP = 64  # lookups of up to this many ids (a decoding step's) go through the kept rows; a prefill's do not
+
+
 class QuantEmbedding(nn.Module):
     """A token embedding on a GGUF file's quantized rows [vocab, bytes a row] (a view of the mapped file): the rows
     looked up are de-quantized with the gguf package's own arithmetic, the values transformers' loader gives the
@@ -63,6 +67,8 @@ class QuantEmbedding(nn.Module):
         self._qtype = gguf.GGMLQuantizationType[type_name]
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None
+        self._kept: dict[int, torch.Tensor] = {}  # id -> its de-quantized row [dim] (_kept_rows)
+        self._kept_limit = max(1, KEPT_ROW_BYTES // (4 * embedding_dim))
         # Gemma multiplies the looked-up rows by sqrt(hidden) (Gemma3TextScaledWordEmbedding): kept as it does
         self.register_buffer("embed_scale", embed_scale, persistent=False)
 
@@ -71,11 +77,25 @@ class QuantEmbedding(nn.Module):
 
         return torch.from_numpy(gguf.quants.dequantize(self.raw[ids], self._qtype).reshape(len(ids), -1))
 
+    def _kept_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """[len(ids), dim]: the rows of a few ids, from those kept since their first lookup (a decoding step looks up
+        one or a few; the gguf package's arithmetic costs about 0.1 ms a call however few, more after a pass has
+        pushed it out of the caches); the others de-quantized together and kept, while the budget holds them."""
+        kept, wanted = self._kept, {int(i) for i in ids}
+        missing = sorted(wanted - kept.keys())
+        if missing:
+            if len(kept) + len(missing) > self._kept_limit:  # (a text's recurring tokens come back within a few steps)
+                kept.clear()
+                missing = sorted(wanted)
+            kept.update(zip(missing, self._rows(np.array(missing))))
+        return torch.stack([kept[int(i)] for i in ids])
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1).cpu().numpy()  # [tokens]
         if len(flat) and (flat.min() < 0 or flat.max() >= self.num_embeddings):
             raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        rows = self._rows(flat).reshape(*input_ids.shape, self.embedding_dim)  # [..., dim] float32
+        rows = self._kept_rows(flat) if 0 < len(flat) <= KEPT_LOOKUP else self._rows(flat)  # [tokens, dim] float32
+        rows = rows.reshape(*input_ids.shape, self.embedding_dim)  # [..., dim]
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(rows.dtype)
         return rows
