@@ -94,3 +94,12 @@ def test_the_hf_backend_refuses_a_file_whose_scaling_it_would_drop(tmp_path):
     path = write(tmp_path, "scaled", llama31_factors())
     with pytest.raises(DraftwiseError, match="--backend quant or --backend llamacpp"):
         load_model(str(tmp_path), path.name, "float32")
+
+
+def test_the_store_makes_no_float_copy_of_such_a_file(tmp_path):
+    from draftwise.models.convert import convert_gguf
+
+    path = write(tmp_path, "scaled", llama31_factors())
+    with pytest.raises(DraftwiseError, match="rope_freqs"):
+        convert_gguf(tmp_path, path.name, tmp_path / "float32", progress=False)
+    assert not (tmp_path / "float32").exists()

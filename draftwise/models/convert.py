@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from draftwise.models.gguf_file import refuse_rope_factors
 from draftwise.progress import transformers_progress
 
 
@@ -49,6 +50,7 @@ def save_converted(model: Any, tokenizer: Any, out_dir: Path) -> None:
 
 def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool = True) -> None:
     """The real conversion step of a pull (about a minute for 1.5B parameters on 2 cores)."""
+    refuse_rope_factors(gguf_dir / gguf_file)  # (a float model without its rotary scaling is not the file's model)
     model, tokenizer = load_gguf_as_float32(gguf_dir, gguf_file, progress=progress)
     save_converted(model, tokenizer, out_dir)
 

@@ -33,7 +33,6 @@ from tqdm import tqdm
 from draftwise.errors import ModelStoreError
 from draftwise.models.convert import Convert, convert_gguf, prepare_gguf
 from draftwise.models.fetch import Fetch, append_member, pip_download
-from draftwise.models.gguf_file import refuse_rope_factors
 from draftwise.models.home import store_home
 from draftwise.models.packed import cache_files, entries_bytes, remove_entries
 from draftwise.models.versions import split_version, version_folder
@@ -183,7 +182,6 @@ def float_copy(folder: Path, manifest: dict, progress: bool = True, steps: "Pull
     if gguf is None:
         raise ModelStoreError(f"{name}: the store folder {folder} has neither float weights nor its GGUF file; "
                               f"`draftwise models pull {name} --force` fetches it again")
-    refuse_rope_factors(gguf)  # (before gigabytes are written)
     try:
         lock, work = _pull_lock(name, progress), _new_work_dir(name)
     except OSError as err:
