@@ -310,15 +310,21 @@ class LlamaServer:
 
     def close(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s) and delete its log."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stop_process(self._process, grace_s=10)
         self._process = None
         if self._log is not None:
             self._log.close()
             Path(self._log.name).unlink(missing_ok=True)
             self._log = None
+
+
+def stop_process(process: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGTERM a server still running, then SIGKILL it if it has not ended within grace_s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from draftwise.bench.llamacpp_server import LlamaServer, ServerSpec, free_port
+from draftwise.bench.llamacpp_server import LlamaServer, ServerSpec, free_port, stop_process
 from draftwise.bench.load_plan import LoadPlan
 from draftwise.bench.load_report import fmt, write_results
 from draftwise.bench.load_stats import summarise
@@ -91,13 +91,7 @@ class DraftwiseServer:
         return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()  # drains: nothing is running by now
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stop_process(self._process, grace_s=30)  # drains: nothing is running by now
         self._process = None
         self._log.close()
         Path(self._log.name).unlink(missing_ok=True)
