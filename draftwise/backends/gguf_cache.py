@@ -2,12 +2,13 @@
 
     cache = PackCache.of(gguf)           # the cache of this file, as it is now (size, mtime), or an empty one
     cache = PackCache.of(gguf, "q4")     # its draft's blocks (the wider ones re-quantized): a file of their own
-    packed = cache.get(name, order)      # a Packed over the mapped cache file (nothing copied), or None
+    packed = cache.get(name, order)      # a Packed over the cache file's bytes (read once, on huge pages), or None
     cache.save(all_packed)               # after a load that packed: written once, whole (files.write_whole)
 
-Packing a 1.5B model's blocks takes seconds of numpy (gguf_weights.pack_raw); mapping them takes milliseconds, and
-the pages are the page cache's, shared by every process that maps them. The bytes are pack_raw's own, so a load from
-the cache gives the same bits as a load that packs.
+Packing a 1.5B model's blocks takes seconds of numpy (gguf_weights.pack_raw); reading them back takes a fraction of
+a second from the page cache. They are read into an anonymous mapping on huge pages (huge_pages.py), not mapped from
+the file: a decoding step streams them faster so. The bytes are pack_raw's own, so a load from the cache gives the
+same bits as a load that packs.
 
 The file lives under $DRAFTWISE_HOME/kernels/packed (never beside a user's file, never in a repository), named for
 the GGUF's path and the kind of blocks; it holds the GGUF's path, size and mtime, the kind and LAYOUT, and is used
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from draftwise.backends.gguf_weights import Packed
+from draftwise.backends.huge_pages import read_into_arena
 from draftwise.files import write_whole
 from draftwise.models.packed import FILE_BLOCKS, MAGIC, cache_path, read_index
 
@@ -42,7 +44,7 @@ def _identity(gguf: Path, blocks: str) -> dict:
 
 
 class PackCache:
-    """The packed tensors of one GGUF file, read from its cache file (a map of it), or none yet."""
+    """The packed tensors of one GGUF file, read from its cache file, or none yet."""
 
     def __init__(self, gguf: Path, path: Path, entries: dict, mapped: np.ndarray | None, blocks: str = FILE_BLOCKS):
         self.gguf, self.path, self.entries, self.mapped, self.blocks = gguf, path, entries, mapped, blocks
@@ -119,9 +121,8 @@ def _read(path: Path, identity: dict) -> tuple[dict, np.ndarray]:
     data_bytes = int(index["data_bytes"])
     if path.stat().st_size < start + data_bytes:
         raise ValueError("truncated")
-    # copy-on-write: writable arrays for torch, pages shared with the page cache until written (they never are)
-    mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(data_bytes,)) if data_bytes else \
-        np.zeros(0, dtype=np.uint8)
+    # read, not mapped: a page-cache mapping is on 4 KiB pages, and a step streams these bytes faster from huge ones
+    mapped = read_into_arena(path, start, data_bytes) if data_bytes else np.zeros(0, dtype=np.uint8)
     for entry in index["tensors"].values():  # each entry whole and inside the data, or the cache is not read
         if not isinstance(entry.get("order"), str) or not isinstance(entry.get("shared"), bool) or \
                 not all(isinstance(entry.get(key), int) for key in ("n", "k", "group", "supers", "bits")):

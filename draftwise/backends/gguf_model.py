@@ -17,6 +17,7 @@ The result runs the same kernels, in the same order, on the same values as a flo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import mmap
 import re
 from pathlib import Path
@@ -27,7 +28,8 @@ from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
 from draftwise.models.gguf_file import ROPE_FACTORS, GGUFFile, rope_factors
-from draftwise.backends.gguf_weights import DECODERS, pack_raw, requantize_4bit
+from draftwise.backends.gguf_weights import DECODERS, Packed, pack_raw, requantize_4bit
+from draftwise.backends.huge_pages import on_huge_pages
 from draftwise.models.packed import FILE_BLOCKS
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.errors import DraftwiseError
@@ -122,8 +124,9 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
     de-quantized on lookup; config: the model's config when the caller has it (the store saved it at pull), else read
     from the file's metadata. Refuses a file it cannot run by name, before reading any weight.
 
-    cache: take the blocks already packed for the kernel from the file's pack cache (gguf_cache.py: mapped, not
-    copied), and write one after packing them, so that the next load only maps them; the same bytes either way.
+    cache: take the blocks already packed for the kernel from the file's pack cache (gguf_cache.py: read back, not
+    packed again), and write one after packing them, so that the next load only reads them; the same bytes either way.
+    Either way the blocks end on huge pages (huge_pages.py), which a step streams faster.
 
     draft: the model is a draft, whose values may move (the target verifies every token it proposes): its linears on
     blocks wider than 4 bits (Q6_K, Q8_0, ...) are re-quantized to 4 bits, which a forward reads fewer bytes of,
@@ -173,7 +176,7 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
 
 
 class _Linears:
-    """Each linear of a load on the kernel: a shared model's own module, the pack cache's blocks (mapped), or blocks
+    """Each linear of a load on the kernel: a shared model's own module, the pack cache's blocks, or blocks
     packed here from the file's (re-quantized to 4 bits where a draft's are wider); then, if any were packed here,
     the cache written once, whole."""
 
@@ -193,6 +196,7 @@ class _Linears:
         packed = self.packs.get(tensor.name, order_key) if self.packs is not None else None
         if packed is None:
             packed, self.fresh = (requantize_4bit if wide else pack_raw)(type_name, tensor.data, n, k, order), True
+            packed = _on_huge_pages(packed)
             _let_go(self.file, tensor)
         self.packed[tensor.name] = (packed, order_key)
         return QuantLinear(packed, bias)
@@ -212,6 +216,13 @@ def _channel_order(tensor: str, rows: int, architecture: str, config) -> tuple[n
         return None, "file"
     heads = config.num_attention_heads if ".attn_q." in tensor else config.num_key_value_heads
     return llama_order(rows, heads), f"llama-{heads}"
+
+
+def _on_huge_pages(packed: Packed) -> Packed:
+    """packed with its large arrays copied onto huge pages, as a load from the pack cache reads them (the same bytes)."""
+    q, sc, d, dmin = (on_huge_pages(a) for a in (packed.q, packed.sc, packed.d, packed.dmin))
+    mn = sc if packed.mn is packed.sc else on_huge_pages(packed.mn)
+    return dataclasses.replace(packed, q=q, sc=sc, mn=mn, d=d, dmin=dmin)
 
 
 def _let_go(file: GGUFFile, tensor) -> None:

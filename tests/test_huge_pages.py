@@ -1,0 +1,78 @@
+"""The weights' memory on huge pages (backends/huge_pages.py): an arena starts on a 2 MiB boundary and is asked for
+huge pages, a file read into one is byte for byte the file, and a quant model's packed blocks live in arenas whether
+they were packed at load or read from the pack cache."""
+from __future__ import annotations
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from draftwise.backends import huge_pages
+from draftwise.backends.huge_pages import HUGE_PAGE, arena, on_huge_pages, read_into_arena
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                           reason="madvise(MADV_HUGEPAGE) is Linux's")
+
+
+def advised_huge(array: np.ndarray) -> bool:
+    """Whether the mapping holding array's first byte carries the huge-page advice (smaps' VmFlags "hg")."""
+    address, flags = array.ctypes.data, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif line.startswith("VmFlags:") and inside:
+                flags = line.split()[1:]
+    return flags is not None and "hg" in flags
+
+
+@linux
+def test_an_arena_starts_on_a_huge_page_and_is_advised_so():
+    data = arena(3 * HUGE_PAGE + 5)
+    assert data.ctypes.data % HUGE_PAGE == 0 and data.nbytes == 3 * HUGE_PAGE + 5
+    assert not data.any() and data.flags.writeable
+    data[:] = 7
+    assert advised_huge(data)
+    assert not advised_huge(np.ones(3 * HUGE_PAGE, dtype=np.uint8))  # the control: ordinary memory is not
+
+
+def test_a_small_arena_is_an_ordinary_array():
+    data = arena(HUGE_PAGE - 1)
+    assert data.nbytes == HUGE_PAGE - 1 and not data.any()
+
+
+def test_a_file_read_into_an_arena_is_its_bytes(tmp_path):
+    raw = np.random.default_rng(0).integers(0, 256, 2 * HUGE_PAGE + 999, dtype=np.uint8)
+    path = tmp_path / "blocks"
+    path.write_bytes(raw.tobytes())
+    assert np.array_equal(read_into_arena(path, 64, raw.nbytes - 64), raw[64:])
+    with pytest.raises(ValueError, match="truncated"):
+        read_into_arena(path, 64, raw.nbytes)
+
+
+def test_a_copy_on_huge_pages_is_the_same_array():
+    array = np.random.default_rng(1).standard_normal((700, 1024)).astype(np.float32)  # 2.7 MiB
+    copy = on_huge_pages(array)
+    assert copy is not array and copy.dtype == array.dtype and np.array_equal(copy, array)
+    small = np.ones(10, dtype=np.int8)
+    assert on_huge_pages(small) is small
+
+
+@linux
+def test_a_quant_models_blocks_are_on_huge_pages_packed_or_read_back(tmp_path, monkeypatch):
+    from gguf_files import write_gguf
+
+    from draftwise.backends.gguf_model import load_gguf_model
+    from draftwise.backends.qgemm import QuantLinear
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)  # a tiny model's blocks are far under a huge page
+    path = write_gguf(tmp_path / "tiny.gguf")
+    for load in ("packs", "reads the cache"):
+        model = load_gguf_model(path, progress=False)
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert linears and all(advised_huge(m.q.numpy()) for m in linears), load
