@@ -83,10 +83,11 @@ def attention_on(lib: ctypes.CDLL, query, key, value, visible, scale) -> torch.T
 
 
 def attention_inputs(dim: int, seed: int = 0):
-    """Grouped-query attention over a ragged mask: 2 sequences, 6 query heads on 2 key heads, 5 queries, 23 keys."""
+    """Grouped-query attention over a ragged mask: 2 sequences, 6 query heads on 2 key heads, 5 queries, 37 keys (two
+    blocks of 16 keys scored at once, then 5 one by one)."""
     g = torch.Generator().manual_seed(seed)
-    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((6, 5), (2, 23), (2, 23)))
-    visible = (torch.rand(2, 5, 23, generator=g) > 0.3).to(torch.uint8).contiguous()
+    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((6, 5), (2, 37), (2, 37)))
+    visible = (torch.rand(2, 5, 37, generator=g) > 0.3).to(torch.uint8).contiguous()
     visible[1, 2] = 0  # a query that sees nothing: zeros
     return query, key, value, visible, dim ** -0.5
 
@@ -132,7 +133,8 @@ def test_the_largest_int16_sums_of_avx2_stay_exact(isa, type_name):
 
 @needs_two
 @pytest.mark.parametrize("isa", OTHERS)
-@pytest.mark.parametrize("dim", [16, 40, 64])  # 40: a tail past the 16 lanes
+@pytest.mark.parametrize("dim", [16, 40, 64, 128, 200])  # 40: a tail past the 16 lanes; 128 and 200: a value pass
+# of eight full registers (200: then one with a tail)
 def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim):
     inputs = attention_inputs(dim)
     want = attention_on(qgemm.library_for(FASTEST), *inputs)

@@ -533,60 +533,184 @@ static inline float exp_fixed(float x) {
 }
 
 #define MAX_GROUP 32  // query heads a key/value head serves
+
+#define KEY_BLOCK 16  // keys scored together: one register of 16 partial sums each
+
+#if DW_VNNI
+// s[j] = dot_lanes(q, k + j * kt, d) * scale for the 16 keys j of a block (rows past count repeat the last one; their
+// scores are not used): the same fused multiply-adds into 16 lanes per key, then dot_lanes' pairwise tree with each
+// level one add over two keys' registers, so the sixteen keys' reductions cost what one key's did.
+static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
+    const float *row[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) row[j] = k + (long)(j < count ? j : count - 1) * kt;
+    __m512 acc[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + LANES <= d; i += LANES) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(row[j] + i), acc[j]);
+    }
+    if (i < d) {
+        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, row[j] + i), acc[j]);
+    }
+    // lane l + lane l + 8, two keys a register: [a 0-7 | b 0-7]
+    __m512 r1[8];
+    for (int p = 0; p < 8; p++)
+        r1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // l + l + 4, four keys a register, one 128-bit lane each: [a 0-3 | b 0-3 | c 0-3 | d 0-3]
+    __m512 r2[4];
+    for (int p = 0; p < 4; p++)
+        r2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * p], r1[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(r1[2 * p], r1[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // l + l + 2: 128-bit lane c holds keys c and c + 4 (of r2[0], r2[1]), or c + 8 and c + 12
+    __m512 r3[2];
+    for (int p = 0; p < 2; p++)
+        r3[p] = _mm512_add_ps(_mm512_shuffle_ps(r2[2 * p], r2[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(r2[2 * p], r2[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // l + l + 1: element 4c + e is key c + 4e's sum; put each key in its place
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i place = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_permutexvar_ps(place, sums), _mm512_set1_ps(scale)));
+}
+
+// exp_fixed on 16 lanes: each of its operations, in its order.
+static inline __m512 exp_fixed16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// which of 16 keys a query sees (seen's bytes nonzero)
+static inline __mmask16 seen16(const uint8_t *seen) {
+    return _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)seen)), _mm512_set1_epi32(0xFF));
+}
+
+#define VALUE_REGS 8  // registers of o held while the keys go by (128 floats)
+// o [d] = the sum over the keys it sees of p[j] * v_j, as add_scaled's key by key (the same fused multiply-add on
+// each element, keys in order), with o in registers rather than read and written back for every key.
+static inline void weigh_values(float *o, const float *p, const uint8_t *sees, const float *v, long vt, int keys, int d) {
+    for (int c0 = 0; c0 < d; c0 += VALUE_REGS * LANES) {
+        const int regs = (d - c0 + LANES - 1) / LANES < VALUE_REGS ? (d - c0 + LANES - 1) / LANES : VALUE_REGS;
+        const int tail = (d - c0) - (regs - 1) * LANES;  // lanes of the last register in use (1 to 16)
+        const __mmask16 last = (__mmask16)(tail == LANES ? 0xFFFF : (1u << tail) - 1);
+        __m512 acc[VALUE_REGS];
+        for (int r = 0; r < VALUE_REGS; r++) acc[r] = _mm512_setzero_ps();
+        if (regs == VALUE_REGS && tail == LANES) {  // (the common case, 128 floats: no mask in the loop)
+            for (int j = 0; j < keys; j++) {
+                if (!sees[j]) continue;
+                const __m512 pv = _mm512_set1_ps(p[j]);
+                const float *vj = v + (long)j * vt + c0;
+                for (int r = 0; r < VALUE_REGS; r++) acc[r] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + r * LANES), acc[r]);
+            }
+        } else {
+            for (int j = 0; j < keys; j++) {
+                if (!sees[j]) continue;
+                const __m512 pv = _mm512_set1_ps(p[j]);
+                const float *vj = v + (long)j * vt + c0;
+                for (int r = 0; r < regs; r++)
+                    acc[r] = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(r < regs - 1 ? 0xFFFF : last, vj + r * LANES),
+                                             acc[r]);
+            }
+        }
+        for (int r = 0; r < regs; r++) _mm512_mask_storeu_ps(o + c0 + r * LANES, r < regs - 1 ? 0xFFFF : last, acc[r]);
+    }
+}
+#else
+static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
+    for (int j = 0; j < count; j++) s[j] = dot_lanes(q, k + (long)j * kt, d) * scale;
+}
+
+static inline void weigh_values(float *o, const float *p, const uint8_t *sees, const float *v, long vt, int keys, int d) {
+    for (int c = 0; c < d; c++) o[c] = 0.0f;
+    for (int j = 0; j < keys; j++)
+        if (sees[j]) add_scaled(o, p[j], v + (long)j * vt, d);
+}
+#endif
+
+// One key head's queries over its keys: q [n, group, d] at strides (qt per token, qh per head), keys and values at
+// kt and vt per position, seen [n, keys]; out [n, group, d] at ot per token. score: queries x keys floats.
+static void attend_group(const float *q, long qh, long qt, const float *k, long kt, const float *v, long vt,
+                         const uint8_t *seen, int n, int group, int keys, int d, float scale, float *score, float *out,
+                         long ot) {
+    const int queries = n * group;
+    for (int j0 = 0; j0 < keys; j0 += KEY_BLOCK) {  // every query's scores, a block of keys at a time
+        const int count = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
+        float s[KEY_BLOCK];
+        for (int i = 0; i < queries; i++) {
+            score_block(q + (i / group) * qt + (i % group) * qh, k + (long)j0 * kt, kt, count, d, scale, s);
+            memcpy(score + (size_t)i * keys + j0, s, sizeof(float) * count);
+        }
+    }
+    for (int i = 0; i < queries; i++) {
+        const uint8_t *sees = seen + (size_t)(i / group) * keys;
+        float *sg = score + (size_t)i * keys;
+        float top = -INFINITY, total = 0.0f;
+        int j = 0;
+#if DW_VNNI
+        __m512 tops = _mm512_set1_ps(-INFINITY);  // (a maximum is the same in any order)
+        for (; j + LANES <= keys; j += LANES)
+            tops = _mm512_mask_max_ps(tops, seen16(sees + j), tops, _mm512_loadu_ps(sg + j));
+        top = _mm512_reduce_max_ps(tops);
+#endif
+        for (; j < keys; j++)
+            if (sees[j]) top = fmaxf(top, sg[j]);
+        j = 0;
+#if DW_VNNI
+        for (; j + LANES <= keys; j += LANES) {  // hidden keys weigh an exact zero
+            const __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(sg + j, _mm512_maskz_mov_ps(seen16(sees + j), e));
+        }
+#endif
+        for (; j < keys; j++) sg[j] = sees[j] ? exp_fixed(sg[j] - top) : 0.0f;
+        for (j = 0; j < keys; j++) total += sg[j];  // in key order: a hidden key adds an exact zero
+        float *o = out + (size_t)(i / group) * ot + (size_t)(i % group) * d;
+        weigh_values(o, sg, sees, v, vt, keys, d);
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // sees nothing: zeros
+        for (int c = 0; c < d; c++) o[c] *= inv;
+    }
+}
+
 // cache_rows [batch] (or NULL: b itself): which row of k and v batch row b reads, so a forward over slots that are not
 // next to each other reads the cache in place.
+//
+// Each (sequence, key head) is one work item: its queries (n tokens x the group's query heads) are scored against a
+// block of KEY_BLOCK keys at a time, so a key's row is read from memory once for all of them; scores, softmax and the
+// weighted sum of values then run query by query. The arithmetic per query is dot_lanes, exp_fixed and add_scaled's,
+// in key order, whatever the loop around it: the same bits as one query alone.
 static int attend(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
                   long vb, long vh, long vt, const int64_t *cache_rows, const uint8_t *visible, int batch, int heads,
                   int kv_heads, int n, int keys, int d, float scale, float *out) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
-    const int group = heads / kv_heads;
+    const int group = heads / kv_heads, queries = n * group;
     int failed = 0;
 #pragma omp parallel
     {
-        // score [group][keys]: each query head of the group over the keys (a key's row read once for all)
-        float *score = malloc(sizeof(float) * (size_t)group * (size_t)(keys > 0 ? keys : 1));
+        // score [queries][keys]: query t * group + g's scores, then its weights
+        float *score = malloc(sizeof(float) * (size_t)queries * (size_t)(keys > 0 ? keys : 1));
         if (!score) failed = 1;
-#pragma omp for collapse(3) schedule(static)
+#pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < batch; b++)
-            for (int kvh = 0; kvh < kv_heads; kvh++)
-                for (int t = 0; t < n; t++) {
-                    if (!score) continue;
-                    const long row = cache_rows ? (long)cache_rows[b] : b;
-                    const float *kr = k + row * kb + kvh * kh, *vr = v + row * vb + kvh * vh;
-                    const uint8_t *seen = visible + ((size_t)b * n + t) * keys;
-                    float top[MAX_GROUP], total[MAX_GROUP];
-                    for (int g = 0; g < group; g++) {
-                        const float *qr = q + b * qb + (kvh * group + g) * qh + t * qt;
-                        float *sg = score + (size_t)g * keys;
-                        top[g] = -INFINITY;
-                        for (int j = 0; j < keys; j++)
-                            if (seen[j]) {
-                                sg[j] = dot_lanes(qr, kr + j * kt, d) * scale;
-                                top[g] = fmaxf(top[g], sg[j]);
-                            }
-                        total[g] = 0.0f;
-                        for (int j = 0; j < keys; j++) {
-                            sg[j] = seen[j] ? exp_fixed(sg[j] - top[g]) : 0.0f;
-                            total[g] += sg[j];  // in key order: a hidden key adds an exact zero
-                        }
-                        float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
-                        for (int i = 0; i < d; i++) o[i] = 0.0f;
-                    }
-                    for (int j = 0; j < keys; j++) {
-                        if (!seen[j]) continue;
-                        const float *vj = vr + j * vt;
-                        for (int g = 0; g < group; g++) {
-                            const float p = score[(size_t)g * keys + j];
-                            float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
-                            add_scaled(o, p, vj, d);
-                        }
-                    }
-                    for (int g = 0; g < group; g++) {
-                        const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;  // sees nothing: zeros
-                        float *o = out + (((size_t)b * n + t) * heads + kvh * group + g) * d;
-                        for (int i = 0; i < d; i++) o[i] *= inv;
-                    }
-                }
+            for (int kvh = 0; kvh < kv_heads; kvh++) {
+                if (!score) continue;
+                const long row = cache_rows ? (long)cache_rows[b] : b;
+                attend_group(q + b * qb + kvh * group * qh, qh, qt, k + row * kb + kvh * kh, kt, v + row * vb + kvh * vh,
+                             vt, visible + (size_t)b * n * keys, n, group, keys, d, scale, score,
+                             out + (size_t)b * n * heads * d + (size_t)kvh * group * d, heads * d);
+            }
         free(score);
     }
     return failed ? -2 : 0;
