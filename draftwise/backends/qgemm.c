@@ -737,6 +737,65 @@ static int weight_rows(const dw_weight *w, const float *x, int rows, float *y) {
     return dw_linear(x, rows, w->n, w->k, w->g, w->s, w->bits, w->q, w->sc, w->mn, w->d, w->dmin, y);
 }
 
+// Tile t of w over every row into y [rows, w->n]: dw_qgemm's loop body for one tile.
+static void weight_tile(const dw_weight *w, int t, const int8_t *xq, const float *xs, const float *xsum, int rows,
+                        float *y) {
+    const int groups = w->k / w->g;
+    const size_t q_tile = (size_t)groups * TILE * w->g * w->bits / 8;
+    const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / w->s) * TILE;
+    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+        tile_dispatch(R, w->g, w->bits, w->k, w->s, w->q + t * q_tile, w->sc + t * m_tile, w->mn + t * m_tile,
+                      w->d + t * d_tile, w->dmin + t * d_tile, xq + (size_t)r0 * w->k, xs + (size_t)r0 * groups,
+                      xsum + (size_t)r0 * groups, y + (size_t)r0 * w->n + (size_t)t * TILE, w->n);
+    }
+}
+
+#define MAX_WEIGHTS 3
+// y[i] [rows, w[i]->n] = x [rows, k] . w[i]^T for up to three weights of one input (q, k and v; gate and up): x
+// quantized once per group size, every weight's tiles in one parallel loop, so the threads meet once, not once a
+// weight. Each tile is computed as dw_linear computes it: the same bits.
+static int weights_rows(const dw_weight *const *w, int count, const float *x, int rows, float *const *y) {
+    const int k = w[0]->k;
+    int tiles = 0, first[MAX_WEIGHTS + 1];
+    for (int i = 0; i < count; i++) {
+        const dw_weight *wi = w[i];
+        if (wi->k != k || wi->n % TILE || (wi->g != 16 && wi->g != 32) || k % (wi->g * wi->s) ||
+            (wi->bits != 4 && wi->bits != 6 && wi->bits != 8))
+            return -1;
+        first[i] = tiles;
+        tiles += wi->n / TILE;
+    }
+    first[count] = tiles;
+    int8_t *xq[2] = {NULL, NULL};  // by group size: 16, 32
+    float *xs[2] = {NULL, NULL}, *xsum[2] = {NULL, NULL};
+    int status = 0;
+    for (int i = 0; i < count && !status; i++) {
+        const int at = w[i]->g == 32;
+        if (xq[at]) continue;
+        xq[at] = malloc((size_t)rows * k);
+        xs[at] = malloc(sizeof(float) * (size_t)rows * (k / w[i]->g));
+        xsum[at] = malloc(sizeof(float) * (size_t)rows * (k / w[i]->g));
+        if (!xq[at] || !xs[at] || !xsum[at]) status = -2;
+        else dw_quantize_rows(x, rows, k, w[i]->g, xq[at], xs[at], xsum[at]);
+    }
+    if (!status) {
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int i = 0;
+            while (t >= first[i + 1]) i++;
+            const int at = w[i]->g == 32;
+            weight_tile(w[i], t - first[i], xq[at], xs[at], xsum[at], rows, y[i]);
+        }
+    }
+    for (int at = 0; at < 2; at++) {
+        free(xq[at]);
+        free(xs[at]);
+        free(xsum[at]);
+    }
+    return status;
+}
+
 // y [rows, h] = weight * x * 1 / sqrt(mean(x^2) + eps), the sum of squares in fixed 16-lane partials.
 void dw_rmsnorm(const float *x, int rows, int h, const float *weight, float eps, float *y) {
     for (int r = 0; r < rows; r++) {
@@ -752,7 +811,9 @@ int dw_mlp(const float *x, int rows, const dw_weight *gate, const dw_weight *up,
     const size_t width = (size_t)rows * gate->n;
     float *a = malloc(sizeof(float) * width), *b = malloc(sizeof(float) * width);
     int status = -2;
-    if (a && b && !(status = weight_rows(gate, x, rows, a)) && !(status = weight_rows(up, x, rows, b))) {
+    const dw_weight *both[2] = {gate, up};
+    float *into[2] = {a, b};
+    if (a && b && !(status = weights_rows(both, 2, x, rows, into))) {
 #pragma omp parallel for schedule(static) if (width > 16384)
         for (size_t i = 0; i < width; i++) a[i] = a[i] / (1.0f + exp_fixed(-a[i])) * b[i];
         status = weight_rows(down, a, rows, y);
@@ -786,9 +847,9 @@ int dw_qkv(const float *x, int rows, const dw_weight *wq, const dw_weight *wk, c
     const dw_weight *w[3] = {wq, wk, wv};
     const float *bias[3] = {bq, bk, bv};
     float *out[3] = {q, k, v};
+    const int status = weights_rows(w, 3, x, rows, out);
+    if (status) return status;
     for (int i = 0; i < 3; i++) {
-        const int status = weight_rows(w[i], x, rows, out[i]);
-        if (status) return status;
         if (bias[i])
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < w[i]->n; j++) out[i][(size_t)r * w[i]->n + j] += bias[i][j];
