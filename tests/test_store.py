@@ -502,6 +502,7 @@ class FakeFloats(FakeConvert):
     def __call__(self, gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
         super().__call__(gguf_dir, gguf_file, out_dir, progress=progress)
         (out_dir / "model.safetensors").write_bytes(b"f" * 4000)
+        (out_dir / "tokenizer.json").write_text('{"converted": "without its chat template"}')
 
 
 def prepare_only(gguf_dir: Path, gguf_file: str, out_dir: Path, *, progress: bool) -> None:
@@ -531,6 +532,8 @@ def test_a_pull_keeps_the_gguf_and_a_float_copy_is_made_once_when_asked(home: Pa
     assert made.path == folder / "float32" and (made.path / "model.safetensors").is_file()
     said = capsys.readouterr().err
     assert "making a float32 copy of tiny-test" in said and "6.2 GB" in said and said.count("\n") == 1
+    # the model's own tokenizer, not the conversion's (which can lose the chat template)
+    assert (made.path / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text() == "{}"
     assert source.float_weights(progress=False, steps=steps) == made and len(floats.seen) == 1  # once
     [status] = list_models(registry=registry)
     assert status.float_copy == sum(p.stat().st_size for p in made.path.iterdir()) > 4000

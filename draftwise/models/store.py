@@ -169,6 +169,18 @@ def _has_weights(folder: Path) -> bool:
     return folder.is_dir() and any(folder.glob("*.safetensors"))
 
 
+# The tokenizer's files a pull writes beside the GGUF (prepare_gguf): its chat template and special tokens included.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _same_tokenizer(folder: Path, made: Path) -> None:
+    """The float copy takes the model's own tokenizer files: transformers' conversion, reading the GGUF beside the
+    files a pull wrote, can save a tokenizer without the chat template or the special tokens."""
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, made / name)
+
+
 def float_copy(folder: Path, manifest: dict, progress: bool = True, steps: "PullSteps | None" = None) -> Path:
     """folder/float32, the float32 safetensors copy of a pulled model's GGUF file, made once (under the model's pull
     lock, in a work folder renamed into place whole: a copy is complete or absent), saying on stderr that it is made
@@ -200,6 +212,7 @@ def float_copy(folder: Path, manifest: dict, progress: bool = True, steps: "Pull
             steps.convert(gguf.parent, gguf.name, made, progress=progress)
             if not _has_weights(made):
                 raise ModelStoreError(f"converting {name} to float32 wrote no weights; nothing was kept")
+            _same_tokenizer(folder, made)
             _readable_as_made(made)
             _sync_files(made)
             os.replace(made, out)
