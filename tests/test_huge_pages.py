@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ import pytest
 from draftwise.backends import huge_pages
 from draftwise.backends.huge_pages import HUGE_PAGE, arena, on_huge_pages, read_into_arena
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                           reason="madvise(MADV_HUGEPAGE) is Linux's")
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE") or
+                           not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                           reason="madvise(MADV_HUGEPAGE) is Linux's, with transparent huge pages built in")
 
 
 def advised_huge(array: np.ndarray) -> bool:
