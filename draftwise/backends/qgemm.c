@@ -629,6 +629,76 @@ static inline void weigh_values(float *o, const float *p, const uint8_t *sees, c
         for (int r = 0; r < regs; r++) _mm512_mask_storeu_ps(o + c0 + r * LANES, r < regs - 1 ? 0xFFFF : last, acc[r]);
     }
 }
+#elif DW_AVX && !DW_TEST_OTHER_ORDER
+// The AVX-512 path's score_block on 256-bit registers, four keys at a time: each key's lanes 0-7 and 8-15 in two
+// registers (dot_lanes' lo and hi), added (8 + 8), then the tree's last three levels across the four keys' registers.
+static inline void score_four(const float *q, const float *const *row, int d, float scale, float *s) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + LANES <= d; i += LANES) {
+        const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+        for (int j = 0; j < 4; j++) {
+            lo[j] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(row[j] + i), lo[j]);
+            hi[j] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(row[j] + i + 8), hi[j]);
+        }
+    }
+    if (i < d) {  // as dot_lanes: the lanes past d add fma(0, 0, lane)
+        const __m256i left = _mm256_set1_epi32(d - i), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i m0 = _mm256_cmpgt_epi32(left, lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(left, _mm256_add_epi32(lane, _mm256_set1_epi32(8)));
+        const __m256 q0 = _mm256_maskload_ps(q + i, m0), q1 = _mm256_maskload_ps(q + i + 8, m1);
+        for (int j = 0; j < 4; j++) {
+            lo[j] = _mm256_fmadd_ps(q0, _mm256_maskload_ps(row[j] + i, m0), lo[j]);
+            hi[j] = _mm256_fmadd_ps(q1, _mm256_maskload_ps(row[j] + i + 8, m1), hi[j]);
+        }
+    }
+    __m256 r1[4];  // l + l + 8
+    for (int j = 0; j < 4; j++) r1[j] = _mm256_add_ps(lo[j], hi[j]);
+    // l + l + 4, two keys a register: [a 0-3 | b 0-3], [c 0-3 | d 0-3]
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(r1[0], r1[1], 0x20), _mm256_permute2f128_ps(r1[0], r1[1], 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(r1[2], r1[3], 0x20), _mm256_permute2f128_ps(r1[2], r1[3], 0x31));
+    // l + l + 2: [a0 a1 c0 c1 | b0 b1 d0 d1]
+    const __m256 r3 = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    // l + l + 1: [a c a c | b d b d]
+    float sums[8];
+    _mm256_storeu_ps(sums, _mm256_mul_ps(_mm256_hadd_ps(r3, r3), _mm256_set1_ps(scale)));
+    s[0] = sums[0], s[1] = sums[4], s[2] = sums[1], s[3] = sums[5];
+}
+
+static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
+    for (int j0 = 0; j0 < count; j0 += 4) {
+        const float *row[4];
+        for (int j = 0; j < 4; j++) row[j] = k + (long)(j0 + j < count ? j0 + j : count - 1) * kt;
+        float four[4];
+        score_four(q, row, d, scale, four);
+        for (int j = 0; j < 4 && j0 + j < count; j++) s[j0 + j] = four[j];
+    }
+}
+
+#define VALUE_REGS 8  // registers of o held while the keys go by (64 floats)
+// as the AVX-512 path's: add_scaled key by key (8-lane fused multiply-adds, then fmaf for the elements past the last
+// full register, which a masked register's lanes compute alike), o held in registers
+static inline void weigh_values(float *o, const float *p, const uint8_t *sees, const float *v, long vt, int keys, int d) {
+    const int whole = d / (VALUE_REGS * 8) * (VALUE_REGS * 8);
+    for (int c0 = 0; c0 < whole; c0 += VALUE_REGS * 8) {
+        __m256 acc[VALUE_REGS];
+        for (int r = 0; r < VALUE_REGS; r++) acc[r] = _mm256_setzero_ps();
+        for (int j = 0; j < keys; j++) {
+            if (!sees[j]) continue;
+            const __m256 pv = _mm256_set1_ps(p[j]);
+            const float *vj = v + (long)j * vt + c0;
+            for (int r = 0; r < VALUE_REGS; r++) acc[r] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + r * 8), acc[r]);
+        }
+        for (int r = 0; r < VALUE_REGS; r++) _mm256_storeu_ps(o + c0 + r * 8, acc[r]);
+    }
+    if (whole < d) {  // the rest key by key, as add_scaled does it
+        for (int c = whole; c < d; c++) o[c] = 0.0f;
+        for (int j = 0; j < keys; j++)
+            if (sees[j]) add_scaled(o + whole, p[j], v + (long)j * vt + whole, d - whole);
+    }
+}
 #else
 static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
     for (int j = 0; j < count; j++) s[j] = dot_lanes(q, k + (long)j * kt, d) * scale;
