@@ -46,25 +46,25 @@ def _identity(gguf: Path, blocks: str) -> dict:
 class PackCache:
     """The packed tensors of one GGUF file, read from its cache file, or none yet."""
 
-    def __init__(self, gguf: Path, path: Path, entries: dict, mapped: np.ndarray | None, blocks: str = FILE_BLOCKS):
-        self.gguf, self.path, self.entries, self.mapped, self.blocks = gguf, path, entries, mapped, blocks
+    def __init__(self, gguf: Path, path: Path, entries: dict, data: np.ndarray | None, blocks: str = FILE_BLOCKS):
+        self.gguf, self.path, self.entries, self.data, self.blocks = gguf, path, entries, data, blocks
 
     @classmethod
     def of(cls, gguf: str | os.PathLike[str], blocks: str = FILE_BLOCKS) -> "PackCache":
         """blocks: which blocks (FILE_BLOCKS, the file's own; another name, a draft's re-quantized ones)."""
         gguf = Path(gguf)
         path = cache_path(gguf, blocks)
-        entries, mapped = {}, None
+        entries, data = {}, None
         try:
-            entries, mapped = _read(path, _identity(gguf, blocks))
+            entries, data = _read(path, _identity(gguf, blocks))
         except (OSError, ValueError, KeyError, TypeError, struct.error):
-            entries, mapped = {}, None  # absent, stale or damaged: a miss
-        return cls(gguf, path, entries, mapped, blocks)
+            entries, data = {}, None  # absent, stale or damaged: a miss
+        return cls(gguf, path, entries, data, blocks)
 
     def get(self, name: str, order: str) -> Packed | None:
         """The packed tensor (order: how its channels were ordered, "file" or llama_order's heads), or None."""
         entry = self.entries.get(name)
-        if entry is None or entry["order"] != order or self.mapped is None:
+        if entry is None or entry["order"] != order or self.data is None:
             return None
         arrays = {}
         for field in FIELDS:
@@ -72,7 +72,7 @@ class PackCache:
                 arrays["mn"] = arrays["sc"]
                 continue
             offset, count, dtype = entry[field]
-            arrays[field] = self.mapped[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+            arrays[field] = self.data[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
         return Packed(*(arrays[f] for f in FIELDS), entry["n"], entry["k"], entry["group"], entry["supers"],
                       entry["bits"])
 
@@ -122,7 +122,7 @@ def _read(path: Path, identity: dict) -> tuple[dict, np.ndarray]:
     if path.stat().st_size < start + data_bytes:
         raise ValueError("truncated")
     # read, not mapped: a page-cache mapping is on 4 KiB pages, and a step streams these bytes faster from huge ones
-    mapped = read_into_arena(path, start, data_bytes) if data_bytes else np.zeros(0, dtype=np.uint8)
+    data = read_into_arena(path, start, data_bytes) if data_bytes else np.zeros(0, dtype=np.uint8)
     for entry in index["tensors"].values():  # each entry whole and inside the data, or the cache is not read
         if not isinstance(entry.get("order"), str) or not isinstance(entry.get("shared"), bool) or \
                 not all(isinstance(entry.get(key), int) for key in ("n", "k", "group", "supers", "bits")):
@@ -134,4 +134,4 @@ def _read(path: Path, identity: dict) -> tuple[dict, np.ndarray]:
                     raise ValueError("entry of another kind")
                 if offset < 0 or offset + count * np.dtype(dtype).itemsize > data_bytes:
                     raise ValueError("entry past the end")
-    return index["tensors"], mapped
+    return index["tensors"], data

@@ -408,25 +408,43 @@ static void tile_dispatch(int R, int G, int bits, int k, int S, const uint8_t *q
     }
 }
 
+typedef struct {  // one quantized weight, as QuantLinear keeps it
+    int n, k, g, s, bits;
+    const uint8_t *q;
+    const int8_t *sc, *mn;
+    const float *d, *dmin;
+} dw_weight;
+
+// Whether the kernel takes w's shape: n a multiple of 16, k of g * s (g 16 or 32), bits 4, 6 or 8.
+static int weight_takes(const dw_weight *w) {
+    return !(w->n % TILE) && (w->g == 16 || w->g == 32) && !(w->k % (w->g * w->s)) &&
+           (w->bits == 4 || w->bits == 6 || w->bits == 8);
+}
+
+// Tile t of w over every row of the quantized rows into y [rows, w->n].
+static void weight_tile(const dw_weight *w, int t, const int8_t *xq, const float *xs, const float *xsum, int rows,
+                        float *y) {
+    const int groups = w->k / w->g;
+    const size_t q_tile = (size_t)groups * TILE * w->g * w->bits / 8;
+    const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / w->s) * TILE;
+    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+        const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+        tile_dispatch(R, w->g, w->bits, w->k, w->s, w->q + t * q_tile, w->sc + t * m_tile, w->mn + t * m_tile,
+                      w->d + t * d_tile, w->dmin + t * d_tile, xq + (size_t)r0 * w->k, xs + (size_t)r0 * groups,
+                      xsum + (size_t)r0 * groups, y + (size_t)r0 * w->n + (size_t)t * TILE, w->n);
+    }
+}
+
 // y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32); bits: 4, 6 or 8.
 // Layouts, tile t = n / 16 outermost: q [t][k/g][16 * g (/ 2)], sc and mn [t][k/g][16], d and dmin
 // [t][k/(g*s)][16]. Returns 0, or -1 for a shape it does not take.
 int dw_qgemm(const int8_t *xq, const float *xs, const float *xsum, int rows, int n, int k, int g, int s,
              int bits, const uint8_t *q, const int8_t *sc, const int8_t *mn, const float *d, const float *dmin,
              float *y) {
-    if (n % TILE || (g != 16 && g != 32) || k % (g * s) || (bits != 4 && bits != 6 && bits != 8)) return -1;
-    const int tiles = n / TILE, groups = k / g;
-    const size_t q_tile = (size_t)groups * TILE * g * bits / 8;
-    const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / s) * TILE;
+    const dw_weight w = {n, k, g, s, bits, q, sc, mn, d, dmin};
+    if (!weight_takes(&w)) return -1;
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-            const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-            tile_dispatch(R, g, bits, k, s, q + t * q_tile, sc + t * m_tile, mn + t * m_tile, d + t * d_tile,
-                          dmin + t * d_tile, xq + (size_t)r0 * k, xs + (size_t)r0 * groups,
-                          xsum + (size_t)r0 * groups, y + (size_t)r0 * n + (size_t)t * TILE, n);
-        }
-    }
+    for (int t = 0; t < n / TILE; t++) weight_tile(&w, t, xq, xs, xsum, rows, y);
     return 0;
 }
 
@@ -796,29 +814,8 @@ int dw_attention(const float *q, long qb, long qh, long qt, const float *k, long
 // ---- a decoder layer's pieces in one call each: fewer trips through Python and PyTorch's dispatch, which at a
 // few rows cost as much as the arithmetic. Each is row by row, so batch invariance holds as above.
 
-typedef struct {  // one quantized weight, as QuantLinear keeps it
-    int n, k, g, s, bits;
-    const uint8_t *q;
-    const int8_t *sc, *mn;
-    const float *d, *dmin;
-} dw_weight;
-
 static int weight_rows(const dw_weight *w, const float *x, int rows, float *y) {
     return dw_linear(x, rows, w->n, w->k, w->g, w->s, w->bits, w->q, w->sc, w->mn, w->d, w->dmin, y);
-}
-
-// Tile t of w over every row into y [rows, w->n]: dw_qgemm's loop body for one tile.
-static void weight_tile(const dw_weight *w, int t, const int8_t *xq, const float *xs, const float *xsum, int rows,
-                        float *y) {
-    const int groups = w->k / w->g;
-    const size_t q_tile = (size_t)groups * TILE * w->g * w->bits / 8;
-    const size_t m_tile = (size_t)groups * TILE, d_tile = (size_t)(groups / w->s) * TILE;
-    for (int r0 = 0; r0 < rows; r0 += MAX_ROWS) {
-        const int R = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-        tile_dispatch(R, w->g, w->bits, w->k, w->s, w->q + t * q_tile, w->sc + t * m_tile, w->mn + t * m_tile,
-                      w->d + t * d_tile, w->dmin + t * d_tile, xq + (size_t)r0 * w->k, xs + (size_t)r0 * groups,
-                      xsum + (size_t)r0 * groups, y + (size_t)r0 * w->n + (size_t)t * TILE, w->n);
-    }
 }
 
 #define MAX_WEIGHTS 3
@@ -826,15 +823,13 @@ static void weight_tile(const dw_weight *w, int t, const int8_t *xq, const float
 // quantized once per group size, every weight's tiles in one parallel loop, so the threads meet once, not once a
 // weight. Each tile is computed as dw_linear computes it: the same bits.
 static int weights_rows(const dw_weight *const *w, int count, const float *x, int rows, float *const *y) {
+    if (count < 1 || count > MAX_WEIGHTS) return -1;
     const int k = w[0]->k;
     int tiles = 0, first[MAX_WEIGHTS + 1];
     for (int i = 0; i < count; i++) {
-        const dw_weight *wi = w[i];
-        if (wi->k != k || wi->n % TILE || (wi->g != 16 && wi->g != 32) || k % (wi->g * wi->s) ||
-            (wi->bits != 4 && wi->bits != 6 && wi->bits != 8))
-            return -1;
+        if (w[i]->k != k || !weight_takes(w[i])) return -1;
         first[i] = tiles;
-        tiles += wi->n / TILE;
+        tiles += w[i]->n / TILE;
     }
     first[count] = tiles;
     int8_t *xq[2] = {NULL, NULL};  // by group size: 16, 32
