@@ -603,7 +603,10 @@ def test_a_sampled_run_sends_the_temperature_and_a_seed_per_request(tmp_path, st
     assert all(b["temperature"] == 0.7 and b["top_p"] == 1.0 for b in bodies)
     assert not any("top_k" in b or "min_p" in b for b in bodies)  # llama.cpp's fields, for llama.cpp alone
     # Each level: its warm-ups (seeds 5, 5 + 1, ...), then requests 0-2 with seeds 5, 6, 7, the same at every level.
-    assert [b["seed"] for b in bodies] == [5, 5, 6, 7] + [5, 6, 5, 6, 7]
+    # At concurrency 2 the posts of one group race each other, so that level is compared group by group as sets.
+    seeds = [b["seed"] for b in bodies]
+    assert seeds[:4] == [5, 5, 6, 7]
+    assert sorted(seeds[4:6]) == [5, 6] and sorted(seeds[6:]) == [5, 6, 7]
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["seed"] for r in results["requests"]] == [5, 6, 7, 5, 6, 7]
     assert results["meta"]["temperature"] == 0.7 and results["meta"]["seed"] == 5
