@@ -82,12 +82,14 @@ def attention_on(lib: ctypes.CDLL, query, key, value, visible, scale) -> torch.T
     return out
 
 
-def attention_inputs(dim: int, seed: int = 0):
+def attention_inputs(dim: int, seed: int = 0, keys: int = 37, spread: float = 1.0):
     """Grouped-query attention over a ragged mask: 2 sequences, 6 query heads on 2 key heads, 5 queries, 37 keys (two
-    blocks of 16 keys scored at once, then 5 one by one)."""
+    blocks of 16 keys scored at once, then 5 one by one). spread scales the queries: the softmax's exp over a wider
+    range of scores."""
     g = torch.Generator().manual_seed(seed)
-    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((6, 5), (2, 37), (2, 37)))
-    visible = (torch.rand(2, 5, 37, generator=g) > 0.3).to(torch.uint8).contiguous()
+    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((6, 5), (2, keys), (2, keys)))
+    query = query * spread
+    visible = (torch.rand(2, 5, keys, generator=g) > 0.3).to(torch.uint8).contiguous()
     visible[1, 2] = 0  # a query that sees nothing: zeros
     return query, key, value, visible, dim ** -0.5
 
@@ -141,6 +143,9 @@ def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim):
     got = attention_on(qgemm.library_for(isa), *inputs)
     assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"
     assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
+    # Many keys over a wide range of scores: the vector exp and maximum (8 or 16 lanes) against the scalar ones.
+    long = attention_inputs(dim, seed=1, keys=509, spread=3.0)
+    assert torch.equal(attention_on(qgemm.library_for(isa), *long), attention_on(qgemm.library_for(FASTEST), *long))
     x, weight = torch.randn(7, dim * 3), torch.rand(dim * 3)
     normed = []
     for lib in (qgemm.library_for(FASTEST), qgemm.library_for(isa)):

@@ -717,7 +717,35 @@ static inline void weigh_values(float *o, const float *p, const uint8_t *sees, c
             if (sees[j]) add_scaled(o + whole, p[j], v + (long)j * vt + whole, d - whole);
     }
 }
-#else
+#endif
+#if DW_AVX
+// exp_fixed on 8 lanes: each of its operations, in its order (vroundps to nearest under the default rounding mode is
+// nearbyintf).
+static inline __m256 exp_fixed8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// which of 8 keys a query sees: all ones in the lanes whose seen byte is nonzero
+static inline __m256 seen8(const uint8_t *seen) {
+    int64_t bytes;
+    memcpy(&bytes, seen, 8);
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(wide, _mm256_setzero_si256()), _mm256_set1_epi32(-1)));
+}
+#endif
+#if !(DW_VNNI || (DW_AVX && !DW_TEST_OTHER_ORDER))
 static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
     for (int j = 0; j < count; j++) s[j] = dot_lanes(q, k + (long)j * kt, d) * scale;
 }
@@ -753,6 +781,13 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
         for (; j + LANES <= keys; j += LANES)
             tops = _mm512_mask_max_ps(tops, seen16(sees + j), tops, _mm512_loadu_ps(sg + j));
         top = _mm512_reduce_max_ps(tops);
+#elif DW_AVX
+        __m256 tops = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= keys; j += 8)
+            tops = _mm256_max_ps(tops, _mm256_blendv_ps(tops, _mm256_loadu_ps(sg + j), seen8(sees + j)));
+        float eight[8];
+        _mm256_storeu_ps(eight, tops);
+        for (int l = 0; l < 8; l++) top = fmaxf(top, eight[l]);
 #endif
         for (; j < keys; j++)
             if (sees[j]) top = fmaxf(top, sg[j]);
@@ -761,6 +796,11 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
         for (; j + LANES <= keys; j += LANES) {  // hidden keys weigh an exact zero
             const __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
             _mm512_storeu_ps(sg + j, _mm512_maskz_mov_ps(seen16(sees + j), e));
+        }
+#elif DW_AVX
+        for (; j + 8 <= keys; j += 8) {
+            const __m256 e = exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sg + j, _mm256_and_ps(e, seen8(sees + j)));
         }
 #endif
         for (; j < keys; j++) sg[j] = sees[j] ? exp_fixed(sg[j] - top) : 0.0f;
