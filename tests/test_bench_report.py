@@ -489,3 +489,24 @@ def test_the_report_marks_a_tree_slower_than_its_chain_beyond_the_noise(tmp_path
                                                                               and "lookup" in r["method"]]},
                        tmp_path, None).read_text()
     assert "| lookup-tree | lookup | qa | 1 | 0.816x | - | 0 of 1 |" in one  # one prompt: slower, but no interval
+
+
+def test_token_digests_name_nones_tokens_and_the_methods_that_gave_other_ones(tmp_path):
+    from draftwise.bench.report import token_digest
+
+    ids = [5, 17, 3]
+    runs = [run("none", "coding", "p1", 0, 1.0, token_ids=ids), run("none", "coding", "p1", 1, 1.0, token_ids=ids),
+            run("lookup", "coding", "p1", 0, 1.0, token_ids=ids),
+            run("draft", "coding", "p1", 0, 1.0, token_ids=[5, 17, 4]),  # parts at the last token
+            run("none", "coding", "p2", 0, 1.0, token_ids=[9]), run("lookup", "coding", "p2", 0, 1.0, token_ids=[9])]
+    text = write_report(make_results(runs), tmp_path, None).read_text()
+    section = text.split("## Token digests")[1].split("\n## ")[0]
+    assert f"| p1 | 3 | `{token_digest(ids)}` | 1 of 2 | draft |" in section
+    assert f"| p2 | 1 | `{token_digest([9])}` | 1 of 1 | - |" in section
+    # the digest is of the ids alone, and tells apart outputs that differ in one token or in their order
+    assert token_digest(ids) == token_digest((5, 17, 3)) != token_digest([5, 17, 4]) != token_digest([17, 5, 3])
+    assert len(token_digest(ids)) == 16
+    # sampled runs are not compared
+    sampled = make_results(runs)
+    sampled["meta"]["temperature"] = 0.7
+    assert "## Token digests" not in write_report(sampled, tmp_path / "s", None).read_text()

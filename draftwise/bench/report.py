@@ -2,6 +2,7 @@
 dtype each plain step beside the machine's bandwidth bound, four tables, a reading of the roofline, and the plots."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Sequence
@@ -426,6 +427,32 @@ def _table_engines(engines: dict | None, runs: list[dict], methods: list[str], s
             + "\n\n" + legend)
 
 
+def token_digest(ids: Sequence[int]) -> str:
+    """A greedy output's token ids in 16 hex digits: two reports (two machines, two kernel paths) compare by it."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()[:16]
+
+
+def _table_digests(runs: list[dict], methods: list[str], sampled: bool = False) -> str | None:
+    """Per prompt, the digest of `none`'s tokens (first repeat) and which methods gave the same ones: the record
+    another machine's report is checked against."""
+    firsts = {(r["method"], r["question_id"]): r.get("token_ids") for r in runs if r["repeat"] == 0}
+    prompts = list(dict.fromkeys(q for m, q in firsts if m == REFERENCE_OWN and firsts[(m, q)]))
+    if sampled or not prompts:
+        return None
+    body = []
+    for qid in prompts:
+        want = firsts[(REFERENCE_OWN, qid)]
+        others = [m for m in methods if m != REFERENCE_OWN and (m, qid) in firsts]
+        same = [m for m in others if firsts[(m, qid)] == want]
+        body.append([str(qid), str(len(want)), f"`{token_digest(want)}`", f"{len(same)} of {len(others)}",
+                     ", ".join(m for m in others if m not in same) or "-"])
+    legend = (f"digest: the first 16 hex digits of the SHA-256 of `{REFERENCE_OWN}`'s token ids, comma-joined "
+              "(draftwise.bench.report.token_digest): the same digest in another machine's report means the same "
+              "tokens. same: the methods whose tokens are these.")
+    return ("## Token digests\n\n" + md_table(["prompt", "tokens", "digest", "same", "other tokens"], body)
+            + "\n\n" + legend)
+
+
 def _plots_section(plots: dict[str, str] | None, out_dir: Path) -> str | None:
     if not plots:
         return None
@@ -448,6 +475,7 @@ def _dtype_sections(part: dict, plots: dict[str, str] | None, out_dir: Path) -> 
         _table_positions(summary, methods),
         _table_roofline(part["roofline"], meta),
         _table_engines(part.get("engines"), part["runs"], methods, bool(meta.get("temperature"))),
+        _table_digests(part["runs"], methods, bool(meta.get("temperature"))),
         _plots_section(plots, out_dir),
     ]
 
