@@ -112,6 +112,18 @@ ARCHS = {
 }
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of this dtype here (its bfloat16 wants AVX-512 or AVX-NE-CONVERT): where it
+    cannot, the kernels that need it are refused, and what they would show is not there to see."""
+    from draftwise.backends.kernels import _pack
+
+    try:
+        _pack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, vocab_size: int | None = None, tokenizer=None):
     """A random causal LM small enough that a forward takes about a millisecond (over tokenizer's vocabulary:
     tiny_tokenizer()'s by default)."""
