@@ -112,6 +112,20 @@ ARCHS = {
 }
 
 
+def time_every_pass_alike(eng, seconds: float = 0.2, draft_step: float | None = None) -> None:
+    """Record every verify pass as taking `seconds` at any width (and, given draft_step, each draft forward as
+    that), so that pricing depends on the text alone, not on how this machine runs a tiny model."""
+    costs = eng.draft_policy.costs
+    real_observe = costs.observe
+
+    def observe(rows, k, draft_s, verify_s, draft_steps=None):
+        if draft_step is not None:
+            draft_s = draft_step * (k if draft_steps is None else draft_steps)
+        real_observe(rows, k, draft_s, seconds, draft_steps)
+
+    costs.observe = observe
+
+
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs a weight of this dtype here (its bfloat16 wants AVX-512 or AVX-NE-CONVERT): where it
     cannot, the kernels that need it are refused, and what they would show is not there to see."""

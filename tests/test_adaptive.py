@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import cpu_kernels, tiny_model, tiny_tokenizer
+from conftest import cpu_kernels, time_every_pass_alike, tiny_model, tiny_tokenizer
 
 from draftwise.adaptive import MAX_PROBE_GAP, PROBE_BUDGET, PROBE_EVERY, DraftLengthPolicy, probe_floor
 from draftwise.estimates import PRIOR_ACCEPTED, PRIOR_TRIALS, STALE_STEPS, Acceptance, StepCosts, TreeSpread
@@ -204,6 +204,7 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
     have won them: lookup's estimates, one per match length, are carried too."""
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method=method)
+    time_every_pass_alike(eng, draft_step=0.02)  # priced as a real pair, so that both kinds of round run anywhere
     prompt = "one two three four one two three four one two three four one two three"
     eng.generate(prompt, max_new_tokens=24, ignore_eos=True)
     names = [name for name, estimate in eng.proposer.acceptances().items() if estimate.observed_rate is not None]

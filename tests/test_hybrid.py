@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import input_batch, tiny_model, tiny_tokenizer, transformers_greedy
+from conftest import input_batch, time_every_pass_alike, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import DraftwiseError, Engine
 from draftwise.config import GenerationConfig
 from draftwise.estimates import StepCosts, TreeSpread
@@ -65,17 +65,6 @@ class Round:
     depth: int = 0  # positions its draft reaches (its length, for a chain)
     accepted: int | None = None  # set by observe()
     draft_behind: int = 0  # context tokens the draft model had not cached when the round began
-
-
-def time_every_pass_alike(eng, seconds: float = 0.2) -> None:
-    """Record every verify pass as taking the same time at any width, so pricing depends on the text alone."""
-    costs = eng.draft_policy.costs
-    real_observe = costs.observe
-
-    def observe(rows, k, draft_s, verify_s, draft_steps=None):
-        real_observe(rows, k, draft_s, seconds, draft_steps)
-
-    costs.observe = observe
 
 
 def watch(eng) -> list[Round]:
@@ -170,6 +159,7 @@ def test_adaptive_k_and_compact_draft_keep_the_targets_output(method, arch):
     eng = Engine.from_models(model(arch, 0), tiny_tokenizer(), draft_model=model(arch, 1, 1), method=method,
                              draft_vocab=200)
     assert eng.proposer.draft.token_ids is not None  # the compact draft applies as for "draft"
+    time_every_pass_alike(eng, draft_step=0.02)  # priced as a real pair: on the wall clock a tiny draft may never pay
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=8, ignore_eos=True)
     assert result.token_ids == reference(arch)

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from draftwise.errors import DraftwiseError
 
@@ -37,14 +38,17 @@ class LlamaSettings:
       interleaves sequences, and the reduction over keys would group a position with different neighbours).
     """
 
-    threads: int = 0  # 0: every core this process may run on
+    threads: int = 0  # 0: torch's thread count, the process's one setting (the physical cores unless set)
     batch: int = 512  # most tokens one llama_decode takes; bigger inputs are cut in chunks
     repack: bool = False
     flash_attn: bool = False
     kv_unified: bool = False
 
     def thread_count(self) -> int:
-        return self.threads or len(os.sched_getaffinity(0))
+        """The threads of every llama_decode. Not every core the process may run on: ggml's threads spin at each
+        barrier, so more of them than the process is given (torch.set_num_threads, OMP_NUM_THREADS, a hyperthread
+        twin) make every decode wait on a thread that another one took the core from."""
+        return self.threads or torch.get_num_threads()
 
 
 class LlamaContext:
