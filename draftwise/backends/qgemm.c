@@ -533,18 +533,17 @@ static inline void add_scaled(float *o, float p, const float *v, int d) {
 }
 
 // exp(x) by a fixed polynomial: the same bits on every path, and loops of it vectorize (libm's expf is a call).
+// 2^f's Taylor coefficients, highest power first: one table, so that every path's polynomial is the same one.
+static const float EXP_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                  5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+
 static inline float exp_fixed(float x) {
     x = fminf(fmaxf(x, -87.0f), 88.0f);
     const float t = x * 1.44269504088896341f;
     const float n = nearbyintf(t);
     const float f = t - n;  // [-0.5, 0.5]: 2^f by its Taylor polynomial, 2^n by the exponent bits
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 7; i++) p = p * f + EXP_POLY[i];
     union { float f; int32_t i; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
@@ -601,13 +600,8 @@ static inline __m512 exp_fixed16(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(EXP_POLY[i]));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
@@ -726,13 +720,8 @@ static inline __m256 exp_fixed8(__m256 x) {
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(EXP_POLY[i]));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
