@@ -334,11 +334,19 @@ class StandIn:
                     fault = standin.faults.get(len(standin.posts))
                     standin.in_flight += 1
                     standin.most_in_flight = max(standin.most_in_flight, standin.in_flight)
+                self._counted = True
                 try:
                     self._answer(body, fault)
                 except OSError:  # the client gave up (a timeout test)
                     pass
                 finally:
+                    self._leave()
+
+            def _leave(self):
+                """Out of the in-flight count before the response's last bytes: a client that has read them may send
+                its next request before this thread runs again, and would be counted twice."""
+                if getattr(self, "_counted", False):
+                    self._counted = False
                     with standin.lock:
                         standin.in_flight -= 1
 
@@ -398,10 +406,12 @@ class StandIn:
                 self.wfile.flush()
 
             def _done(self):
+                self._leave()
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
             def _json(self, status, payload):
+                self._leave()
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
