@@ -310,6 +310,30 @@ def test_each_paths_library_is_its_own_file():
     assert all(qgemm.library_for(isa).dw_isa() == qgemm.ISA_CODES[isa] for isa in HERE)
 
 
+def test_the_prefetch_goes_to_the_l2_on_intel_and_to_the_l1_elsewhere(monkeypatch):
+    for vendor, flag in (("GenuineIntel", ["-DDW_PREFETCH_L2=1"]), ("AuthenticAMD", []), ("", [])):
+        monkeypatch.setattr(qgemm, "_cpuinfo_line", lambda key, vendor=vendor: f"vendor_id : {vendor}"
+                            if key == "vendor_id" else "flags : avx avx2 fma")
+        assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, vendor
+
+
+def test_either_prefetch_gives_the_same_bits(tmp_path):
+    """Where the weights are prefetched to is a hint to the caches: both builds of the fastest path, the same bits."""
+    if FASTEST in (None, "scalar"):
+        pytest.skip("no vector path of the kernel here")
+    flags = [f for f in qgemm.build_flags(FASTEST) if "PREFETCH" not in f]
+    libraries = []
+    for name, extra in (("l1", []), ("l2", ["-DDW_PREFETCH_L2=1"])):
+        path = tmp_path / f"qgemm-{name}.so"
+        subprocess.run([qgemm.compiler(), *flags, *extra, "-o", str(path), str(qgemm.SOURCE), "-lm"], check=True)
+        libraries.append(qgemm.open_library(path, FASTEST))
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(6))
+    for kind in ("Q4_K", "Q6_K", "Q8_0"):
+        linear, _ = layer(kind, n=48, k=1024)
+        l1, l2 = (linear_on(library, linear, x) for library in libraries)
+        assert torch.equal(l1, l2), kind
+
+
 # ---- the control ------------------------------------------------------------------------------------------
 
 

@@ -47,12 +47,23 @@ def kernel_dir() -> Path:
     return store_home() / "kernels"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(key: str) -> str:
+    """The first line of /proc/cpuinfo that starts with key ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(key)), "")
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags") or platform.processor()
+
+
+def _prefetch_flags() -> tuple[str, ...]:
+    """Where the kernel prefetches its weights to (qgemm.c's DW_PREFETCH_L2): the L2 on Intel's CPUs, where that
+    measured faster, the L1 elsewhere."""
+    return ("-DDW_PREFETCH_L2=1",) if "GenuineIntel" in _cpuinfo_line("vendor_id") else ()
 
 
 def isas_here() -> tuple[str, ...]:
@@ -97,7 +108,7 @@ def compiler() -> str:
 
 def build_flags(isa: str) -> list[str]:
     """The compiler's flags for one path of the kernel."""
-    return [*FLAGS, *ISA_FLAGS[isa], f"-DDW_ISA={ISA_CODES[isa]}"]
+    return [*FLAGS, *ISA_FLAGS[isa], *_prefetch_flags(), f"-DDW_ISA={ISA_CODES[isa]}"]
 
 
 @lru_cache(maxsize=1)
