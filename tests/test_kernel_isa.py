@@ -315,6 +315,12 @@ def test_the_prefetch_goes_to_the_l2_on_intel_and_to_the_l1_elsewhere(monkeypatc
         monkeypatch.setattr(qgemm, "_cpuinfo_line", lambda key, vendor=vendor: f"vendor_id : {vendor}"
                             if key == "vendor_id" else "flags : avx avx2 fma")
         assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, vendor
+    for forced, flag in (("l2", ["-DDW_PREFETCH_L2=1"]), ("L1", []), ("auto", [])):  # (the vendor: none, above)
+        monkeypatch.setenv(qgemm.PREFETCH_VARIABLE, forced)
+        assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, forced
+    monkeypatch.setenv(qgemm.PREFETCH_VARIABLE, "l3")
+    with pytest.raises(DraftwiseError, match="DRAFTWISE_KERNEL_PREFETCH must be l1, l2 or auto, got 'l3'"):
+        qgemm.build_flags("avx2")
 
 
 def test_either_prefetch_gives_the_same_bits(tmp_path):

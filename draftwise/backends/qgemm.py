@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 # -ffp-contract=off: the compiler fuses nothing on its own, so each path's float steps are the ones its source writes.
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ISA_VARIABLE = "DRAFTWISE_KERNEL_ISA"
+PREFETCH_VARIABLE = "DRAFTWISE_KERNEL_PREFETCH"
 ISAS = ("avx512", "avxvnni", "avx2", "scalar")  # the kernel's paths, fastest first; qgemm.c's DW_ISA numbers them
 ISA_CODES = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512": 3}
 # what each path needs in /proc/cpuinfo's flags
@@ -60,10 +61,19 @@ def _cpu_flags() -> str:
     return _cpuinfo_line("flags") or platform.processor()
 
 
+def prefetch_level() -> str:
+    """Where the kernel prefetches its weights to (qgemm.c's DW_PREFETCH_L2): DRAFTWISE_KERNEL_PREFETCH where set
+    (l1 or l2, for measurement), else the L2 on Intel's CPUs, where that measured faster, and the L1 elsewhere."""
+    forced = os.environ.get(PREFETCH_VARIABLE, "").strip().lower()
+    if forced in ("", "auto"):
+        return "l2" if "GenuineIntel" in _cpuinfo_line("vendor_id") else "l1"
+    if forced not in ("l1", "l2"):
+        raise DraftwiseError(f"{PREFETCH_VARIABLE} must be l1, l2 or auto, got {forced!r}")
+    return forced
+
+
 def _prefetch_flags() -> tuple[str, ...]:
-    """Where the kernel prefetches its weights to (qgemm.c's DW_PREFETCH_L2): the L2 on Intel's CPUs, where that
-    measured faster, the L1 elsewhere."""
-    return ("-DDW_PREFETCH_L2=1",) if "GenuineIntel" in _cpuinfo_line("vendor_id") else ()
+    return ("-DDW_PREFETCH_L2=1",) if prefetch_level() == "l2" else ()
 
 
 def isas_here() -> tuple[str, ...]:
