@@ -222,11 +222,14 @@ def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cl
         except openai.APIError as err:
             return prompt, None, err
 
-    jobs = [(p, stream) for p in PROMPTS for stream in (False, True)] * 2
+    # Found before the load starts: on a loaded machine the lookup took long enough for the victim to finish what
+    # it ran between the check below and the kill. Enough requests that it still has some queued by then.
+    handle = ray.get_actor(victim["name"], namespace=victim["namespace"])
+    jobs = [(p, stream) for p in PROMPTS for stream in (False, True)] * 4
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(one, job) for job in jobs]
         _wait_until_running_on(cluster["url"], victim_id)  # (a fixed sleep missed it when the machine was loaded)
-        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+        ray.kill(handle, no_restart=False)
         results = [f.result(timeout=300) for f in futures]
     failed = [err for _, _, err in results if err is not None]
     for (prompt, stream), (_, reply, err) in zip(jobs, results):
