@@ -302,9 +302,9 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     paths = {"dtype": str(target.dtype).removeprefix("torch."), "target_kernels": kernel_counts(target_model),
              "backend": target.backend_name, "batch_invariant": invariant}
     if target.backend_name == "quant" or invariant:  # qgemm.c runs its linears or its attention: on which path
-        from draftwise.backends.qgemm import kernel_isa, prefetch_level
+        from draftwise.backends.qgemm import kernel_isa, kernel_prefetch
 
-        paths["kernel_isa"], paths["kernel_prefetch"] = kernel_isa(), prefetch_level()
+        paths["kernel_isa"], paths["kernel_prefetch"] = kernel_isa(), kernel_prefetch()
     parts = Parts(lookup_max_ngram=lookup_max_ngram, lookup_min_ngram=lookup_min_ngram)
     max_context = target.max_context
     if need == OWN_LAYERS:

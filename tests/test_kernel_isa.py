@@ -245,6 +245,7 @@ def tokens_on(isa: str) -> dict[tuple[str, int], tuple[int, ...]]:
             eng = Engine.from_models(tiny_quant(2.5), tiny_tokenizer(), draft_model=draft, method=method,
                                      **QUANT_ASSEMBLY)
             assert eng.speed_paths["kernel_isa"] == isa
+            assert eng.speed_paths["kernel_prefetch"] == qgemm.prefetch_level()  # (what the library was built with)
             for k in (1, 4):
                 out[method, k] = tuple(eng.generate(prompts[0], max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                                     num_draft_tokens=k, adaptive=False).token_ids)

@@ -142,6 +142,11 @@ def kernel_isa() -> str:
     return library().isa
 
 
+def kernel_prefetch() -> str:
+    """Where the kernel library in use prefetches to (l1 or l2): what speed_paths["kernel_prefetch"] says."""
+    return library().prefetch
+
+
 @lru_cache(maxsize=None)
 def library_for(isa: str) -> ctypes.CDLL:
     """One path's library, whatever the environment says (tests load several side by side: each CDLL keeps its own
@@ -163,16 +168,17 @@ def library_for(isa: str) -> ctypes.CDLL:
                                      f"{done.stderr[-2000:]}")
 
         write_whole(path, build)
-    return open_library(path, isa)
+    return open_library(path, isa, prefetch="l2" if "-DDW_PREFETCH_L2=1" in flags else "l1")
 
 
-def open_library(path: Path, isa: str) -> ctypes.CDLL:
-    """A built library of the kernel, checked to run path isa, its functions declared."""
+def open_library(path: Path, isa: str, prefetch: str | None = None) -> ctypes.CDLL:
+    """A built library of the kernel, checked to run path isa, its functions declared. prefetch: the level it was
+    built to prefetch to (default: what build_flags gives now)."""
     lib = ctypes.CDLL(str(path))
     lib.dw_isa.restype = ctypes.c_int
     if lib.dw_isa() != ISA_CODES[isa]:
         raise DraftwiseError(f"the quant kernel built for {isa} runs path {lib.dw_isa()} ({path})")
-    lib.isa = isa
+    lib.isa, lib.prefetch = isa, prefetch or prefetch_level()
     pointer, number = ctypes.c_void_p, ctypes.c_int
     lib.dw_linear.argtypes = [pointer, *[number] * 6, *[pointer] * 6]
     lib.dw_linear.restype = number
