@@ -328,12 +328,12 @@ def test_either_prefetch_gives_the_same_bits(tmp_path):
     """Where the weights are prefetched to is a hint to the caches: both builds of the fastest path, the same bits."""
     if FASTEST in (None, "scalar"):
         pytest.skip("no vector path of the kernel here")
-    flags = [f for f in qgemm.build_flags(FASTEST) if "PREFETCH" not in f]
+    flags = [f for f in qgemm.build_flags(FASTEST) if f != qgemm.PREFETCH_L2_FLAG]
     libraries = []
-    for name, extra in (("l1", []), ("l2", ["-DDW_PREFETCH_L2=1"])):
+    for name, extra in (("l1", []), ("l2", [qgemm.PREFETCH_L2_FLAG])):
         path = tmp_path / f"qgemm-{name}.so"
         subprocess.run([qgemm.compiler(), *flags, *extra, "-o", str(path), str(qgemm.SOURCE), "-lm"], check=True)
-        libraries.append(qgemm.open_library(path, FASTEST))
+        libraries.append(qgemm.open_library(path, FASTEST, prefetch=name))
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(6))
     for kind in ("Q4_K", "Q6_K", "Q8_0"):
         linear, _ = layer(kind, n=48, k=1024)

@@ -30,6 +30,7 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ISA_VARIABLE = "DRAFTWISE_KERNEL_ISA"
 PREFETCH_VARIABLE = "DRAFTWISE_KERNEL_PREFETCH"
+PREFETCH_L2_FLAG = "-DDW_PREFETCH_L2=1"  # qgemm.c prefetches into the L2 (DW_PREFETCH_L2)
 ISAS = ("avx512", "avxvnni", "avx2", "scalar")  # the kernel's paths, fastest first; qgemm.c's DW_ISA numbers them
 ISA_CODES = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512": 3}
 # what each path needs in /proc/cpuinfo's flags
@@ -73,7 +74,7 @@ def prefetch_level() -> str:
 
 
 def _prefetch_flags() -> tuple[str, ...]:
-    return ("-DDW_PREFETCH_L2=1",) if prefetch_level() == "l2" else ()
+    return (PREFETCH_L2_FLAG,) if prefetch_level() == "l2" else ()
 
 
 def isas_here() -> tuple[str, ...]:
@@ -168,7 +169,7 @@ def library_for(isa: str) -> ctypes.CDLL:
                                      f"{done.stderr[-2000:]}")
 
         write_whole(path, build)
-    return open_library(path, isa, prefetch="l2" if "-DDW_PREFETCH_L2=1" in flags else "l1")
+    return open_library(path, isa, prefetch="l2" if PREFETCH_L2_FLAG in flags else "l1")
 
 
 def open_library(path: Path, isa: str, prefetch: str | None = None) -> ctypes.CDLL:
