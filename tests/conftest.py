@@ -114,7 +114,8 @@ ARCHS = {
 
 def time_every_pass_alike(eng, seconds: float = 0.2, draft_step: float | None = None) -> None:
     """Record every verify pass as taking `seconds` at any width (and, given draft_step, each draft forward as
-    that), so that pricing depends on the text alone, not on how this machine runs a tiny model."""
+    that, a tree proposer's own timings of its forwards too), so that pricing depends on the text alone, not on
+    how this machine runs a tiny model."""
     costs = eng.draft_policy.costs
     real_observe = costs.observe
 
@@ -124,6 +125,11 @@ def time_every_pass_alike(eng, seconds: float = 0.2, draft_step: float | None = 
         real_observe(rows, k, draft_s, seconds, draft_steps)
 
     costs.observe = observe
+    sizing = getattr(eng.proposer, "sizing", None)  # a tree proposer times its own forwards
+    if draft_step is not None and sizing is not None:
+        real_forwards, real_expansion = sizing.time_forwards, sizing.time_expansion
+        sizing.time_forwards = lambda _seconds, forwards: real_forwards(draft_step * max(1, forwards), forwards)
+        sizing.time_expansion = lambda nodes, _seconds: real_expansion(nodes, draft_step)
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
