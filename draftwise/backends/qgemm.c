@@ -911,6 +911,30 @@ void dw_rmsnorm(const float *x, int rows, int h, const float *weight, float eps,
     }
 }
 
+// a[i] = silu(a[i]) * b[i] = a[i] / (1 + exp_fixed(-a[i])) * b[i], on the widest registers the path has: each lane
+// the scalar loop's operations in its order (a step of a 1.5B model spent 1 ms of its 40 in the scalar loop).
+static void silu_mul(float *a, const float *b, size_t width) {
+    size_t i = 0;
+#if DW_VNNI
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    for (; i + 16 <= width; i += 16) {
+        const __m512 x = _mm512_loadu_ps(a + i);
+        const __m512 e = exp_fixed16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));  // -x
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(b + i)));
+    }
+#elif DW_AVX
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= width; i += 8) {
+        const __m256 x = _mm256_loadu_ps(a + i);
+        const __m256 e = exp_fixed8(_mm256_xor_ps(x, sign));  // -x
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(b + i)));
+    }
+#endif
+    for (; i < width; i++) a[i] = a[i] / (1.0f + exp_fixed(-a[i])) * b[i];
+}
+
 // y [rows, hidden] = down(silu(gate(x)) * up(x)), x [rows, hidden].
 int dw_mlp(const float *x, int rows, const dw_weight *gate, const dw_weight *up, const dw_weight *down, float *y) {
     const size_t width = (size_t)rows * gate->n;
@@ -919,8 +943,7 @@ int dw_mlp(const float *x, int rows, const dw_weight *gate, const dw_weight *up,
     const dw_weight *both[2] = {gate, up};
     float *into[2] = {a, b};
     if (a && b && !(status = weights_rows(both, 2, x, rows, into))) {
-#pragma omp parallel for schedule(static) if (width > 16384)
-        for (size_t i = 0; i < width; i++) a[i] = a[i] / (1.0f + exp_fixed(-a[i])) * b[i];
+        silu_mul(a, b, width);
         status = weight_rows(down, a, rows, y);
     }
     free(a);
