@@ -456,7 +456,7 @@ def test_models_rm_removes_the_folder_and_its_packing_cache(capsys, store, tmp_p
     import numpy as np
 
     from draftwise.backends.gguf_cache import PackCache
-    from draftwise.backends.gguf_weights import pack, quantize_4bit
+    from draftwise.backends.gguf_weights import pack, quantize_draft
     from draftwise.models.store import MANIFEST
 
     name = next(iter(KNOWN_MODELS))
@@ -468,7 +468,7 @@ def test_models_rm_removes_the_folder_and_its_packing_cache(capsys, store, tmp_p
     gguf, other = folder / "m.gguf", tmp_path / "other.gguf"
     for file in (gguf, other):
         file.write_bytes(b"GGUF")
-        PackCache.of(file).save({"w": (pack(quantize_4bit(np.ones((16, 64), dtype=np.float32))), "file")})
+        PackCache.of(file).save({"w": (pack(quantize_draft(np.ones((16, 64), dtype=np.float32))), "file")})
     ours, theirs = PackCache.of(gguf).path, PackCache.of(other).path
     cached, size = ours.stat().st_size, sum(p.stat().st_size for p in folder.iterdir())
     code, out, _ = run(capsys, "models", "list", "--json")

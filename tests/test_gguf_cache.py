@@ -38,9 +38,9 @@ def test_pack_raw_gives_packs_bytes(monkeypatch, type_name, n, k, chunk):
         assert (got.n, got.k, got.group, got.supers, got.bits) == (want.n, want.k, want.group, want.supers, want.bits)
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("type_name,bits", [("Q6_K", 4), ("Q8_0", 4), ("Q5_0", 4), ("Q6_K", 2), ("Q4_K", 2)])
 @pytest.mark.parametrize("chunk", [64, gguf_weights.CHUNK_BYTES])
-def test_requantize_4bit_gives_the_4bit_form_of_the_whole_weight(monkeypatch, type_name, chunk):
+def test_requantize_draft_gives_the_low_bit_form_of_the_whole_weight(monkeypatch, type_name, bits, chunk):
     n, k = 37, 1024
     rng = np.random.default_rng(k)
     raw = raw_blocks(type_name, n, k, rng)
@@ -48,14 +48,15 @@ def test_requantize_4bit_gives_the_4bit_form_of_the_whole_weight(monkeypatch, ty
     for order in (None, rng.permutation(n)):
         blocks = gguf_weights.decode(type_name, raw, n, k)
         weight = (blocks if order is None else blocks.rows(order)).dequantize()  # [n, k] float32
-        want = gguf_weights.pack(gguf_weights.quantize_4bit(weight))
-        got = gguf_weights.requantize_4bit(type_name, raw, n, k, order)
-        assert (got.bits, got.group, got.supers) == (4, want.group, want.supers)
+        want = gguf_weights.pack(gguf_weights.quantize_draft(weight, bits))
+        got = gguf_weights.requantize_draft(type_name, raw, n, k, order, bits)
+        assert (got.bits, got.group, got.supers) == (bits, want.group, want.supers)
         for field in ("q", "sc", "mn", "d", "dmin"):
             assert np.array_equal(getattr(got, field), getattr(want, field)), field
         # the values stay close to the wide blocks' (a draft's: only acceptance moves)
         error = np.abs(gguf_weights.unpack(got).dequantize() - weight).mean() / np.abs(weight).mean()
-        assert error < 0.15 and got.nbytes < 0.8 * gguf_weights.pack_raw(type_name, raw, n, k).nbytes
+        assert error < {4: 0.15, 2: 0.6}[bits]
+        assert got.nbytes < {4: 0.8, 2: 0.6}[bits] * gguf_weights.pack_raw(type_name, raw, n, k).nbytes
 
 
 def logits(model) -> torch.Tensor:

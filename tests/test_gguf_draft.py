@@ -13,9 +13,10 @@ from gguf_files import write_gguf
 
 from draftwise import Engine
 from draftwise.backends import gguf_model
-from draftwise.backends.gguf_model import DRAFT_BLOCKS, load_gguf_model
+from draftwise.backends.gguf_model import DRAFT_BLOCKS, draft_blocks, load_gguf_model
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.config import GenerationConfig
+from draftwise.errors import DraftwiseError
 from draftwise.models.packed import cache_path
 
 IDS = [1, 5, 9, 33, 200, 7, 7, 150, 3]
@@ -74,7 +75,7 @@ def test_a_second_draft_load_maps_its_own_cache_and_leaves_the_targets(home, tmp
     assert own.is_file() and own != targets and not targets.exists()  # the target's cache is not the draft's
     target = logits(load_gguf_model(path, progress=False))  # writes the target's, beside the draft's
     written = own.stat().st_mtime_ns
-    monkeypatch.setattr(gguf_model, "requantize_4bit", refuse)
+    monkeypatch.setattr(gguf_model, "requantize_draft", refuse)
     monkeypatch.setattr(gguf_model, "pack_raw", refuse)
     assert torch.equal(logits(load_gguf_model(path, progress=False, draft=True)), first)
     assert torch.equal(logits(load_gguf_model(path, progress=False)), target)
@@ -93,6 +94,46 @@ def test_the_targets_own_file_as_its_draft_shares_its_linears_and_leaves_it_as_i
     assert modules["lm_head"].bits == 6 and target.get_output_embeddings() is modules["lm_head"]
     assert linears(target) == modules and torch.equal(logits(target), before)
     assert not torch.equal(logits(draft), before)  # control: the draft's output layer is another's
+
+
+def test_a_2bit_drafts_layers_load_on_2_bits_in_a_cache_of_their_own(home, tmp_path, monkeypatch):
+    path = tiny(tmp_path / "m.gguf", "Q4_K", "Q6_K", tied=True)  # a decoder already on 4 bits goes to 2 too
+    four = load_gguf_model(path, progress=False, draft=True)
+    two = load_gguf_model(path, progress=False, draft=True, draft_bits=2)
+    bits = {name: m.bits for name, m in linears(two).items()}
+    assert bits.pop("lm_head") == 4 and set(bits.values()) == {2}  # the output layer as a 4-bit draft's
+    assert packed_bytes(two) < 0.8 * packed_bytes(four)
+    own = cache_path(path, draft_blocks(2))
+    assert own.is_file() and own != cache_path(path, DRAFT_BLOCKS)
+    first = logits(two)
+    monkeypatch.setattr(gguf_model, "requantize_draft", refuse)
+    assert torch.equal(logits(load_gguf_model(path, progress=False, draft=True, draft_bits=2)), first)
+    target = load_gguf_model(path, progress=False)
+    other = load_gguf_model(tiny(tmp_path / "o.gguf", "Q4_K", "Q6_K", tied=True, seed=1), progress=False)
+    near, far = (first - logits(target)).abs().mean(), (logits(other) - logits(target)).abs().mean()
+    assert 0 < near < far  # a coarser rounding of the same model, not another one
+    with pytest.raises(DraftwiseError, match="take 4 or 2 bits, not 3"):
+        load_gguf_model(path, progress=False, draft=True, draft_bits=3)
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_a_2bit_draft_gives_the_tokens_of_none(home, tmp_path, method):
+    from draftwise.loading import QUANT_ASSEMBLY
+
+    path = tiny(tmp_path / "target.gguf", "Q4_K", "Q6_K", tied=True)
+    target = load_gguf_model(path, progress=False)
+    draft = load_gguf_model(path, progress=False, draft=True, draft_bits=2)
+    none = Engine.from_models(target, tiny_tokenizer(), method="none", **QUANT_ASSEMBLY)
+    eng = Engine.from_models(target, tiny_tokenizer(), draft_model=draft, method=method, **QUANT_ASSEMBLY)
+    looping = list(IDS) + list(none.generate(IDS, max_new_tokens=12, ignore_eos=True).token_ids)
+    accepted = 0
+    for prompt in (looping, IDS[:6]):
+        want = none.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+        for k in (1, 4):
+            result = eng.generate(prompt, max_new_tokens=20, ignore_eos=True, num_draft_tokens=k, adaptive=False)
+            assert result.token_ids == want, f"{method}, k={k}"
+            accepted += result.stats.accepted
+    assert accepted > 0  # its guesses were checked, some kept
 
 
 @pytest.fixture

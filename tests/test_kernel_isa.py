@@ -111,6 +111,20 @@ def test_a_layers_output_is_the_same_bits_on_every_path(isa, type_name):
 
 @needs_two
 @pytest.mark.parametrize("isa", OTHERS)
+@pytest.mark.parametrize("group", [16, 32])
+def test_a_2bit_drafts_layer_is_the_same_bits_on_every_path(isa, group):
+    weight = np.random.default_rng(group).standard_normal((48, 1024)).astype(np.float32)
+    linear = qgemm.QuantLinear(gguf_weights.pack(gguf_weights.quantize_draft(weight, 2, group=group)))
+    assert linear.bits == 2 and linear.group == group
+    for rows in (1, 3, 16, 21):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)) * 3
+        want = linear_on(qgemm.library_for(FASTEST), linear, x)
+        got = linear_on(qgemm.library_for(isa), linear, x)
+        assert torch.equal(got, want), f"{isa} vs {FASTEST}, {rows} rows: max |diff| {float((got - want).abs().max())}"
+
+
+@needs_two
+@pytest.mark.parametrize("isa", OTHERS)
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_the_largest_int16_sums_of_avx2_stay_exact(isa, type_name):
     """Every stored value at its largest (15, 63, 255) and every activation at +-127 in a group: AVX2's vpmaddubsw

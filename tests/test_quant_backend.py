@@ -407,14 +407,26 @@ def test_a_head_on_the_quant_target_gives_the_tokens_of_none_alone_and_batched(m
     assert got == [baseline(PROMPT), baseline(OTHER)], f"{method}, batched"
 
 
-def test_a_drafts_4bit_copy_stays_close_to_its_float_weight():
+@pytest.mark.parametrize("bits,most_error", [(4, 0.12), (2, 0.5)])
+def test_a_drafts_low_bit_copy_stays_close_to_its_float_weight(bits, most_error):
     weight = torch.randn(48, 896, generator=torch.Generator().manual_seed(4)).numpy()  # 896: 28 groups, 7 a super
-    blocks = gguf_weights.quantize_4bit(weight)
-    assert blocks.bits == 4 and blocks.supers == 7 and int(blocks.q.max()) <= 15
+    blocks = gguf_weights.quantize_draft(weight, bits)
+    assert blocks.bits == bits and blocks.supers == 7 and int(blocks.q.max()) == (1 << bits) - 1
     error = np.abs(blocks.dequantize() - weight).mean() / np.abs(weight).mean()
-    assert error < 0.12
+    assert error < most_error
     # control: the same levels with the scales of another channel are far off
     assert np.abs(blocks.rows(np.roll(np.arange(48), 1)).dequantize() - weight).mean() / np.abs(weight).mean() > 0.5
+    # the kernel's layout holds them exactly, and its product is the float one up to the activations' rounding
+    linear = QuantLinear(gguf_weights.pack(blocks))
+    assert torch.equal(linear.dequantized(), torch.from_numpy(blocks.dequantize()))
+    x = torch.randn(3, 896, generator=torch.Generator().manual_seed(0))
+    want = x @ torch.from_numpy(blocks.dequantize()).T
+    assert torch.allclose(linear(x), want, rtol=0.02, atol=0.02 * float(want.abs().max()))
+
+
+def test_a_draft_refuses_a_width_it_has_no_blocks_for():
+    with pytest.raises(DraftwiseError, match="take 4 or 2 bits, not 3"):
+        gguf_weights.quantize_draft(np.zeros((16, 64), dtype=np.float32), 3)
 
 
 @pytest.mark.real_model

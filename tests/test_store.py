@@ -586,7 +586,7 @@ def pack_cache(gguf: Path, blocks: str = "file", rows: int = 16) -> Path:
     from draftwise.backends import gguf_weights
     from draftwise.backends.gguf_cache import PackCache
 
-    packed = gguf_weights.pack(gguf_weights.quantize_4bit(np.ones((rows, 64), dtype=np.float32)))
+    packed = gguf_weights.pack(gguf_weights.quantize_draft(np.ones((rows, 64), dtype=np.float32)))
     cache = PackCache.of(gguf, blocks)
     assert cache.save({"w": (packed, "file")})
     return cache.path

@@ -6,8 +6,9 @@
 // Here each 16-channel tile of weights is unpacked once into registers and applied to every row.
 //
 // Weights (see gguf_weights.py): w[n, k] = d[n, s] * sc[n, g] * q[n, k] - dmin[n, s] * mn[n, g]
-//   q: unsigned values stored in 4, 6 or 8 bits (BITS: 4 for Q4_K, 6 for Q6_K and Q5_0, 8 for Q8_0), g = k / G its group, s = g / S its
-//   super-group. Every GGUF type draftwise reads maps onto this exactly (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1).
+//   q: unsigned values stored in 2, 4, 6 or 8 bits (BITS: 4 for Q4_K, 6 for Q6_K and Q5_0, 8 for Q8_0; 2 for a draft
+//   re-quantized to fewer bits), g = k / G its group, s = g / S its super-group. Every GGUF type draftwise reads maps
+//   onto this exactly (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1).
 // Activations: each row quantized per group of G to int8 with its own scale, as llama.cpp does (Q8_K);
 //   the integer dot products then run on AVX512-VNNI (64 multiply-adds an instruction), AVX-VNNI or AVX2 (32).
 //
@@ -157,8 +158,9 @@ int dw_vectorized(void) { return DW_ISA != DW_SCALAR; }
 int dw_isa(void) { return DW_ISA; }  // which path this library was built as (qgemm.py checks it at load)
 
 #if DW_VNNI
-// One tile of 16 channels over R rows. G: group size (16 or 32); BITS: 4 (two values a byte), 6 (a nibble plane,
-// then a plane of 2-bit high parts, four registers' to a byte) or 8.
+// One tile of 16 channels over R rows. G: group size (16 or 32); BITS: 2 (four registers' values to a byte, register
+// i + b * vecs / 4 in bits 2b and 2b + 1), 4 (two values a byte), 6 (a nibble plane, then a plane of 2-bit high
+// parts, four registers' to a byte) or 8.
 static inline __attribute__((always_inline)) void tile_rows(
     const int R, const int G, const int BITS, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
     const float *d, const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y, int ldy) {
@@ -179,7 +181,15 @@ static inline __attribute__((always_inline)) void tile_rows(
                                                  _mm_loadu_si128((const __m128i *)(mn + (size_t)j * TILE)))));
         __m512i w[8];
         prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
-        if (BITS < 8) {
+        if (BITS == 2) {
+            const uint8_t *p = q + (size_t)j * TILE * G / 4;
+            const __m512i three = _mm512_set1_epi8(0x03);
+            for (int i = 0; i < vecs / 4; i++) {
+                const __m512i packed = _mm512_loadu_si512(p + 64 * i);
+                for (int b = 0; b < 4; b++)
+                    w[i + b * (vecs / 4)] = _mm512_and_si512(_mm512_srli_epi16(packed, 2 * b), three);
+            }
+        } else if (BITS < 8) {
             const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++) {
                 const __m512i packed = _mm512_loadu_si512(p + 64 * i);
@@ -288,7 +298,16 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         __m256i w[16], wh[16];
         prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
-        if (BITS < 8) {
+        if (BITS == 2) {
+            const uint8_t *p = q + (size_t)j * TILE * G / 4;
+            const __m256i three = _mm256_set1_epi8(0x03);
+            for (int i = 0; i < vecs / 4; i++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+                    for (int b = 0; b < 4; b++)
+                        w[2 * (i + b * (vecs / 4)) + h] = _mm256_and_si256(_mm256_srli_epi16(packed, 2 * b), three);
+                }
+        } else if (BITS < 8) {
             const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++)
                 for (int h = 0; h < 2; h++) {
@@ -352,6 +371,10 @@ static inline __attribute__((always_inline)) void tile_rows(
 static inline int value_at(const uint8_t *p, int G, int BITS, int c, int kk) {
     const int vec = kk / 4, r = kk % 4;
     if (BITS == 8) return p[64 * vec + 4 * c + r];
+    if (BITS == 2) {
+        const int quarter = G / 16;
+        return (p[64 * (vec % quarter) + 4 * c + r] >> (2 * (vec / quarter))) & 0x03;
+    }
     const int half = G / 8;
     const int low = vec < half ? p[64 * vec + 4 * c + r] & 0x0F : p[64 * (vec - half) + 4 * c + r] >> 4;
     if (BITS == 4) return low;
@@ -406,12 +429,16 @@ static void tile_dispatch(int R, int G, int bits, int k, int S, const uint8_t *q
                           const float *xsum, float *y, int ldy) {
     if (G == 32 && bits == 4) {
         ALL_ROWS(32, 4)
+    } else if (G == 32 && bits == 2) {
+        ALL_ROWS(32, 2)
     } else if (G == 32 && bits == 6) {
         ALL_ROWS(32, 6)
     } else if (G == 32) {
         ALL_ROWS(32, 8)
     } else if (bits == 4) {
         ALL_ROWS(16, 4)
+    } else if (bits == 2) {
+        ALL_ROWS(16, 2)
     } else if (bits == 6) {
         ALL_ROWS(16, 6)
     } else {
@@ -426,10 +453,10 @@ typedef struct {  // one quantized weight, as QuantLinear keeps it
     const float *d, *dmin;
 } dw_weight;
 
-// Whether the kernel takes w's shape: n a multiple of 16, k of g * s (g 16 or 32), bits 4, 6 or 8.
+// Whether the kernel takes w's shape: n a multiple of 16, k of g * s (g 16 or 32), bits 2, 4, 6 or 8.
 static int weight_takes(const dw_weight *w) {
     return !(w->n % TILE) && (w->g == 16 || w->g == 32) && !(w->k % (w->g * w->s)) &&
-           (w->bits == 4 || w->bits == 6 || w->bits == 8);
+           (w->bits == 2 || w->bits == 4 || w->bits == 6 || w->bits == 8);
 }
 
 // Tile t of w over every row of the quantized rows into y [rows, w->n].
@@ -446,7 +473,7 @@ static void weight_tile(const dw_weight *w, int t, const int8_t *xq, const float
     }
 }
 
-// y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32); bits: 4, 6 or 8.
+// y [rows, n] = quantized rows . W^T. n: a multiple of 16; k: a multiple of g (16 or 32); bits: 2, 4, 6 or 8.
 // Layouts, tile t = n / 16 outermost: q [t][k/g][16 * g (/ 2)], sc and mn [t][k/g][16], d and dmin
 // [t][k/(g*s)][16]. Returns 0, or -1 for a shape it does not take.
 int dw_qgemm(const int8_t *xq, const float *xs, const float *xsum, int rows, int n, int k, int g, int s,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_4bit, unpack
+from draftwise.backends.gguf_weights import Blocks, decode, pack, quantize_draft, unpack
 from draftwise.backends.attention import use_row_invariant_attention
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.backends.quant_layers import fuse_layers
@@ -119,12 +119,12 @@ def _field(reader, key: str) -> str:
 
 
 def on_4bit(model: nn.Module, progress: bool = True) -> nn.Module:
-    """Replace model's linears, in place, by QuantLinear on a 4-bit copy of their float weights (quantize_4bit): a
+    """Replace model's linears, in place, by QuantLinear on a 4-bit copy of their float weights (quantize_draft): a
     draft's, which may change values. Widths that are not a multiple of 32 stay float."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % 32 == 0]
     modules = dict(model.named_modules())
     for name, linear in bar(linears, desc="4-bit draft", disable=not progress):
-        blocks = quantize_4bit(linear.weight.detach().float().numpy())
+        blocks = quantize_draft(linear.weight.detach().float().numpy())
         _replace(model, modules, name, QuantLinear(pack(blocks), linear.bias))
     return _on_quant_layers(model)
 
