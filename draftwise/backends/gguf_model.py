@@ -28,7 +28,7 @@ from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
 from draftwise.models.gguf_file import ROPE_FACTORS, GGUFFile, rope_factors
-from draftwise.backends.gguf_weights import DECODERS, DRAFT_BITS, Packed, pack_raw, requantize_draft
+from draftwise.backends.gguf_weights import DECODERS, Packed, check_draft_bits, pack_raw, requantize_draft
 from draftwise.backends.huge_pages import on_huge_pages
 from draftwise.models.packed import FILE_BLOCKS
 from draftwise.backends.qgemm import QuantLinear
@@ -46,6 +46,8 @@ LAYER_PREFIX = "model.layers."  # the decoder layers' modules, in every family t
 def draft_blocks(bits: int = 4) -> str:
     """The pack cache of a draft whose decoder layers are on `bits`-bit blocks."""
     return DRAFT_BLOCKS if bits == 4 else f"q{bits}"
+
+
 # GGUF architectures the quant backend runs, with the transformers families they load as (llama.cpp writes Mistral
 # and SmolLM2 as "llama"). Others are refused by name before anything loads.
 ARCHITECTURES = {"qwen2": "Qwen2", "llama": "Llama, SmolLM2, Mistral", "qwen3": "Qwen3", "gemma3": "Gemma 3",
@@ -162,8 +164,7 @@ def load_gguf_model(path: str | Path, config=None, progress: bool = True, cache:
     embedding = model.get_input_embeddings()
     embedding_name = _parameter_of(model, embedding)
     tied = "output.weight" not in file.tensors
-    if draft_bits not in DRAFT_BITS:
-        raise DraftwiseError(f"a draft's blocks take {' or '.join(map(str, DRAFT_BITS))} bits, not {draft_bits}")
+    check_draft_bits(draft_bits)  # (before any weight is read)
     linears = _Linears(file, config, cache, draft, sharing, draft_bits)
     desc = f"{draft_bits}-bit draft" if draft else "quantized weights"
     for tensor, target in bar(plan, desc=desc, disable=not progress):

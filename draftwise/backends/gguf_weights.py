@@ -367,17 +367,21 @@ def unpack(packed: Packed) -> Blocks:
 DRAFT_BITS = (4, 2)  # the widths a draft's blocks may be re-quantized to
 
 
+def check_draft_bits(bits: int) -> None:
+    if bits not in DRAFT_BITS:
+        raise DraftwiseError(f"a draft's blocks take {' or '.join(map(str, DRAFT_BITS))} bits, not {bits}")
+
+
 def quantize_draft(weight: np.ndarray, bits: int = 4, group: int = 32, most_supers: int = 8) -> Blocks:
     """A float weight [n, k] in the Q4_K form (bits-bit values, 6-bit scales and mins under a float per super-group;
     at 4 bits Q4_K's own): for a draft, whose values may change (the target still checks every token; only acceptance
     moves). Super-groups of up to most_supers groups, as many as divide k's groups (k need not be a multiple of 256).
     At 2 bits the values take 2.5 bits a weight with their scales, not 4.5: a forward reads 45% fewer bytes."""
-    if bits not in DRAFT_BITS:
-        raise DraftwiseError(f"a draft's blocks take {' or '.join(map(str, DRAFT_BITS))} bits, not {bits}")
+    check_draft_bits(bits)
     levels = (1 << bits) - 1
     n, k = weight.shape
     if k % group:
-        raise DraftwiseError(f"a 4-bit draft weight needs a width that is a multiple of {group}, not {k}")
+        raise DraftwiseError(f"a {bits}-bit draft weight needs a width that is a multiple of {group}, not {k}")
     groups = k // group
     supers = max(s for s in range(1, most_supers + 1) if groups % s == 0)
     w = weight.astype(np.float32).reshape(n, groups, group)

@@ -181,8 +181,8 @@ static inline __attribute__((always_inline)) void tile_rows(
                                                  _mm_loadu_si128((const __m128i *)(mn + (size_t)j * TILE)))));
         __m512i w[8];
         prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
+        const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
         if (BITS == 2) {
-            const uint8_t *p = q + (size_t)j * TILE * G / 4;
             const __m512i three = _mm512_set1_epi8(0x03);
             for (int i = 0; i < vecs / 4; i++) {
                 const __m512i packed = _mm512_loadu_si512(p + 64 * i);
@@ -190,7 +190,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                     w[i + b * (vecs / 4)] = _mm512_and_si512(_mm512_srli_epi16(packed, 2 * b), three);
             }
         } else if (BITS < 8) {
-            const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++) {
                 const __m512i packed = _mm512_loadu_si512(p + 64 * i);
                 w[i] = _mm512_and_si512(packed, low);
@@ -207,7 +206,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                 }
             }
         } else {
-            const uint8_t *p = q + (size_t)j * TILE * G;
             for (int i = 0; i < vecs; i++) w[i] = _mm512_loadu_si512(p + 64 * i);
         }
         for (int r = 0; r < R; r++) {
@@ -298,8 +296,8 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         __m256i w[16], wh[16];
         prefetch_group(q, sc, mn, j + PREFETCH_GROUPS, G, BITS);
+        const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
         if (BITS == 2) {
-            const uint8_t *p = q + (size_t)j * TILE * G / 4;
             const __m256i three = _mm256_set1_epi8(0x03);
             for (int i = 0; i < vecs / 4; i++)
                 for (int h = 0; h < 2; h++) {
@@ -308,7 +306,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                         w[2 * (i + b * (vecs / 4)) + h] = _mm256_and_si256(_mm256_srli_epi16(packed, 2 * b), three);
                 }
         } else if (BITS < 8) {
-            const uint8_t *p = q + (size_t)j * TILE * G * BITS / 8;
             for (int i = 0; i < vecs / 2; i++)
                 for (int h = 0; h < 2; h++) {
                     const __m256i packed = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
@@ -329,7 +326,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                     }
             }
         } else {
-            const uint8_t *p = q + (size_t)j * TILE * G;
             for (int i = 0; i < 2 * vecs; i++) {
                 w[i] = _mm256_loadu_si256((const __m256i *)(p + 32 * i));
 #if DW_ISA == DW_AVX2
