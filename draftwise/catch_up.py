@@ -46,7 +46,7 @@ class CatchUp:
         above what it costs, and keep drafting off for the rest of the request. So before a probe the draft is
         filled to the text (less the tokens a round's first forward feeds anyway). In a batch, a probe is not worth
         every row's catch-up. A sequence drafting a fixed k always drafts, and its rounds must not follow the
-        engine's state (a seeded request's draws depend on them): its draft is filled whenever it is too far behind
+        engine's state (it asked for k every round): its draft is filled whenever it is too far behind
         (a hybrid's lookup rounds leave it behind), whatever the policy last chose. Else a draft is filled only
         where the tokens still to come repay the filling (DraftLengthPolicy.catch_up_pays): in a batch, where
         drafting saves little a token, a short answer to a long prompt is cheaper without its draft."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from draftwise.acceptance_pools import AcceptancePools, pool_method
 from draftwise.catch_up import CatchUp
-from draftwise.config import GenerationConfig
+from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.draft_lengths import DraftLengths
 from draftwise.draft_registry import DraftRegistry
 from draftwise.errors import DraftwiseError
@@ -22,12 +22,14 @@ from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
 from draftwise.round import RoundHooks, reads_features
 from draftwise.sampling import make_generator
+from draftwise.shared_noise import SharedNoise
 from draftwise.sequence import Sequence
 from draftwise.text import TextStream
 from draftwise.text_caches import TextCaches
 from draftwise.tokenizers import CROSS_TOKENIZER
 
 TEXT_CONTEXT = 5  # the prompt's last ids, decoded ahead of the text (TextStream: a continuation's leading space)
+GREEDY = SamplingConfig()  # what a proposer is begun with where its sequence draws from shared noise
 
 
 @dataclass
@@ -91,11 +93,12 @@ class Sequences:
         method = self.check_open(prompt_ids, cfg)
         cfg = self.drafts.with_front(cfg, method)
         constraint = None if cfg.grammar is None else self.grammars.constraint(cfg.grammar)
-        target, proposer, generator, reused = self._allocate(prompt_ids, cfg, method, constraint)
-        # A seeded sampled request drafts a fixed k: its random draws depend on the round shapes, which an
-        # adaptive k would take from timings, and the same seed must give the same text.
+        # A seeded sampled request draws its tokens from noise its seed decides (shared_noise.py): its text is the
+        # same whatever the rounds' shapes, so its k may follow the timings as a greedy one's does.
         seeded = not cfg.sampling.greedy and cfg.sampling.seed is not None
-        acceptance = Acceptance() if proposer and cfg.adaptive and not seeded else None
+        noise = SharedNoise(cfg.sampling, self.target.vocab_size) if seeded else None
+        target, proposer, generator, reused = self._allocate(prompt_ids, cfg, method, constraint, noise)
+        acceptance = Acceptance() if proposer and cfg.adaptive else None
         policy = self.lengths.policy_for(pool_method(method, cfg.draft))
         if acceptance is not None:
             policy.sequence_joined()
@@ -106,15 +109,17 @@ class Sequences:
         seq = Sequence(prompt_ids=list(prompt_ids), cfg=cfg, method=method, target=target, proposer=proposer,
                        acceptance=acceptance, text=TextStream(self.tokenizer, cfg.stop, prompt_ids[-TEXT_CONTEXT:]),
                        stats=stats, generator=generator, context=list(prompt_ids), prefilled=reused,
-                       constraint=constraint)
+                       constraint=constraint, noise=noise)
         if acceptance is not None:
             self.pools.start(seq)
         self.catch_up.open_sequences += 1
         return seq
 
-    def _allocate(self, prompt_ids: list[int], cfg: GenerationConfig, method: str, constraint):
+    def _allocate(self, prompt_ids: list[int], cfg: GenerationConfig, method: str, constraint,
+                  noise: SharedNoise | None):
         """The sequence's slot of the target and its proposer, begun on the prompt and given what the prompt cache
-        holds of it; nothing allocated here outlives a failure. Returns (target, proposer, generator, reused)."""
+        holds of it; nothing allocated here outlives a failure. Returns (target, proposer, generator, reused). With
+        shared noise the proposer guesses as for greedy decoding, or runs the noise's race itself (share_noise)."""
         if not self._default_in_use and method == self.method and cfg.draft is None:
             self._default_in_use = True
             target, proposer = self.target.default, self.proposer
@@ -127,7 +132,8 @@ class Sequences:
             target.trim(0)
             if proposer is not None:
                 proposer.bind(target)  # (a proposer that drafts in the sequence's own target slot)
-                proposer.begin(prompt_ids, cfg.sampling, generator)
+                proposer.begin(prompt_ids, GREEDY if noise is not None else cfg.sampling, generator)
+                proposer.share_noise(noise)
                 proposer.follow_grammar(None if constraint is None else constraint.guide())
             reused = self.caches.restore(target, proposer, prompt_ids)
         except BaseException:

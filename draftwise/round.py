@@ -77,12 +77,9 @@ class Round:
         proposed = time.perf_counter()
         too_slow = self.fallback.where_drafting_failed(seqs, drafts, ks, proposed - chosen)
         live = [i for i, d in enumerate(drafts) if not isinstance(d, BaseException)]
-        # A sampled row's draws, as they were before the pass: a row verified again alone draws them again, so a
-        # seeded text does not depend on whether a batch-mate's row failed the shared verification.
-        draws = {i: seqs[i].generator.get_state() for i in live if not seqs[i].cfg.sampling.greedy}
         verified = Verified()
         try:  # verify: every live draft in one target pass
-            verified = self.verify_rows(seqs, drafts, live, draws)
+            verified = self.verify_rows(seqs, drafts, live)
         finally:  # commit: whatever happened, each sequence's caches hold exactly its accepted text
             verified_at = time.perf_counter()
             failed = self.commit(seqs, ks, drafts, verified)
@@ -132,13 +129,12 @@ class Round:
         return drafts
 
     # -- verify --------------------------------------------------------------------------------------------------
-    def verify_rows(self, seqs: list[Sequence], drafts: list, live: list[int],
-                    draws: dict[int, torch.Tensor]) -> Verified:
+    def verify_rows(self, seqs: list[Sequence], drafts: list, live: list[int]) -> Verified:
         """Every live draft in one target pass; if that pass fails, each row once more alone."""
         try:
             return Verified(*self.verify(seqs, drafts, live))
         except Exception as err:
-            return Verified(*self.verify_alone(seqs, drafts, live, err, draws), timed=False)
+            return Verified(*self.verify_alone(seqs, drafts, live, err), timed=False)
 
     def verify(self, seqs: list[Sequence], drafts: list,
                live: list[int]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
@@ -156,24 +152,24 @@ class Round:
                    for i, row in zip(live, per_row)]
         batch = DraftBatch.of([drafts[i] for i in live])
         logits = per_row[0] if len(per_row) == 1 else torch.cat(per_row)  # [T + B, vocab] (one row: no copy)
-        found = verify_batch(batch, logits,
-                             [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live])
+        drawn = [None if seqs[i].noise is None else seqs[i].noise.draws(row, row_positions(seqs[i], drafts[i]))
+                 for i, row in zip(live, per_row)]
+        found = verify_batch(batch, logits, [seqs[i].cfg.sampling for i in live], [seqs[i].generator for i in live],
+                             drawn)
         return dict(zip(live, found)), dict(zip(live, features))
 
-    def verify_alone(self, seqs: list[Sequence], drafts: list, live: list[int], shared_error: Exception,
-                     draws: dict[int, torch.Tensor]) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
+    def verify_alone(self, seqs: list[Sequence], drafts: list, live: list[int],
+                     shared_error: Exception) -> tuple[dict[int, Verdict], dict[int, torch.Tensor]]:
         """The shared target pass failed: each of its rows once more on its own, so that what one sequence alone
         brings (a prompt or draft the model cannot take) ends its own round, not every request in the batch. A row
-        that fails alone gets its own error in place of its draft; a single row's shared error is its own. draws:
-        the sampled rows' generator states from before the shared pass, which may have drawn for some rows."""
+        that fails alone gets its own error in place of its draft; a single row's shared error is its own. (A seeded
+        row draws from its noise, which no failed pass moved: its text is what it would have been.)"""
         if len(live) == 1:
             drafts[live[0]] = shared_error
             return {}, {}
         verdicts, features = {}, {}
         for i in live:
             seqs[i].target.trim(len(seqs[i].context) - 1)  # the shared pass may have written its row: the text only
-            if i in draws:
-                seqs[i].generator.set_state(draws[i])
             try:
                 verdict, feature = self.verify(seqs, drafts, [i])
             except Exception as own:
@@ -292,6 +288,14 @@ def proposers_part(draft: Draft, verdict: Verdict) -> tuple[Draft, Verdict, list
         return draft.prefix(own), verdict, []
     forced = list(draft.token_ids[own: verdict.num_accepted])
     return draft.prefix(own), Verdict(own, verdict.next_token, verdict.path), forced
+
+
+def row_positions(seq: Sequence, draft: Draft) -> list[int]:
+    """The text position each row of a sequence's pass scores the token of: row 0 (its last token) the next one, a
+    chain's row i the i-th after it, a tree's row that of its node's depth."""
+    base = len(seq.context)
+    depths = range(len(draft) + 1) if draft.layout is None else draft.layout.depth
+    return [base + depth for depth in depths]
 
 
 def reads_features(proposer: Proposer | None) -> bool:

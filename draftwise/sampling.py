@@ -31,6 +31,12 @@ def argmax_ids(logits: torch.Tensor) -> list[int]:
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order transformers uses). logits: [..., vocab]."""
+    return tempered_logits(logits, cfg).softmax(dim=-1)
+
+
+def tempered_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits_to_probs before its softmax: the log-weights, up to a constant per row, of the distribution sampled
+    (-inf for a token top-k or top-p drop). logits: [..., vocab]."""
     logits = logits.float()
     # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to -inf, not every logit
     # to +-inf (whose softmax is NaN). The same distribution, for p and q alike.
@@ -52,7 +58,7 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop_sorted = mass_before >= max(cfg.top_p, FLOAT32_TINY)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
+    return logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -14,6 +14,7 @@ from draftwise.estimates import Acceptance, TreeSpread
 from draftwise.grammar import Constraint
 from draftwise.metrics import Stats
 from draftwise.proposers.base import Proposer
+from draftwise.shared_noise import SharedNoise
 from draftwise.text import TextStream
 
 
@@ -35,6 +36,7 @@ class Sequence:
     error: str | None = None  # why, when it ended in an error
     exception: BaseException | None = None  # the error itself
     constraint: Constraint | None = None  # its place in the grammar its text must match (grammar.py)
+    noise: SharedNoise | None = None  # a seeded sampled sequence's: its tokens are drawn from it (shared_noise.py)
     _prefilled_all: bool = field(default=False, repr=False)  # prefill_done, once it has been
 
     @property

@@ -193,8 +193,8 @@ def test_a_sequence_starts_from_the_acceptance_its_kind_ended_on_in_this_engine(
     seq = eng.open_sequence(tokenizer.encode(prompt), sampled)
     assert _drafting_acceptance(seq).rate == PRIOR_ACCEPTED / PRIOR_TRIALS
     eng.close_sequence(seq)
-    # A seeded sampled sequence drafts a fixed k and has no acceptance to carry; the greedy rate is untouched.
-    eng.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=3)
+    # A sampled sequence drafting a fixed k has no acceptance to carry; the greedy rate is untouched.
+    eng.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=3, adaptive=False)
     assert eng.recent_acceptance(method, False) is None and eng.recent_acceptance(method, True) == ended
 
 
@@ -228,20 +228,20 @@ def test_a_hybrids_lookup_starts_from_what_lookup_kept_after_each_match_length_i
     assert _drafting_acceptance(seq).rate == pytest.approx(0.7)
     assert starts == pytest.approx({1: 0.3, 2: 0.0, 3: 0.9, 4: 0.5})  # (2: none above its pessimistic prior)
     eng.close_sequence(seq)
-    # A sequence drafting a fixed k (a seeded sampled one) starts from nothing carried, and follows no timings.
+    # A sequence drafting a fixed k starts from nothing carried, and follows no timings.
     seq = eng.open_sequence(tokenizer.encode("Another prompt"),
-                            GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1))
+                            GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, adaptive=False))
     assert seq.proposer.costs is None and seq.proposer.lookup.acceptance_after(3).rate == 0.5
     eng.close_sequence(seq)
 
 
 def test_a_sequence_drafting_a_fixed_k_fills_its_lagging_draft_whatever_the_policy_last_chose():
     """A hybrid's lookup rounds leave its draft model behind the text; a fixed-k sequence must catch it up on the
-    text alone, or a seeded request's rounds (and so its draws) would follow earlier requests' timings."""
+    text alone, or its rounds would follow earlier requests' timings."""
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0), method="hybrid")
     for fixed_k in (GenerationConfig(max_new_tokens=8, adaptive=False),
-                    GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1)):
+                    GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, adaptive=False)):
         seq = eng.open_sequence(tokenizer.encode("one two three"), fixed_k)
         while not seq.prefill_done:
             eng.prefill(seq)

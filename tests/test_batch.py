@@ -283,14 +283,14 @@ def test_a_target_pass_that_fails_for_one_row_ends_only_that_request():
 
 def test_a_seeded_request_draws_the_same_when_a_batch_mates_row_fails_the_shared_verification(monkeypatch):
     # The shared verification draws for the rows before the one that fails it; verified again alone, the seeded
-    # row must draw from where it stood, or its text would depend on another request's failure.
+    # row must draw as it would have, or its text would depend on another request's failure.
     eng = engine("llama")
     cfg = GenerationConfig.from_options(max_new_tokens=20, temperature=0.8, top_k=50, seed=7, ignore_eos=True)
     alone = run_together(eng, [(PROMPTS[0], cfg)])[0].context
     real, shared_failures = round_module.verify_batch, []
 
-    def draw_then_fail_when_shared(batch, logits, samplings, generators):
-        verdicts = real(batch, logits, samplings, generators)
+    def draw_then_fail_when_shared(batch, logits, samplings, generators, drawn=None):
+        verdicts = real(batch, logits, samplings, generators, drawn)
         if len(generators) > 1:
             shared_failures.append(len(generators))
             raise RuntimeError("injected after the draws")

@@ -9,6 +9,7 @@ Qwen's), whose guesses are mostly wrong.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from unittest import mock
 
 import pytest
@@ -22,6 +23,7 @@ from draftwise.cli import stats_line
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.cross_vocab import CrossTokenizerProposer, VocabBridge
+from draftwise.sampling import make_generator
 from draftwise.token_text import TokenTexts, whole_characters
 from draftwise.tokenizers import CROSS_TOKENIZER, SHARED_TOKENIZER, draft_path
 from stats_helpers import fit_pvalue
@@ -333,9 +335,10 @@ def test_a_text_its_tokens_do_not_spell_alike_is_read_in_windows_still(text):
 
 # -- sampled: the target's distribution ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def sampled_pairs(method: str, setting: str, k: int, prompt_name: str) -> tuple[list, int, int]:
-    """The first two tokens of RUNS seeded generations of test_sampling_e2e's target, drafted by a shuffled twin of the
-    target at another temperature (right often, not always); and the guesses kept and not kept over them."""
+def sampled_pairs(method: str, setting: str, k: int, prompt_name: str, seeded: bool = True) -> tuple[list, int, int]:
+    """The first two tokens of RUNS generations of test_sampling_e2e's target, drafted by a shuffled twin of the
+    target at another temperature (right often, not always); and the guesses kept and not kept over them. Seeded:
+    drawn from shared noise; else by rejection sampling, each run's generator seeded here so that the test repeats."""
     from test_sampling_e2e import RUNS, SETTINGS, prompt, sharpened, target as sampled_target
 
     tokenizer, order = shuffled()
@@ -343,19 +346,22 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str) -> tuple[
                              method=method, draft_tokenizer=tokenizer)
     cfg, pairs, kept, offered = SETTINGS[setting], [], 0, 0
     for seed in range(RUNS):
-        result = eng.generate(prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
-                              top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, ignore_eos=True)
+        with nullcontext() if seeded else mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)):
+            result = eng.generate(prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
+                                  top_k=cfg.top_k, top_p=cfg.top_p, seed=seed if seeded else None, ignore_eos=True,
+                                  adaptive=False)
         pairs.append(tuple(result.token_ids[:2]))
         kept, offered = kept + result.stats.accepted, offered + result.stats.proposed
     return pairs, kept, offered - kept
 
 
-def test_first_two_tokens_follow_the_target():
+@pytest.mark.parametrize("seeded", [True, False], ids=["shared-noise", "rejection"])
+def test_first_two_tokens_follow_the_target(seeded):
     """The draft's chain at k=2 (the hybrid verifies its draft part's guesses by the same one-hot rule)."""
     from test_sampling_e2e import RUNS, SETTINGS, exact_pairs
 
     method, setting, k, prompt_name = "draft", "t1", 2, "loop"
-    pairs, kept, not_kept = sampled_pairs(method, setting, k, prompt_name)
+    pairs, kept, not_kept = sampled_pairs(method, setting, k, prompt_name, seeded)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) > 1e-3
     assert kept >= RUNS // 8 and not_kept >= RUNS // 10  # both paths of the one-hot rule, many times
     # power: the same samples are far from another setting's distribution
@@ -367,7 +373,7 @@ def test_a_wrong_recovery_rule_fails_the_same_check():
     from test_sampling_e2e import SETTINGS, exact_pairs
 
     with mock.patch("draftwise.verify.batch._residual", lambda p_i, q, i, token: p_i):
-        pairs, _, _ = sampled_pairs.__wrapped__("draft", "t1", 2, "loop")
+        pairs, _, _ = sampled_pairs.__wrapped__("draft", "t1", 2, "loop", seeded=False)
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t1"], "loop")) < 1e-3
 
 

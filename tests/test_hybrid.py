@@ -313,7 +313,7 @@ def test_the_tree_hybrid_picks_by_measured_tokens_per_second_once_costs_are_know
     assert hybrid.propose(text, 2).token_ids == (5, 6)
     hybrid.keep_path([]), hybrid.observe(0)
     assert draft.calls[-1] == ("observe", 0)  # neither call reached the draft model
-    draft.sizing.sized_by_cost = False  # a seeded sampled sequence: by rule, whatever was measured
+    draft.sizing.sized_by_cost = False  # a fixed-k sequence: by rule, whatever was measured
     assert hybrid.propose(text, 2).token_ids == (7, 7)
     assert hybrid.rounds == {"lookup": 1, "draft": 3}
 
@@ -550,10 +550,10 @@ def test_the_chain_hybrids_lookup_sizes_its_guess_by_the_engines_costs():
     # After a 3-token match, at its prior (0.5): one token pays best (1.5 tokens in 0.25 s; two: 1.75 in 0.3 s).
     assert seq.proposer.lookup.propose(seq.context, 4).depth == 1
     eng.close_sequence(seq)
-    seeded = eng.open_sequence(ids, GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, seed=1))
-    assert seeded.proposer.lookup.costs is None  # a fixed k: its full k, whatever was timed
-    assert seeded.proposer.lookup.propose(seeded.context, 4).depth == 4
-    eng.close_sequence(seeded)
+    fixed = eng.open_sequence(ids, GenerationConfig.from_options(max_new_tokens=8, temperature=1.0, adaptive=False))
+    assert fixed.proposer.lookup.costs is None  # a fixed k: its full k, whatever was timed
+    assert fixed.proposer.lookup.propose(fixed.context, 4).depth == 4
+    eng.close_sequence(fixed)
 
 
 def test_the_chain_hybrids_pick_is_priced_in_the_rows_of_its_step():

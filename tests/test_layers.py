@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # arithmetic at the bottom because the policy, the proposers' sizing and the metrics all ask it for prices;
     # extras.py, which optional extra brings which package (any layer may need one, so it is at the bottom).
     ("vocabulary", ("draftwise.config", "draftwise.types", "draftwise.metrics", "draftwise.sampling",
-                    "draftwise.errors", "draftwise.planner", "draftwise.estimates", "draftwise.extras")),
+                    "draftwise.shared_noise", "draftwise.errors", "draftwise.planner", "draftwise.estimates", "draftwise.extras")),
 )
 # Imports that may run up a layer, each with its reason.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {

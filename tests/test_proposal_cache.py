@@ -100,7 +100,7 @@ def test_without_the_cache_lookup_keeps_nothing_between_requests():
 
 
 def test_a_seeded_sampled_request_repeats_whatever_the_cache_holds():
-    """Its random draws follow the round shapes, so it looks up its own text only."""
+    """Its tokens are its seed's draws (shared_noise.py), whatever the guesses: it takes the cache's too."""
     eng = engine("lookup")
     prompt = TEMPLATE.format(n=2)
 
@@ -110,4 +110,4 @@ def test_a_seeded_sampled_request_repeats_whatever_the_cache_holds():
     first = sampled()
     for n in range(3):
         greedy(TEMPLATE.format(n=n), eng)  # the cache now holds texts that would change its drafts
-    assert sampled() == first and eng.proposer.corpus_rounds == 0
+    assert sampled() == first and eng.proposer.corpus_rounds > 0

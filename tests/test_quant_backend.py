@@ -508,8 +508,9 @@ def quant_sampled_pairs(method: str, temperature: float, mid: bool) -> tuple[lis
     eng = Engine.from_models(tiny_quant(2.5), tiny_tokenizer(), draft_model=draft, method=method, **QUANT_ASSEMBLY)
     pairs, kept, proposed = [], 0, 0
     for seed in range(SAMPLED_RUNS):
+        # (a fixed k: every round drafts, so that both keeping and rejecting are exercised)
         result = eng.generate(list(loop_prompt(mid)), max_new_tokens=3, num_draft_tokens=2, temperature=temperature,
-                              seed=seed, ignore_eos=True)
+                              seed=seed, ignore_eos=True, adaptive=False)
         pairs.append(tuple(result.token_ids[:2]))
         kept, proposed = kept + result.stats.accepted, proposed + result.stats.proposed
     return pairs, kept, proposed - kept

@@ -83,18 +83,22 @@ SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingCon
 @functools.lru_cache(maxsize=None)
 def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") -> tuple[list, tuple[int, int], Counter]:
     """The first two tokens of RUNS seeded generations, the draft tokens kept and not kept over them, and (for
-    the hybrid) how many rounds each of its proposers drafted."""
+    the hybrid) how many rounds each of its proposers drafted.
+
+    A seeded request draws from shared noise (shared_noise.py); an unseeded one by rejection sampling, with the
+    draft's own distribution: "-rejection" runs a method unseeded (as do lookup-corpus and the "-free" methods, since
+    the proposal cache serves unseeded requests only), each run's generator seeded here so that the test repeats.
+    Every run but the "-free" ones drafts a fixed k, so that every round drafts."""
     cfg = SETTINGS[setting]
-    eng = engine(method)
+    eng = engine(method.removesuffix("-rejection"))
     pairs, proposed, accepted, rounds = [], 0, 0, Counter()
     for seed in range(RUNS):
-        # The proposal cache serves unseeded requests only (a seeded one must repeat whatever the cache holds):
-        # those runs ask for no seed, and get a generator seeded here, so that the test repeats.
-        unseeded = method in ("lookup-corpus", "lookup-tree-free", "hybrid-free", "hybrid-tree-free")
+        unseeded = method.endswith(("-free", "-rejection")) or method == "lookup-corpus"
         with mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
             result = eng.generate(
                 prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
                 top_k=cfg.top_k, top_p=cfg.top_p, seed=None if unseeded else seed, ignore_eos=True,
+                adaptive=method.endswith("-free"),
             )
         pairs.append(tuple(result.token_ids[:2]))
         proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
@@ -168,7 +172,10 @@ CASES = [("draft", "t0.7-topk-topp", 2, "loop"), ("draft", "t1", 1, "loop"), ("l
          ("hybrid-free", "t1", 2, "mid-loop"), ("hybrid-tree-free", "t1", 2, "mid-loop"),
          ("lookup-tree-free", "t1", 3, "tree"),
          ("head", "t1", 2, "loop"), ("head", "t0.7-topk-topp", 3, "mid-loop"),
-         ("hybrid-head", "t1", 2, "mid-loop"), ("hybrid-head", "t0.7-topk-topp", 1, "mid-loop")]
+         ("hybrid-head", "t1", 2, "mid-loop"), ("hybrid-head", "t0.7-topk-topp", 1, "mid-loop"),
+         ("draft-rejection", "t0.7-topk-topp", 2, "loop"), ("hybrid-rejection", "t1", 2, "mid-loop"),
+         ("draft-tree-rejection", "t1", 2, "mid-loop"), ("lookup-tree-rejection", "t0.7-topk-topp", 3, "tree"),
+         ("skip-rejection", "t1", 2, "loop")]
 
 
 @pytest.mark.parametrize("method,setting,k,prompt_name", CASES)
@@ -182,6 +189,7 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
     # kept 5.9% of its guesses; 11% here). The tree's prompt leaves the loop, so its guesses are kept some 40
     # times in 800 runs; test_tree.py checks the rule on a table where they are kept often.
     assert kept >= (20 if method.startswith("lookup-tree") else RUNS // 8) and not_kept >= RUNS // 10
+    method = method.removesuffix("-rejection")
     if method in ("hybrid", "hybrid-tree", "hybrid-head", "hybrid-skip"):
         assert rounds["lookup"] >= RUNS and rounds["draft"] > RUNS // 10  # both kinds of round, many times
     if method in ("hybrid-free", "hybrid-tree-free"):  # unseeded, its rounds the engine's free ones: lookup's
@@ -222,6 +230,10 @@ def test_the_same_check_rejects_the_wrong_distribution():
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-6
     pairs, _, _ = sampled_pairs("hybrid-head", "t1", 2, "mid-loop")
     assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
+    pairs, _, _ = sampled_pairs("draft-rejection", "t0.7-topk-topp", 2, "loop")
+    assert fit_pvalue(pairs, exact_pairs(SamplingConfig(temperature=1.0))) < 1e-6
+    pairs, _, _ = sampled_pairs("draft-tree-rejection", "t1", 2, "mid-loop")
+    assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"], "mid-loop")) < 1e-6
 
 
 def test_an_engine_with_a_wrong_recovery_rule_fails_the_same_check():
@@ -234,5 +246,15 @@ def test_an_engine_with_a_wrong_recovery_rule_fails_the_same_check():
         # recovery from p moves the first two tokens' table too little to show in 800 runs; at k=2 it does.)
         for method, setting, k, prompt_name in [("draft", "t1", 2, "loop"), ("lookup", "t1", 2, "loop"),
                                                 ("draft-tree", "t1", 2, "mid-loop"), ("hybrid", "t1", 2, "mid-loop")]:
-            pairs, _, _ = sampled_pairs.__wrapped__(method, setting, k, prompt_name)  # (not the cached right ones)
+            # (unseeded: a seeded run's verification compares tokens, and has no recovery rule to get wrong)
+            pairs, _, _ = sampled_pairs.__wrapped__(method + "-rejection", setting, k, prompt_name)
             assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) < 1e-3, method
+
+
+def test_an_engine_whose_shared_noise_ignores_the_sampling_settings_fails_the_same_check():
+    """Power for the seeded draws: racing the raw logits (neither divided by the temperature nor cut by top-k and
+    top-p) is a plausible slip, and the check the methods pass must catch it, drafted or not."""
+    with mock.patch("draftwise.shared_noise.tempered_logits", lambda logits, sampling: logits.float()):
+        for method in ("draft", "none"):
+            pairs, _, _ = sampled_pairs.__wrapped__(method, "t0.7-topk-topp", 2, "loop")
+            assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-3, method

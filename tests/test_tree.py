@@ -346,14 +346,14 @@ def test_lookup_judging_its_own_rounds_gives_the_targets_greedy_output_alone_and
 
 
 @pytest.mark.parametrize("method", ["lookup", "lookup-tree"])
-def test_a_seeded_lookup_offers_exactly_k_whatever_the_engine_measured(method):
-    """A seeded sampled request's draws follow its round shapes: they must not follow timings."""
+def test_a_fixed_k_lookup_offers_exactly_k_whatever_the_engine_measured(method):
+    """A request that drafts a fixed k (adaptive off) drafts it: its rounds must not follow timings."""
     eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), method=method, lookup_max_ngram=1)
     prompt = "a b c a b d a b e a b f a b"
     eng.generate(prompt, max_new_tokens=8, ignore_eos=True)  # an adaptive request: passes get timed
     assert eng.draft_policy.costs.measured
     seq = eng.open_sequence(eng.tokenizer.encode(prompt), GenerationConfig.from_options(
-        max_new_tokens=8, temperature=1.0, seed=1, num_draft_tokens=3))
+        max_new_tokens=8, temperature=1.0, num_draft_tokens=3, adaptive=False))
     assert eng.lengths.choose([seq]) == [3]
     assert len(seq.proposer.propose(seq.context, 3)) == 3
     eng.close_sequence(seq)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # (annotations only: the estimates and backends need nothing 
     from draftwise.grammar import DraftGuide
     from draftwise.proposers.proposal_cache import ProposalCache
     from draftwise.proposers.tree_growth import TreeSizing
+    from draftwise.shared_noise import SharedNoise
     from draftwise.types import TreeLayout
 
 
@@ -117,11 +118,16 @@ class Proposer(ABC):
         guesses from its own logits may mask them with it so that they keep to the grammar; the engine cuts a guess
         that does not, and verifies under the grammar either way, so ignoring it costs only speed."""
 
+    def share_noise(self, noise: SharedNoise | None) -> None:
+        """At open, after begin(): a seeded sampled sequence's noise (shared_noise.py), None for any other. Its
+        text is the target's draws from that noise, and begin() was given greedy sampling: the guesses are kept
+        when they name those draws, so a proposer that picks its guesses from its own logits may run the same race
+        on them (a draft model does); one that ignores it guesses greedily, exact either way."""
+
     def price_with(self, costs: StepCosts, follow: bool) -> None:
         """At open: the engine's step costs (measured as it runs, shared by every sequence), which price this
         proposer's rounds where it sizes them itself (a tree's width, lookup's depth, a hybrid's pick); follow:
-        whether this sequence may follow them. A sequence drafting a fixed k may not: a seeded sampled request's
-        random draws depend on the round shapes, which timings must not move."""
+        whether this sequence may follow them: one drafting a fixed k (adaptive off) drafts what it was told."""
 
     def attach_prompt_cache(self, cache: PrefixCache) -> None:
         """The engine's prompt cache, for the draft model's cache of texts (one byte budget with the target's)."""

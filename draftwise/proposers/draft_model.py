@@ -34,9 +34,13 @@ class DraftModelProposer(Proposer):
         self._tokens: list[int] = []
         self._qs: list[torch.Tensor] = []
         self._guide = None  # the sequence's grammar (follow_grammar), None without one
+        self._noise = None  # a seeded sampled sequence's (share_noise), None for any other
 
     def follow_grammar(self, guide) -> None:
         self._guide = guide
+
+    def share_noise(self, noise) -> None:
+        self._noise = noise
 
     def begin(self, prompt_ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> None:
         """Start a sequence with an empty cache: extend() prefills it (in chunks, if the caller wants), and
@@ -143,7 +147,13 @@ class DraftModelProposer(Proposer):
     def _choose(self, logits: torch.Tensor, want_confidence: bool) -> tuple[int, torch.Tensor | None, float]:
         """(target token id, q or None when greedy, the draft's probability of that token; 1.0 when not wanted).
 
-        Greedy needs no target-width logits: the argmax of the draft's own row, mapped to a target id."""
+        Greedy needs no target-width logits: the argmax of the draft's own row, mapped to a target id. With shared
+        noise, the token the draft's own race on the target's clocks names at its position (shared_noise.py)."""
+        if self._noise is not None:
+            fitted = self._fit_vocab(logits)  # [target_vocab]
+            token = self._noise.draws(fitted[None], [self._context_len + len(self._tokens)])[0]
+            confidence = float(logits_to_probs(fitted, self._noise.sampling)[token]) if want_confidence else 1.0
+            return token, None, confidence
         if self._sampling.greedy:
             if self.token_ids is None:
                 logits = logits[: self.target_vocab_size]  # rows past the target's vocabulary are padding

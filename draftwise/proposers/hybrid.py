@@ -111,6 +111,9 @@ class HybridProposer(Proposer):
     def follow_grammar(self, guide) -> None:
         self.draft.follow_grammar(guide)  # (lookup's guesses are the text's own: the engine cuts them)
 
+    def share_noise(self, noise) -> None:
+        self.draft.share_noise(noise)  # (lookup guesses what the text says, not what the noise does)
+
     def attach_corpus(self, corpus: ProposalCache) -> None:
         self.lookup.attach_corpus(corpus)
 

@@ -75,7 +75,6 @@ class PromptLookupProposer(Proposer):
         self._rows = 1  # the rows of this round's step, which its guess's width is priced in (prepare_round)
         self.corpus = corpus  # earlier requests' texts, or None
         self.corpus_rounds = 0  # proposals this sequence took from the corpus
-        self._use_corpus = True
         self._follower: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start, oldest first
         self._indexed = 0  # context positions already in the index
         self._start_estimates()
@@ -108,9 +107,6 @@ class PromptLookupProposer(Proposer):
         self._indexed = 0
         self.corpus_rounds = 0
         self._start_estimates()
-        # A seeded sampled sequence must give the same text every time: its random draws follow the round shapes,
-        # which other requests' texts would change. It looks up its own text only.
-        self._use_corpus = sampling is None or sampling.greedy or sampling.seed is None
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:
         armed, self._armed = self._armed, None
@@ -156,7 +152,7 @@ class PromptLookupProposer(Proposer):
     def _continuations(self, context: list[int], k: int) -> tuple[int, list[tuple[int, ...]]]:
         """(the match's length, what followed it: the most recent occurrence first), from the text or the corpus."""
         n, starts = self._own_match(context)
-        if self.corpus is not None and self._use_corpus:
+        if self.corpus is not None:
             corpus_n, corpus_guess = self.corpus.match(context, k)
             if corpus_n > n and corpus_n >= self.min_ngram and corpus_guess:
                 self.corpus_rounds += 1

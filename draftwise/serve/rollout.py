@@ -170,10 +170,8 @@ class Rollouts:
         if body.get("speculation") is not None:
             return "", body["speculation"]
         trial = self.trial
-        # A seeded request stays on the current arm: the same seed must give the same text, and a sampled text
-        # depends on the rounds' shapes, which the draft sets.
-        seeded = body.get("seed") is not None
-        if trial is not None and trial.state == "testing" and not seeded and self.rng.random() < self.share:
+        # (a seeded request may go to either arm: its text is its seed's draws from the target, whatever the draft)
+        if trial is not None and trial.state == "testing" and self.rng.random() < self.share:
             return CANDIDATE, {"draft": trial.candidate}
         return (CURRENT if trial is not None and trial.state == "testing" else ""), None  # (the draft in front)
 

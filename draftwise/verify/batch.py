@@ -39,17 +39,21 @@ class DraftBatch:
 
 
 def verify_batch(batch: DraftBatch, logits: torch.Tensor, samplings: list[SamplingConfig],
-                 generators: list[torch.Generator]) -> list[Verdict]:
-    """logits: [T + B, vocab], sequence b's rows at batch.rows(b). Returns one Verdict per sequence."""
+                 generators: list[torch.Generator], drawn: list[list[int] | None] | None = None) -> list[Verdict]:
+    """logits: [T + B, vocab], sequence b's rows at batch.rows(b). Returns one Verdict per sequence. drawn: per
+    sequence, the target's own token at each of its rows where it drew them from shared noise (shared_noise.py), else
+    None: such a row is verified as a greedy one is, against those tokens in place of the argmax."""
+    drawn = drawn or [None] * len(samplings)
     greedy_ids = argmax_ids(logits) if any(s.greedy for s in samplings) else None  # [T + B]
     verdicts = []
     for b, (sampling, generator) in enumerate(zip(samplings, generators)):
         draft = batch.token_ids[batch.offsets[b] : batch.offsets[b + 1]]  # [n_b]
+        own = drawn[b] if drawn[b] is not None else greedy_ids[batch.rows(b)] if sampling.greedy else None
         if batch.layouts and batch.layouts[b] is not None:
             verdicts.append(_tree(tuple(draft.tolist()), batch.layouts[b], logits[batch.rows(b)],
-                                  sampling, generator, greedy_ids[batch.rows(b)] if sampling.greedy else None))
-        elif sampling.greedy:
-            verdicts.append(_greedy(draft.tolist(), greedy_ids[batch.rows(b)]))
+                                  sampling, generator, own))
+        elif own is not None:
+            verdicts.append(_greedy(draft.tolist(), own))
         else:
             p = logits_to_probs(logits[batch.rows(b)], sampling)  # [n_b + 1, vocab]
             verdicts.append(_rejection(draft, batch.q[b], p, generator))
