@@ -220,7 +220,8 @@ def test_a_sampled_request_draws_at_the_temperature_from_the_whole_vocabulary_se
 
 def test_the_sampled_config_reaches_every_runner(tmp_path, fake, monkeypatch):
     """Ours, transformers' and llama.cpp's all sample at the temperature, each run seeded: repeats give one text,
-    a text unlike the greedy one; nothing is compared with none's, and the report says so."""
+    a text unlike the greedy one; ours are compared with none's (shared noise: one text per seed), the peers' not,
+    and the report says so."""
     monkeypatch.setenv("DRAFTWISE_LLAMA_SERVER", str(fake.path))
     model_file = tmp_path / "t.gguf"
     model_file.write_bytes(b"GGUF")
@@ -239,13 +240,14 @@ def test_the_sampled_config_reaches_every_runner(tmp_path, fake, monkeypatch):
     for method in ("none", "draft", "hf-plain"):
         assert texts[(method, 0)] == texts[(method, 1)]  # seeded: a repeat draws the same
         assert texts[(method, 0)] != greedy_text  # sampled (a control: greedy would equal it)
-    assert all(r["identical"] is None for r in sampled["runs"])
-    assert all(row["identical"] is None for row in sampled["summary"])
+    assert texts[("draft", 0)] == texts[("none", 0)]  # the seed's one text
+    assert all(r["identical"] is (True if r["method"] in ("none", "draft") else None) for r in sampled["runs"])
+    assert all(row["identical"] == (1 if row["method"] in ("none", "draft") else None) for row in sampled["summary"])
     requests = fake.entries("request")
     assert requests and all(r["temperature"] == 1.0 and r["seed"] == 3 for r in requests)
     assert sampled["meta"]["temperature"] == 1.0 and sampled["meta"]["seed"] == 3
     report = (tmp_path / "s" / "report.md").read_text()
-    assert "Sampled at temperature 1, seed 3" in report and "texts are not compared" in report
+    assert "Sampled at temperature 1, seed 3" in report and "the peers' samplers draw otherwise" in report
     assert "Greedy: every method's text is compared" in (tmp_path / "g" / "report.md").read_text()
 
 

@@ -152,8 +152,9 @@ def _sampling_line(meta: dict) -> str:
     if not temperature:
         return "Greedy: every method's text is compared with `none`'s (the identical column)."
     return (f"Sampled at temperature {temperature:g}, seed {meta.get('seed')}, every method alike (ours, "
-            "transformers' and llama.cpp's, from the whole vocabulary): texts are not compared with `none`'s, "
-            "since an exact method's text follows the target's distribution, not its draws (identical reads -).")
+            "transformers' and llama.cpp's, from the whole vocabulary): each of ours draws from the seed's shared "
+            "noise, so its text is compared with `none`'s (the identical column); the peers' samplers draw "
+            "otherwise, and theirs are not (identical reads -).")
 
 
 def _header(meta: dict, dtypes: list[str]) -> str:

@@ -289,15 +289,17 @@ def _prompt_runs(runners: Runners, cfg: BenchConfig, prompt: BenchPrompt, prompt
 
 
 def _mark_identical(runs: list[dict], methods, sampled: bool = False) -> None:
-    """identical: the output equals the target-only greedy output of the same prompt (none's, else hf-plain's);
-    the reference run itself is that output. Sampled runs are not compared (None): speculation keeps the target's
-    distribution, not its draws, so two exact methods' texts differ."""
-    reference = None if sampled else next((m for m in (BASELINE, "hf-plain") if m in methods), None)
+    """identical: the output equals the target-only output of the same prompt (none's, else hf-plain's, greedy);
+    the reference run itself is that output. Sampled, our methods are compared with none's: a seeded run draws from
+    shared noise (shared_noise.py), so every exact method gives the seed's one text; the peers' are not (None), their
+    samplers draw otherwise."""
+    reference = next((m for m in ((BASELINE,) if sampled else (BASELINE, "hf-plain")) if m in methods), None)
     expected = {(r["category"], r["question_id"]): r["token_ids"] for r in runs
                 if r["method"] == reference and r["repeat"] == 0}
     for run in runs:
         key = (run["category"], run["question_id"])
-        run["identical"] = None if reference is None else run["token_ids"] == expected[key]
+        compared = reference is not None and not (sampled and run["method"] not in OURS)
+        run["identical"] = run["token_ids"] == expected[key] if compared else None
 
 
 def _bounds(cfg: BenchConfig, runners: Runners, summary: list[dict], roofline: dict | None,
