@@ -16,7 +16,7 @@ whatever was drafted: a seed gives the same text with every method, any k, tree 
 measured costs (a rejection sampler's text depends on the rounds' shapes, which the timings would then move). A draft
 model runs the race on the same clocks with its own weights (proposers/draft_model.py), and names the
 target's token about as often as rejection sampling keeps a draft's sample: for the Qwen pair at temperature 0.7,
-0.829 of positions against 0.832 (docs/experiments/shared-noise-spr).
+0.816 of positions against 0.827 (docs/experiments/shared-noise-spr).
 
 The rule is float64 (as sample()'s cumulative sum is), so every token's chance is its probability to within float64's
 rounding; a float32 copy of the noise finds the few tokens that can win, and those alone are scored in float64. A
