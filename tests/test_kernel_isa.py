@@ -82,12 +82,12 @@ def attention_on(lib: ctypes.CDLL, query, key, value, visible, scale) -> torch.T
     return out
 
 
-def attention_inputs(dim: int, seed: int = 0, keys: int = 37, spread: float = 1.0):
+def attention_inputs(dim: int, seed: int = 0, keys: int = 37, spread: float = 1.0, heads: int = 6):
     """Grouped-query attention over a ragged mask: 2 sequences, 6 query heads on 2 key heads, 5 queries, 37 keys (two
     blocks of 16 keys scored at once, then 5 one by one). spread scales the queries: the softmax's exp over a wider
-    range of scores."""
+    range of scores. heads: 14 makes groups of 7, weighed as a batch of 4 queries and one of 3."""
     g = torch.Generator().manual_seed(seed)
-    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((6, 5), (2, keys), (2, keys)))
+    query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((heads, 5), (2, keys), (2, keys)))
     query = query * spread
     visible = (torch.rand(2, 5, keys, generator=g) > 0.3).to(torch.uint8).contiguous()
     visible[1, 2] = 0  # a query that sees nothing: zeros
@@ -150,15 +150,16 @@ def test_the_largest_int16_sums_of_avx2_stay_exact(isa, type_name):
 @needs_two
 @pytest.mark.parametrize("isa", OTHERS)
 @pytest.mark.parametrize("dim", [16, 40, 64, 128, 200])  # 40: a tail past the 16 lanes; 128 and 200: a value pass
-# of eight full registers (200: then one with a tail)
-def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim):
-    inputs = attention_inputs(dim)
+# of eight full registers (200: then one with a tail); 64 and 128: the queries of a group weighed side by side
+@pytest.mark.parametrize("heads", [6, 14])  # groups of 3 and of 7 query heads on each key head
+def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim, heads):
+    inputs = attention_inputs(dim, heads=heads)
     want = attention_on(qgemm.library_for(FASTEST), *inputs)
     got = attention_on(qgemm.library_for(isa), *inputs)
     assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"
     assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
     # Many keys over a wide range of scores: the vector exp and maximum (8 or 16 lanes) against the scalar ones.
-    long = attention_inputs(dim, seed=1, keys=509, spread=3.0)
+    long = attention_inputs(dim, seed=1, keys=509, spread=3.0, heads=heads)
     assert torch.equal(attention_on(qgemm.library_for(isa), *long), attention_on(qgemm.library_for(FASTEST), *long))
     x, weight = torch.randn(7, dim * 3), torch.rand(dim * 3)
     normed = []
