@@ -83,9 +83,9 @@ def attention_on(lib: ctypes.CDLL, query, key, value, visible, scale) -> torch.T
 
 
 def attention_inputs(dim: int, seed: int = 0, keys: int = 37, spread: float = 1.0, heads: int = 6):
-    """Grouped-query attention over a ragged mask: 2 sequences, 6 query heads on 2 key heads, 5 queries, 37 keys (two
-    blocks of 16 keys scored at once, then 5 one by one). spread scales the queries: the softmax's exp over a wider
-    range of scores. heads: 14 makes groups of 7, weighed as a batch of 4 queries and one of 3."""
+    """Grouped-query attention over a ragged mask: 2 sequences, `heads` query heads on 2 key heads, 5 queries, 37 keys
+    (two blocks of 16 keys scored at once, then 5 one by one). spread scales the queries: the softmax's exp over a
+    wider range of scores."""
     g = torch.Generator().manual_seed(seed)
     query, key, value = (torch.randn(2, h, n, dim, generator=g) for h, n in ((heads, 5), (2, keys), (2, keys)))
     query = query * spread
@@ -150,8 +150,8 @@ def test_the_largest_int16_sums_of_avx2_stay_exact(isa, type_name):
 @needs_two
 @pytest.mark.parametrize("isa", OTHERS)
 @pytest.mark.parametrize("dim", [16, 40, 64, 128, 200])  # 40: a tail past the 16 lanes; 128 and 200: a value pass
-# of eight full registers (200: then one with a tail); 64 and 128: the queries of a group weighed side by side
-@pytest.mark.parametrize("heads", [6, 14])  # groups of 3 and of 7 query heads on each key head
+# of eight full registers (200: then one with a tail)
+@pytest.mark.parametrize("heads", [6, 14])  # groups of 3 query heads on each key head, and of 7 (the 0.5B draft's)
 def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim, heads):
     inputs = attention_inputs(dim, heads=heads)
     want = attention_on(qgemm.library_for(FASTEST), *inputs)

@@ -3,34 +3,51 @@ writing, questions, and answers from a document: two of the project's own docs p
 
     .venv/bin/python docs/experiments/tools/adaptive_vs_fixed.py
 
-Per prompt and arm: decode ms a token, draft tokens kept over offered, rounds, and rounds that drafted."""
+Per prompt and arm: decode ms a token, draft tokens kept over offered, rounds, and rounds that drafted; then each
+arm over every prompt. The arms run in turn on each prompt, on one engine (the quant backend)."""
 from __future__ import annotations
 
 from draftwise import Engine
-DOC = open("docs/serving.md").read()[:6000]
-DOC2 = open("docs/architecture.md").read()[:6000]
-PROMPTS = [
-    ("write", "Write a short essay on how public libraries changed in the last thirty years."),
-    ("write", "Write a letter to a friend describing a weekend hiking trip in the mountains."),
-    ("qa", "Why do leaves change colour in autumn?"),
-    ("qa", "What is the difference between weather and climate?"),
-    ("doc", "Here is a document:\n\n" + DOC + "\n\nBased on the document, explain how the server handles a bad request."),
-    ("doc", "Here is a document:\n\n" + DOC2 + "\n\nSummarize the layers described in this document."),
-]
-eng = Engine.from_pretrained("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="draft",
-                             backend="quant", progress=False)
-eng.generate("def f(x):", max_new_tokens=8)
-arms = [("none", dict(method="none")), ("adaptive", dict(method="draft")),
-        ("k2", dict(method="draft", adaptive=False, num_draft_tokens=2)),
-        ("k3", dict(method="draft", adaptive=False, num_draft_tokens=3))]
-tot = {a: [0.0, 0, 0, 0, 0] for a, _ in arms}
-for kind, p in PROMPTS:
-    line = kind
-    for name, opt in arms:
-        r = eng.generate([{"role": "user", "content": p}], chat=True, max_new_tokens=128, ignore_eos=True, **opt)
-        s = r.stats
-        t = tot[name]; t[0] += s.decode_s; t[1] += s.new_tokens; t[2] += s.accepted; t[3] += s.proposed; t[4] += s.rounds
-        line += f" | {name} {s.decode_s / s.new_tokens * 1e3:.1f} ms kept {s.accepted}/{s.proposed} rounds {s.rounds} drafted {s.proposed_at[0] if s.proposed_at else 0}"
-    print(line, flush=True)
-for name, t in tot.items():
-    print(f"{name}: {t[0] / t[1] * 1e3:.1f} ms/token kept {t[2]}/{t[3]} rounds {t[4]}")
+
+ARMS = {"none": dict(method="none"), "adaptive": dict(method="draft"),
+        "k2": dict(method="draft", adaptive=False, num_draft_tokens=2),
+        "k3": dict(method="draft", adaptive=False, num_draft_tokens=3)}
+
+
+def prompts() -> list[tuple[str, str]]:
+    def from_document(path: str, question: str) -> str:
+        return f"Here is a document:\n\n{open(path).read()[:6000]}\n\n{question}"
+
+    return [
+        ("write", "Write a short essay on how public libraries changed in the last thirty years."),
+        ("write", "Write a letter to a friend describing a weekend hiking trip in the mountains."),
+        ("qa", "Why do leaves change colour in autumn?"),
+        ("qa", "What is the difference between weather and climate?"),
+        ("doc", from_document("docs/serving.md",
+                              "Based on the document, explain how the server handles a bad request.")),
+        ("doc", from_document("docs/architecture.md", "Summarize the layers described in this document.")),
+    ]
+
+
+def main() -> None:
+    eng = Engine.from_pretrained("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="draft",
+                                 backend="quant", progress=False)
+    eng.generate("def f(x):", max_new_tokens=8)  # (warm: the first pass is timed apart)
+    totals = {name: [0.0, 0, 0, 0, 0] for name in ARMS}  # decode s, tokens, kept, offered, rounds
+    for kind, prompt in prompts():
+        cells = [kind]
+        for name, options in ARMS.items():
+            stats = eng.generate([{"role": "user", "content": prompt}], chat=True, max_new_tokens=128,
+                                 ignore_eos=True, **options).stats
+            for i, value in enumerate((stats.decode_s, stats.new_tokens, stats.accepted, stats.proposed, stats.rounds)):
+                totals[name][i] += value
+            drafted = stats.proposed_at[0] if stats.proposed_at else 0
+            cells.append(f"{name} {stats.decode_s / stats.new_tokens * 1e3:.1f} ms kept {stats.accepted}/"
+                         f"{stats.proposed} rounds {stats.rounds} drafted {drafted}")
+        print(" | ".join(cells), flush=True)
+    for name, (seconds, tokens, kept, offered, rounds) in totals.items():
+        print(f"{name}: {seconds / tokens * 1e3:.1f} ms/token kept {kept}/{offered} rounds {rounds}")
+
+
+if __name__ == "__main__":
+    main()

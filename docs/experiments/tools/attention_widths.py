@@ -20,10 +20,16 @@ def timed(call, calls: int = 50) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-for name, heads, kv_heads, dim, layers in (("1.5B", 12, 2, 128, 28), ("0.5B", 14, 2, 64, 24)):
-    for keys in (128, 512, 1450, 3000):
-        for n in (1, 5):
-            q, k, v = torch.randn(1, heads, n, dim), torch.randn(1, kv_heads, keys, dim), torch.randn(1, kv_heads, keys, dim)
-            visible = torch.ones(1, n, keys, dtype=torch.uint8)
-            ms = timed(lambda: attention(q, k, v, visible, dim ** -0.5))
-            print(f"{name} keys={keys} n={n}: {ms:.3f} ms a layer, {ms * layers:.1f} ms a forward")
+def main() -> None:
+    for name, heads, kv_heads, dim, layers in (("1.5B", 12, 2, 128, 28), ("0.5B", 14, 2, 64, 24)):
+        for keys in (128, 512, 1450, 3000):
+            for n in (1, 5):
+                q = torch.randn(1, heads, n, dim)
+                k, v = torch.randn(1, kv_heads, keys, dim), torch.randn(1, kv_heads, keys, dim)
+                visible = torch.ones(1, n, keys, dtype=torch.uint8)
+                ms = timed(lambda: attention(q, k, v, visible, dim ** -0.5))
+                print(f"{name} keys={keys} n={n}: {ms:.3f} ms a layer, {ms * layers:.1f} ms a forward")
+
+
+if __name__ == "__main__":
+    main()

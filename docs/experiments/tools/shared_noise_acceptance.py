@@ -55,7 +55,8 @@ def main() -> None:
         width = min(rows[0].shape[-1], rows[1].shape[-1], len(eng.tokenizer))
         target, draft = (row[:, :width] for row in rows)  # [n, vocab] each
         p = torch.softmax(target / temperature, -1)
-        for name, scale in (("rejection, q at T", 1.0), ("rejection, q at 0.75 T", 0.75), ("rejection, q at 0.5 T", 0.5)):
+        for name, scale in (("rejection, q at T", 1.0), ("rejection, q at 0.75 T", 0.75),
+                            ("rejection, q at 0.5 T", 0.5)):
             q = torch.softmax(draft / (temperature * scale), -1)
             kept.setdefault(name, []).extend(torch.minimum(p, q).sum(-1).tolist())
         top = draft.topk(3, -1).indices
