@@ -31,6 +31,9 @@ request's prompt is the draft's to read first), or, for a sequence decoding alon
 The saving a filling is weighed against is drafting's rate as priced, taken at the share of it that drafting's steps
 ran (`realised`): a filling's return is a prediction for a whole answer, and prices that promise a little too much
 would fill drafts whose saving never comes.
+A sequence decoding alone has its draft filled before every probe, so each token it takes in a plain step is one its
+draft reads later: its plain step is priced with that reading (`refilled_rate`), and near break-even it drafts on
+rather than stop and pay for the reading at the next probe.
 
 The choice never touches exactness: any k, chosen before the round from the past alone, keeps the output
 the target's own (greedy) or its distribution (sampling).
@@ -69,13 +72,14 @@ class DraftLengthPolicy:
     _probe_floor: int = PROBE_EVERY  # the closest probes may come at the last choice's price (probe_floor)
 
     def choose(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = (),
-               spreads: list[float] = (), free: list[int] = ()) -> int:
+               spreads: list[float] = (), free: list[int] = (), refills: int = 0) -> int:
         """k in [0, k_max] for the sequences whose acceptance rates are `rates`, in a step of `rows` rows; the
         others (the rest of the rows) count one token each, and those drafting their own `fixed` k widen the pass.
         spreads: each adaptive sequence's nodes beside its deepest path (TreeSpread.side_nodes; none: chains).
         free: the nodes of rows whose guess is already made and ran no forward (prompt lookup's): they widen the
         pass, and add no draft forward. (Not in the gate below: a width their guesses bring is priced as any
-        unmeasured one, and timed when it runs.)"""
+        unmeasured one, and timed when it runs.) refills: the adaptive rows whose lagging draft is filled before
+        each probe (Sequence.fills_before_probes), for whom a plain step's token is one their draft reads later."""
         if not self.costs.measured:
             return k_max  # nothing measured yet: try the full width
         if not self.costs.fresh(rows, max(fixed, default=0) + 1):
@@ -86,7 +90,7 @@ class DraftLengthPolicy:
             # rival too dear for good, and no fresher, wider pass would bound it: drafting would be chosen where it
             # loses.
             return 0
-        best = self.judge(rates, k_max, rows, fixed, spreads, free)
+        best = self.judge(rates, k_max, rows, fixed, spreads, free, refills)
         # (An exploration, a width stale or never timed and priced as an optimist so that it gets tried, promises
         # nothing: its outcome would say how far optimism is borne out, not the prices.)
         known = best > 0 and self.costs.fresh(rows, best + 1)
@@ -102,7 +106,7 @@ class DraftLengthPolicy:
         return min(1, k_max)
 
     def judge(self, rates: list[float], k_max: int, rows: int, fixed: list[int] = (),
-              spreads: list[float] = (), free: list[int] = ()) -> int:
+              spreads: list[float] = (), free: list[int] = (), refills: int = 0) -> int:
         """The best k for these rows (choose's arguments), which sets whether drafting pays (wants_drafting) and what
         it saves a token at this many rows (catch_up_pays). The engine also judges a batch whose drafts lag as if
         every one of them were filled: priced by the one row that is, drafting is a wide pass for one row's guesses
@@ -111,11 +115,14 @@ class DraftLengthPolicy:
         if not self.costs.measured:
             return k_max  # (nothing to price by: as choose, try the full width)
         by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
+        plain = by_k[0]
+        by_k[0] = refilled_rate(plain, rows, refills, self.costs.catch_up_s)
         best = max(range(k_max + 1), key=by_k.__getitem__)
         self.wants_drafting = best > 0
-        self._priced[rows] = by_k[0], by_k[best]
+        # (The plain rate without the refilling: what filling a draft saves is weighed against plain steps alone.)
+        self._priced[rows] = plain, by_k[best]
         if k_max:  # (a probe drafts 1: its tokens, the adaptive rows' 1 + a and the others' 1, at either rate)
-            self._probe_floor = probe_floor(rows + sum(rates), rows, by_k[0], by_k[1])
+            self._probe_floor = probe_floor(rows + sum(rates), rows, plain, by_k[1])
         return best
 
     def observe_outcome(self, tokens: int, seconds: float) -> None:
@@ -185,6 +192,17 @@ class DraftLengthPolicy:
         if not self.costs.measured or not self.costs.draft(rows):
             return 0.0
         return min(MAX_STOP_CONFIDENCE, planner.break_even_chance(self.costs, rows))
+
+
+def refilled_rate(plain_rate: float, rows: int, refills: int, catch_up_s: float | None) -> float:
+    """A plain step's tokens per second where `refills` of its `rows` rows have a draft filled before each probe:
+    each such row's token costs catch_up_s more, paid when its draft reads it. Unpriced, a sequence decoding alone
+    whose acceptance is near break-even stops drafting and pays for the reading anyway, probe by probe (at a long
+    context a draft reads a token for about a tenth of a plain step): slower than drafting on would have been, and
+    its estimate, fed one token a probe, hardly recovers."""
+    if not refills or not catch_up_s or plain_rate <= 0:
+        return plain_rate
+    return rows / (rows / plain_rate + refills * catch_up_s)
 
 
 def probe_floor(tokens: float, rows: int, plain_rate: float, probe_rate: float) -> int:

@@ -57,7 +57,8 @@ class DraftLengths:
             return choice([drafting_acceptance(seq).rate for seq in rows_drafting],
                           max(seq.cfg.num_draft_tokens for seq in rows_drafting), rows,
                           fixed, [seq.spread.side_nodes for seq in rows_drafting],
-                          [seq.proposer.armed_nodes for seq in settled if seq not in rows_drafting])
+                          [seq.proposer.armed_nodes for seq in settled if seq not in rows_drafting],
+                          refills=sum(refills_draft(seq) for seq in rows_drafting))
 
         shared = priced(self.policy.choose, adaptive) if adaptive else 0
         if len(adaptive) < len(everyone):  # whether to fill the lagging drafts: judged as if all were filled
@@ -77,6 +78,12 @@ class DraftLengths:
         if len({seq_pool(seqs[i]) for i in drafting}) > 1:
             steps = 0  # drafters of different kinds drafted together: their forwards are no one's own price
         self.policy.costs.observe(len(live), max(len(drafts[i]) for i in live), draft_s, verify_s, draft_steps=steps)
+
+
+def refills_draft(seq: Sequence) -> bool:
+    """Whether a plain step's token is one the sequence's draft model reads later: its draft is filled before each
+    probe (Sequence.fills_before_probes)."""
+    return seq.fills_before_probes and seq.proposer.capabilities.keeps_cache
 
 
 def settled_rounds(seqs: list[Sequence], depths: list[int]) -> dict[Sequence, int]:

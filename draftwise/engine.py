@@ -180,6 +180,7 @@ class Engine:
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
         # Opened at the first token, not at the call: a stream never iterated holds no slot (its finally never runs).
         seq = self.open_sequence(prompt_ids, cfg)
+        seq.fills_before_probes = True  # (CatchUp.wants(alone=True) below)
         try:
             while not seq.prefill_done:
                 self.prefill(seq)

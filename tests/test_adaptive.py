@@ -783,6 +783,65 @@ def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
     assert gaps[0] >= 2 * PROBE_EVERY and gaps[1] >= 4 * PROBE_EVERY
 
 
+def _long_context_costs() -> DraftLengthPolicy:
+    """The prices a lone sequence saw at 1,451 tokens of context on the quant route (long-context-spr): a plain step
+    46.8 ms, a 2-token pass 53.3, a draft forward 17.2, a lagging draft reading a token 4.5."""
+    policy = DraftLengthPolicy()
+    for _ in range(3):
+        policy.costs.observe(1, 0, 0.0, 0.0468)
+        policy.costs.observe(1, 1, 0.0172, 0.0533)
+    policy.costs.observe_catch_up(10, 0.045)
+    return policy
+
+
+def test_a_lone_sequence_whose_draft_is_refilled_before_probes_prices_the_refilling_into_plain_steps():
+    """At 0.45 a plain step beats drafting one token (21.4 against 20.6 tokens/s), but each plain token is one the
+    draft reads before the next probe: 19.5 tokens/s priced with it, so drafting on wins and keeps its estimate fed.
+    Far below break-even (0.1), plain steps still win, refilling and all."""
+    assert _long_context_costs().choose([0.45], k_max=1, rows=1) == 0
+    assert _long_context_costs().choose([0.45], k_max=1, rows=1, refills=1) == 1
+    assert _long_context_costs().choose([0.1], k_max=1, rows=1, refills=1) == 0
+    unmeasured = _long_context_costs()
+    unmeasured.costs.catch_up_s = None  # no reading timed yet: nothing to price
+    assert unmeasured.choose([0.45], k_max=1, rows=1, refills=1) == 0
+
+
+def test_the_refilling_priced_into_plain_steps_leaves_the_saving_a_filling_is_weighed_against():
+    policy, bare = _long_context_costs(), _long_context_costs()
+    policy.judge([0.45], k_max=1, rows=1, refills=1)
+    bare.judge([0.45], k_max=1, rows=1)
+    assert policy.wants_drafting and not bare.wants_drafting
+    assert policy._priced[1][0] == pytest.approx(bare._priced[1][0])  # the plain rate, without the refilling
+    assert policy._probe_floor == bare._probe_floor
+
+
+def test_only_a_sequence_decoding_alone_with_a_draft_model_is_priced_as_refilled():
+    """generate fills a lagging draft before each probe; a scheduler's steps (Engine.step) do not, nor does prompt
+    lookup keep a draft to fill."""
+    target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
+    draft = tiny_model("llama", seed=1, layers=1)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    for method, alone_refills in (("draft", {1}), ("lookup", set())):  # (lookup judges its own rounds: no k chosen)
+        eng = Engine.from_models(target, tokenizer, draft_model=draft, method=method)
+        policy, seen = eng.draft_policy, []
+        choose = policy.choose
+
+        def spy(*args, refills=0, **kwargs):
+            seen.append(refills)
+            return choose(*args, refills=refills, **kwargs)
+        policy.choose = spy
+        eng.generate(prompt, max_new_tokens=6, ignore_eos=True)
+        assert set(seen) == alone_refills, method
+        seen.clear()
+        seq = eng.open_sequence(tokenizer.encode(prompt), GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        while not seq.prefill_done:
+            eng.prefill(seq)
+        while seq.finish is None:
+            eng.step([seq])
+        eng.close_sequence(seq)
+        assert not seq.fills_before_probes and set(seen) <= {0}, method
+
+
 def test_a_fixed_k_sequence_prefills_its_draft_before_its_first_round():
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=0))
@@ -905,7 +964,7 @@ def test_a_lookup_rows_guess_is_made_before_the_shared_k_and_widens_its_pass():
     draft.acceptance = Acceptance(3.0, 10.0)
     seen = []
     choose = eng.draft_policy.choose
-    eng.draft_policy.choose = lambda *args: seen.append(args[-1]) or choose(*args)
+    eng.draft_policy.choose = lambda *args, **kw: seen.append(args[-1]) or choose(*args, **kw)
     k_lookup, k_draft = eng.lengths.choose([lookup, draft])
     assert k_lookup == 4 and seen == [[4]] and k_draft == 2  # the draft row drafts up to the pass's width
     eng.step([lookup, draft])  # (chooses again: the same guess, armed for the round that runs)

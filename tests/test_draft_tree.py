@@ -125,7 +125,7 @@ def test_adaptive_trees_and_a_compact_draft_keep_the_targets_output(arch, draft)
 
 def _draft_k_max_always(monkeypatch):
     """The engine's policy pinned: every round drafts k_max, with no confidence stop."""
-    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
+    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args, **kw: k_max)
     monkeypatch.setattr(DraftLengthPolicy, "stop_confidence", lambda self, rows: 0.0)
 
 

@@ -649,7 +649,7 @@ def test_the_head_grows_a_depth_only_while_a_forward_can_pay(heads, monkeypatch,
     eng.proposer._grow = grow
     # The engine's k pinned at 4: its own choice follows wall-clock timings, and a busy machine may keep it at 1,
     # where growth has nothing to stop. The tree is still sized by cost (adaptive).
-    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args: k_max)
+    monkeypatch.setattr(DraftLengthPolicy, "choose", lambda self, rates, k_max, *args, **kw: k_max)
     result = eng.generate(prompt_ids(), max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
     assert result.token_ids == reference("qwen2")
     assert grown[0] == (4, 3)  # nothing timed yet: grown to k

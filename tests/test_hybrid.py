@@ -412,7 +412,7 @@ def test_the_chain_hybrid_picks_by_measured_tokens_per_second_once_a_draft_forwa
 
 def test_the_engine_lets_the_tree_hybrids_lookup_guess_deeper_than_the_draft_models_k(monkeypatch):
     eng = engine("qwen2", "unrelated", "hybrid-tree")
-    monkeypatch.setattr(eng.draft_policy, "choose", lambda *args: 1)  # the draft model drafts one token a round
+    monkeypatch.setattr(eng.draft_policy, "choose", lambda *args, **kw: 1)  # the draft model drafts one token a round
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
     assert result.token_ids == reference("qwen2")
@@ -425,7 +425,7 @@ def test_the_engine_lets_the_tree_hybrids_lookup_guess_deeper_than_the_draft_mod
 def test_the_hybrids_lookup_rounds_go_on_where_draft_forwards_do_not_pay(arch, method):
     """The engine's policy choosing no draft forwards leaves lookup's free rounds, and the output the target's."""
     eng = engine(arch, "unrelated", method)
-    eng.draft_policy.choose = lambda *args: 0
+    eng.draft_policy.choose = lambda *args, **kw: 0
     time_every_pass_alike(eng)  # lookup's width is priced by these; the wall clock would make its guesses flaky
     rounds = watch(eng)
     result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
@@ -473,7 +473,7 @@ def test_the_engine_prices_draft_forwards_by_the_hybrids_draft_model_rounds_alon
     costs.observe = observe
     rates = []
     real_choose = eng.draft_policy.choose
-    eng.draft_policy.choose = lambda r, *args: rates.append(r) or real_choose(r, *args)
+    eng.draft_policy.choose = lambda r, *args, **kw: rates.append(r) or real_choose(r, *args, **kw)
     eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True)
     assert {lookup for lookup, _ in seen} == {True, False}  # both kinds of round ran
     assert all(steps == 0 for lookup, steps in seen if lookup)  # a lookup round ran no draft forward

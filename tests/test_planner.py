@@ -224,7 +224,7 @@ PROMPT = ("The quick brown fox jumps over the lazy dog. The dog sleeps; the fox 
 def _hybrid(monkeypatch, k: int) -> Engine:
     eng = Engine.from_models(tiny_model("llama", 0), tiny_tokenizer(), draft_model=tiny_model("llama", 1, 1),
                              method="hybrid", compact_draft=False)
-    monkeypatch.setattr(eng.draft_policy, "choose", lambda *args: k)
+    monkeypatch.setattr(eng.draft_policy, "choose", lambda *args, **kw: k)
     return eng
 
 

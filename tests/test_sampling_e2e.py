@@ -114,7 +114,7 @@ def engine(method):
     draft = sharpened(1.5) if method.removesuffix("-free") in methods_needing(DRAFT_MODEL) else None
     if method.endswith("-free"):  # draft forwards never pay: every round is lookup's free one, or none
         eng = Engine.from_models(target(), tiny_tokenizer(), draft_model=draft, method=method.removesuffix("-free"))
-        eng.draft_policy.choose = lambda *args: 0
+        eng.draft_policy.choose = lambda *args, **kw: 0
         # Once a pass is timed, passes are flat: every guess that may be kept pays, whatever this machine's timings
         # (on a loaded CI machine a wide pass timed slow priced hybrid-free's guesses out: none offered in 800 runs).
         eng.draft_policy.costs.verify = lambda rows, n: 1.0
