@@ -1,11 +1,13 @@
 """Greedy `draft`: adaptive k against fixed k = 2 and 3 and `none`, on prompts written for this record (ordinary
 writing, questions, and answers from a document: two of the project's own docs pages as the document):
 
-    .venv/bin/python docs/experiments/tools/adaptive_vs_fixed.py
+    .venv/bin/python docs/experiments/tools/adaptive_vs_fixed.py [--arms none,adaptive,k2,k3]
 
 Per prompt and arm: decode ms a token, draft tokens kept over offered, rounds, and rounds that drafted; then each
 arm over every prompt. The arms run in turn on each prompt, on one engine (the quant backend)."""
 from __future__ import annotations
+
+import argparse
 
 from draftwise import Engine
 
@@ -30,13 +32,16 @@ def prompts() -> list[tuple[str, str]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    arms = {name: ARMS[name] for name in parser.parse_args().arms.split(",")}
     eng = Engine.from_pretrained("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct", method="draft",
                                  backend="quant", progress=False)
     eng.generate("def f(x):", max_new_tokens=8)  # (warm: the first pass is timed apart)
-    totals = {name: [0.0, 0, 0, 0, 0] for name in ARMS}  # decode s, tokens, kept, offered, rounds
+    totals = {name: [0.0, 0, 0, 0, 0] for name in arms}  # decode s, tokens, kept, offered, rounds
     for kind, prompt in prompts():
         cells = [kind]
-        for name, options in ARMS.items():
+        for name, options in arms.items():
             stats = eng.generate([{"role": "user", "content": prompt}], chat=True, max_new_tokens=128,
                                  ignore_eos=True, **options).stats
             for i, value in enumerate((stats.decode_s, stats.new_tokens, stats.accepted, stats.proposed, stats.rounds)):
