@@ -37,10 +37,10 @@ class CatchUp:
             return
         self._answer_tokens = decayed(self._answer_tokens, float(seq.stats.new_tokens))
 
-    def wants(self, seq: Sequence, alone: bool = False) -> bool:
+    def wants(self, seq: Sequence) -> bool:
         """Whether to fill the sequence's lagging draft now: its drafter's policy chose to speculate at its last step
-        and the draft is too far behind to catch up in its round, or the sequence decodes alone and its next step may
-        be a probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
+        and the draft is too far behind to catch up in its round, or the sequence decodes alone (fills_before_probes)
+        and its next step may be a probe. A draft more than MAX_DRAFT_LAG behind would sit the probe out (as the gap between probes doubles
         past it, every later probe of a long request would learn nothing); a nearer one would catch up in the
         probe's first draft forward, which is timed as drafting: the probe would price the draft's forward well
         above what it costs, and keep drafting off for the rest of the request. So before a probe the draft is
@@ -53,7 +53,7 @@ class CatchUp:
         if seq.acceptance is None:
             return seq.proposer is not None and seq.draft_behind > MAX_DRAFT_LAG
         policy = self.lengths.policy_for(seq_pool(seq))
-        if alone and policy.probe_due:
+        if seq.fills_before_probes and policy.probe_due:
             return seq.draft_behind > ROUND_FEED
         return (policy.wants_drafting and seq.draft_behind > MAX_DRAFT_LAG
                 and policy.catch_up_pays(seq.draft_behind, self.tokens_to_come(seq), self.rows))

@@ -180,7 +180,7 @@ class Engine:
     def _run(self, prompt_ids: list[int], cfg: GenerationConfig) -> Iterator[Event]:
         # Opened at the first token, not at the call: a stream never iterated holds no slot (its finally never runs).
         seq = self.open_sequence(prompt_ids, cfg)
-        seq.fills_before_probes = True  # (CatchUp.wants(alone=True) below)
+        seq.fills_before_probes = True  # decoding alone: its lagging draft is filled before each probe
         try:
             while not seq.prefill_done:
                 self.prefill(seq)
@@ -188,7 +188,7 @@ class Engine:
             # model's prefill costs seconds, which decode's tokens/s would otherwise hide).
             seq.stats.prefill_s += self.catch_up.timed_fill(seq)
             while seq.finish is None:
-                if self.wants_catch_up(seq, alone=True):
+                if self.wants_catch_up(seq):
                     seq.stats.decode_s += self.catch_up.timed_fill(seq)  # drafting's work, while decoding
                 events = self.step([seq])[seq]
                 if seq.finish == "error":
@@ -224,9 +224,9 @@ class Engine:
         """Give the sequence's slots back (once); what it learnt is pooled and its caches offered."""
         self.sequences.close(seq)
 
-    def wants_catch_up(self, seq: Sequence, alone: bool = False) -> bool:
+    def wants_catch_up(self, seq: Sequence) -> bool:
         """Whether to fill the sequence's lagging draft now (catch_up.CatchUp.wants)."""
-        return self.catch_up.wants(seq, alone)
+        return self.catch_up.wants(seq)
 
     def catch_up_draft(self, seq: Sequence, max_tokens: int | None = None) -> None:
         """Feed (up to max_tokens of) the text the sequence's draft cache lacks, all but the last token."""

@@ -248,9 +248,12 @@ def test_a_sequence_drafting_a_fixed_k_fills_its_lagging_draft_whatever_the_poli
         seq.context += [5] * (MAX_DRAFT_LAG + 1)  # as lookup rounds that kept every token would leave it
         for wanted in (True, False):  # what the last adaptive sequence's policy chose
             eng.draft_policy.wants_drafting = wanted
-            assert eng.wants_catch_up(seq, alone=True) and eng.wants_catch_up(seq)
+            for alone in (True, False):
+                seq.fills_before_probes = alone
+                assert eng.wants_catch_up(seq)
         eng.catch_up_draft(seq)
-        assert not eng.wants_catch_up(seq, alone=True)
+        seq.fills_before_probes = True
+        assert not eng.wants_catch_up(seq)
         eng.close_sequence(seq)
 
 
