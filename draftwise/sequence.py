@@ -37,8 +37,9 @@ class Sequence:
     exception: BaseException | None = None  # the error itself
     constraint: Constraint | None = None  # its place in the grammar its text must match (grammar.py)
     noise: SharedNoise | None = None  # a seeded sampled sequence's: its tokens are drawn from it (shared_noise.py)
-    # Decoding alone (Engine.generate and stream): its lagging draft is filled before each probe (CatchUp.wants), so
-    # a plain step's token is one its draft reads later: the policy prices that reading into k = 0 (adaptive.py).
+    # Decoding alone (Engine.generate and stream, a server's one request in flight): its lagging draft is filled
+    # before each probe (CatchUp.wants), so a plain step's token is one its draft reads later: the policy prices that
+    # reading into k = 0 (adaptive.py).
     fills_before_probes: bool = False
     _prefilled_all: bool = field(default=False, repr=False)  # prefill_done, once it has been
 

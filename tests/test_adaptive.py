@@ -7,6 +7,7 @@ compact model's own behaviour.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from draftwise.acceptance_pools import drafting_acceptance as _drafting_acceptan
 from draftwise.catch_up import ROUND_FEED
 from draftwise.draft_lengths import MAX_DRAFT_LAG
 from draftwise.engine import Engine
+from draftwise.serve.scheduler import Scheduler
 from draftwise.backends.kernels import DYNAMIC_MAX_ROWS, Int8DynamicLinear, Int8Linear
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.compact import compact_draft
@@ -756,34 +758,102 @@ def test_the_tokens_to_come_are_bounded_by_how_long_finished_answers_ran():
     eng.close_sequence(seq)
 
 
-def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
-    """Without the fill, a draft more than MAX_DRAFT_LAG tokens behind sits the probe out: once the gap between
-    probes has doubled past that, no later probe of the request drafts (here the third would not)."""
+def _never_paying_draft():
+    """An engine whose drafting never pays, whatever is measured: every step is plain but for the first (nothing
+    measured) and probes, each priced to lose little (so they come as often as the gap allows); the target alone
+    beside it. Records the context length at each drafting round, and how far behind each found the draft."""
     target, tokenizer = tiny_model("llama", seed=0), tiny_tokenizer()
     eng = Engine.from_models(target, tokenizer, draft_model=tiny_model("llama", seed=1, layers=1))
-    plain = Engine.from_models(target, tokenizer, method="none")
-    # Drafting never pays, whatever is measured: every step is plain but for the first (nothing measured) and probes,
-    # each priced to lose little (so they come as often as the gap allows).
     eng.draft_policy.rate = lambda rates, k, rows, fixed=(), spreads=(), free=(): 1.0 if k == 0 else 0.99
     drafted, behind = [], []
     eng.round_observer = lambda seq, draft, verdict, times: drafted.append(len(seq.context))
     start = eng.proposer.start
 
-    def starting(context, k, stop_confidence=0.0):  # how far behind each drafting round found the draft
+    def starting(context, k, stop_confidence=0.0):
         behind.append(eng.proposer.behind(context)) if k > 0 else None
         start(context, k, stop_confidence)
 
     eng.proposer.start = starting
-    prompt, tokens = "The quick brown fox jumps over the lazy dog.", 3 * PROBE_EVERY + 4 * PROBE_EVERY + 10
-    result = eng.generate(prompt, max_new_tokens=tokens, ignore_eos=True)
-    assert result.token_ids == plain.generate(prompt, max_new_tokens=tokens, ignore_eos=True).token_ids
-    # The first round, then probes PROBE_EVERY, 2 * PROBE_EVERY and 4 * PROBE_EVERY steps apart, each drafted.
-    assert len(drafted) == 4
+    return eng, Engine.from_models(target, tokenizer, method="none"), drafted, behind
+
+
+LONE_PROMPT, LONE_TOKENS = "The quick brown fox jumps over the lazy dog.", 3 * PROBE_EVERY + 4 * PROBE_EVERY + 10
+
+
+def _assert_every_probe_drafted_from_a_filled_draft(drafted: list[int], behind: list[int], first_round=True) -> None:
+    """The first round (first_round: generate fills the draft's prompt at once; a server only once drafting has paid or
+    is probed), then probes PROBE_EVERY, 2 * PROBE_EVERY and 4 * PROBE_EVERY steps apart, each drafted ..."""
+    assert len(drafted) == 3 + first_round
     # ... each with its draft filled first, even the one within MAX_DRAFT_LAG: a probe's first forward, timed as
     # drafting, does not carry a catch-up.
-    assert len(behind) == 4 and max(behind) <= ROUND_FEED
-    gaps = [b - a for a, b in zip(drafted[1:], drafted[2:])]  # tokens between probes: at least their steps
+    assert len(behind) == len(drafted) and max(behind) <= ROUND_FEED
+    gaps = [b - a for a, b in zip(drafted[-3:], drafted[-2:])]  # tokens between probes: at least their steps
     assert gaps[0] >= 2 * PROBE_EVERY and gaps[1] >= 4 * PROBE_EVERY
+
+
+def test_a_sequence_alone_fills_its_lagging_draft_before_each_probe():
+    """Without the fill, a draft more than MAX_DRAFT_LAG tokens behind sits the probe out: once the gap between
+    probes has doubled past that, no later probe of the request drafts (here the third would not)."""
+    eng, plain, drafted, behind = _never_paying_draft()
+    result = eng.generate(LONE_PROMPT, max_new_tokens=LONE_TOKENS, ignore_eos=True)
+    assert result.token_ids == plain.generate(LONE_PROMPT, max_new_tokens=LONE_TOKENS, ignore_eos=True).token_ids
+    _assert_every_probe_drafted_from_a_filled_draft(drafted, behind)
+
+
+def _serve(eng: Engine, prompts: list[str], mark_alone: bool = True) -> list[list[int]]:
+    """Each prompt's token ids, all submitted at once to a scheduler on eng (its _mark_alone a no-op if not
+    mark_alone: the control)."""
+    scheduler = Scheduler(eng, max_batch=4)
+    if not mark_alone:
+        scheduler._mark_alone = lambda: None
+    done, tokens = threading.Semaphore(0), {prompt: [] for prompt in prompts}
+
+    def sink_for(prompt):
+        def sink(event):
+            if event.token_id is not None:
+                tokens[prompt].append(event.token_id)
+            if event.finish_reason is not None:
+                done.release()
+        return sink
+
+    cfg = GenerationConfig(max_new_tokens=LONE_TOKENS, ignore_eos=True)
+    for prompt in prompts:
+        scheduler.submit(eng.tokenizer.encode(prompt), cfg, sink_for(prompt))
+    scheduler.start()
+    try:
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+    finally:
+        scheduler.drain(10)
+    return [tokens[prompt] for prompt in prompts]
+
+
+def test_a_servers_lone_request_fills_its_lagging_draft_before_each_probe_as_generate_does():
+    """One request in flight decodes alone: without the fill (the control), the probes after its draft fell more
+    than MAX_DRAFT_LAG behind would be sat out."""
+    eng, plain, drafted, behind = _never_paying_draft()
+    [served] = _serve(eng, [LONE_PROMPT])
+    assert served == plain.generate(LONE_PROMPT, max_new_tokens=LONE_TOKENS, ignore_eos=True).token_ids
+    _assert_every_probe_drafted_from_a_filled_draft(drafted, behind, first_round=False)
+    control, _, drafted, behind = _never_paying_draft()
+    [served] = _serve(control, [LONE_PROMPT], mark_alone=False)
+    assert served == plain.generate(LONE_PROMPT, max_new_tokens=LONE_TOKENS, ignore_eos=True).token_ids
+    assert len(drafted) < 3, drafted
+
+
+def test_requests_served_together_are_not_filled_before_probes_nor_priced_as_refilled():
+    eng, _, _, _ = _never_paying_draft()
+    flags = []
+    step = eng.step
+
+    def stepping(seqs):
+        flags.append((len(seqs), {seq.fills_before_probes for seq in seqs}))
+        return step(seqs)
+
+    eng.step = stepping
+    _serve(eng, [LONE_PROMPT, LONE_PROMPT[::-1]])
+    # (A step of one row may come while both are open, or once one has finished and the other decodes alone.)
+    assert (2, {False}) in flags and all(marks == {False} for rows, marks in flags if rows == 2)
 
 
 def _long_context_costs() -> DraftLengthPolicy:

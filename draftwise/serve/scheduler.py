@@ -242,6 +242,7 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 self._drop_cancelled()
+                self._mark_alone()
                 self._prefill_one()
                 self._step()
             except Exception as err:  # a bug of ours: it ends the requests it reached, never the server
@@ -295,6 +296,14 @@ class Scheduler:
         for ticket in [t for t in self._running if t.cancelled]:
             self._finish(ticket, Event(token_id=None, text="", finish_reason="cancelled",
                                        stats=ticket.seq.stats if ticket.seq else None))
+
+    def _mark_alone(self) -> None:
+        """A request decoding alone is filled before each probe and priced so, as generate's is
+        (Sequence.fills_before_probes): else, once its draft lags past MAX_DRAFT_LAG, it sits out every later probe
+        and never drafts again. With company, a probe is not worth every row's catch-up."""
+        alone = len(self._running) == 1
+        for ticket in self._running:
+            ticket.seq.fills_before_probes = alone
 
     def _prefill_one(self) -> None:
         """One chunk: of a newcomer's prompt, else of a lagging draft's text once speculation pays again."""
