@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from draftwise import planner
-from draftwise.estimates import DECAY, StepCosts, nearest
+from draftwise.estimates import DECAY, STALE_STEPS, StepCosts, nearest
 
 PROBE_EVERY = 8  # steps from drafting's last win to the first probe
 MAX_PROBE_GAP = 64  # the widest the gap between probes grows
@@ -66,6 +66,7 @@ class DraftLengthPolicy:
     # By rows: (tokens per second run, tokens per second priced), summed over the steps in which drafting won the
     # choice, decayed: how far the prices' promise of drafting is borne out (realised).
     _outcomes: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _outcome_at: dict[int, int] = field(default_factory=dict)  # by rows: the step (costs' clock) of the last outcome
     _pending: tuple[int, float] | None = None  # (rows, rate priced) of the last choice drafting won at a timed width
     _steps_without_draft: int = 0  # since drafting last won, or since the last probe
     _probe_gap: int = PROBE_EVERY
@@ -116,7 +117,7 @@ class DraftLengthPolicy:
             return k_max  # (nothing to price by: as choose, try the full width)
         by_k = [self.rate(rates, k, rows, fixed, spreads, free) for k in range(k_max + 1)]
         plain = by_k[0]
-        by_k[0] = refilled_rate(plain, rows, refills, self.costs.catch_up_s)
+        by_k[0] = refilled_rate(plain, rows, refills, self.refilled_token_s())
         best = max(range(k_max + 1), key=by_k.__getitem__)
         self.wants_drafting = best > 0
         # (The plain rate without the refilling: what filling a draft saves is weighed against plain steps alone.)
@@ -125,23 +126,39 @@ class DraftLengthPolicy:
             self._probe_floor = probe_floor(rows + sum(rates), rows, plain, by_k[1])
         return best
 
+    def refilled_token_s(self) -> float | None:
+        """What a plain step's token costs a draft filled before each probe: a filling of the tokens between probes
+        (one a plain step), over those tokens; None before a filling is timed."""
+        gap = max(self._probe_gap, self._probe_floor)
+        reading = self.costs.catch_up(gap)
+        return None if reading is None else reading / gap
+
     def observe_outcome(self, tokens: int, seconds: float) -> None:
         """The step of the last choice emitted `tokens` in `seconds`: where drafting won that choice, how far the rate
         priced was borne out (realised)."""
         if self._pending is not None and seconds > 0:
             rows, priced = self._pending
-            run, promised = self._outcomes.get(rows, (0.0, 0.0))
+            run, promised = (0.0, 0.0) if self._outcome_stale(rows) else self._outcomes.get(rows, (0.0, 0.0))
             self._outcomes[rows] = DECAY * run + tokens / seconds, DECAY * promised + priced
+            self._outcome_at[rows] = self.costs.steps
         self._pending = None
+
+    def _outcome_stale(self, rows: int) -> bool:
+        at = self._outcome_at.get(rows)
+        return at is not None and self.costs.steps - at >= STALE_STEPS
 
     def realised(self, rows: float) -> float:
         """The share of drafting's priced rate that its steps ran at, at the nearest rows measured: at most 1 (1 before
         any). The prices miss what they cannot see (a tree's extra nodes, a busy spell, the batch-mates' shorter
         rounds), so a saving priced from them alone is more than drafting's steps deliver, and drafts would be filled
-        for a saving that does not come."""
-        if not self._outcomes:
+        for a saving that does not come. An outcome not renewed in STALE_STEPS steps counts no more, as a stale
+        timing (estimates.Timings), and the next one replaces it: it may date from a slow spell, and while it holds
+        a lagging draft is never filled, so drafting's steps, the only ones that would renew it, never run (a
+        server's lone request after a short first one never drafted)."""
+        fresh = {n: outcome for n, outcome in self._outcomes.items() if not self._outcome_stale(n)}
+        if not fresh:
             return 1.0
-        run, promised = self._outcomes[nearest(self._outcomes, rows)]
+        run, promised = fresh[nearest(fresh, rows)]
         return min(1.0, run / promised)
 
     @property
@@ -165,10 +182,11 @@ class DraftLengthPolicy:
         a newcomer is prefilled, the others step without it, and fewer rows save more a token). Before either side
         is measured, yes: filling one is how its cost is learnt."""
         saving = self.saving_per_token(rows)
-        if saving is None or self.costs.catch_up_s is None:
+        reading = self.costs.catch_up(behind)
+        if saving is None or reading is None:
             return True
         margin = planner.CATCH_UP_MARGIN if rows > 1.5 else 1.0  # (rows: decayed, so not exactly 1 alone)
-        return planner.catch_up_pays(saving, tokens_to_come, behind, self.costs.catch_up_s, margin)
+        return planner.catch_up_pays(saving, tokens_to_come, reading, margin)
 
     def sequence_joined(self) -> None:
         """A new adaptive sequence: the first probe comes PROBE_EVERY steps after drafting last won or probed (or as
@@ -194,15 +212,15 @@ class DraftLengthPolicy:
         return min(MAX_STOP_CONFIDENCE, planner.break_even_chance(self.costs, rows))
 
 
-def refilled_rate(plain_rate: float, rows: int, refills: int, catch_up_s: float | None) -> float:
+def refilled_rate(plain_rate: float, rows: int, refills: int, refill_s: float | None) -> float:
     """A plain step's tokens per second where `refills` of its `rows` rows have a draft filled before each probe:
-    each such row's token costs catch_up_s more, paid when its draft reads it. Unpriced, a sequence decoding alone
+    each such row's token costs refill_s more, paid when its draft reads it. Unpriced, a sequence decoding alone
     whose acceptance is near break-even stops drafting and pays for the reading anyway, probe by probe (at a long
     context a draft reads a token for about a tenth of a plain step): slower than drafting on would have been, and
     its estimate, fed one token a probe, hardly recovers."""
-    if not refills or not catch_up_s or plain_rate <= 0:
+    if not refills or not refill_s or plain_rate <= 0:
         return plain_rate
-    return rows / (rows / plain_rate + refills * catch_up_s)
+    return rows / (rows / plain_rate + refills * refill_s)
 
 
 def probe_floor(tokens: float, rows: int, plain_rate: float, probe_rate: float) -> int:

@@ -161,13 +161,13 @@ def saving_per_token(plain_rate: float, rate: float) -> float:
     return max(0.0, 1.0 / plain_rate - 1.0 / rate) if plain_rate > 0 and rate > 0 else 0.0
 
 
-def catch_up_pays(saving: float, tokens_to_come: float, behind: int, catch_up_s: float, margin: float = 1.0) -> bool:
-    """Whether filling a draft `behind` tokens behind its text, at catch_up_s seconds a token, is repaid by drafting
-    for the tokens its sequence has still to come, each `saving` seconds (saving_per_token) cheaper. A draft model
-    reads a new request's whole prompt before it drafts: for a short answer to a long prompt in a batch, where
-    drafting saves little a token, that reading costs more than the drafting it enables saves. Repaid `margin`
-    times over (DraftLengthPolicy: CATCH_UP_MARGIN in a batch)."""
-    return saving * tokens_to_come > margin * catch_up_s * behind
+def catch_up_pays(saving: float, tokens_to_come: float, reading_s: float, margin: float = 1.0) -> bool:
+    """Whether filling a lagging draft, which takes reading_s seconds, is repaid by drafting for the tokens its
+    sequence has still to come, each `saving` seconds (saving_per_token) cheaper. A draft model reads a new request's
+    whole prompt before it drafts: for a short answer to a long prompt in a batch, where drafting saves little a
+    token, that reading costs more than the drafting it enables saves. Repaid `margin` times over
+    (DraftLengthPolicy: CATCH_UP_MARGIN in a batch)."""
+    return saving * tokens_to_come > margin * reading_s
 
 
 def break_even_chance(prices: Prices, rows: int) -> float:

@@ -1130,6 +1130,27 @@ def test_a_batch_fills_a_lagging_draft_where_it_repays_twice_a_sequence_alone_wh
     assert policy.catch_up_pays(300, 600, rows=2)  # 1.82 s saved
 
 
+def test_a_lagging_drafts_reading_is_priced_as_a_draft_forward_and_the_rest_by_the_token():
+    """The 0.5B on the quant route: a filling of 3 tokens took 13.5 ms (4.5 a token), one of 43 tokens 57.3 ms, a
+    draft forward 10 ms. Priced per token alone (the control), 43 tokens cost more than drafting would save."""
+    policy = DraftLengthPolicy()
+    policy.costs.observe_catch_up(3, 0.0135)
+    assert policy.costs.catch_up(43) == pytest.approx(43 * 0.0045)  # no forward timed yet: all by the token
+    policy.costs.observe(1, 1, 0.010, 0.040)  # a round of one draft forward
+    assert policy.costs.catch_up(43) == pytest.approx(0.010 + 43 * 0.0035 / 3)  # 60 ms
+    policy._priced = {1: (21.4, 27.6)}  # 10.5 ms a token saved
+    assert policy.catch_up_pays(43, 10, rows=1)
+    assert not planner.catch_up_pays(policy.saving_per_token(1), 10, 43 * 0.0045)
+    # Every filling pays the forward once; the rest is weighted by the tokens read.
+    policy.costs.observe_catch_up(43, 0.0573)
+    spent, read, fillings = 0.9 * 0.0135 + 0.0573, 0.9 * 3 + 43, 0.9 + 1
+    assert policy.costs.catch_up_s == pytest.approx((spent - fillings * 0.010) / read)
+    assert policy.costs.catch_up(43) == pytest.approx(0.010 + 43 * policy.costs.catch_up_s)
+    # A forward dearer than a filling's mean (timed at a longer context) is no more than that mean.
+    policy.costs.observe(1, 1, 0.5, 0.6)
+    assert policy.costs.catch_up(0) == pytest.approx(spent / fillings) and policy.costs.catch_up_s >= 0
+
+
 def test_a_filling_is_weighed_against_the_saving_drafting_realised_not_only_the_one_priced():
     """Prices that promise drafting more than its steps run (a tree's extra nodes, a busy spell) would fill drafts for
     a saving that does not come: the saving is taken at the share of the priced rate that drafting's steps ran."""
@@ -1154,6 +1175,32 @@ def test_a_filling_is_weighed_against_the_saving_drafting_realised_not_only_the_
     faster.choose(rates, k_max=4, rows=2)
     faster.observe_outcome(round(2 * priced), 1.0)
     assert faster.realised(2) == 1.0 and faster.catch_up_pays(100, 90, rows=2)
+
+
+def test_a_share_realised_that_no_step_renews_goes_stale_and_the_next_outcome_replaces_it():
+    """While the share realised keeps a lagging draft unfilled, no drafting step runs to renew it: a server's lone
+    request after a short first one never drafted. Stale after STALE_STEPS steps, as a timing."""
+    policy = DraftLengthPolicy()
+    for k in range(5):  # drafting pays as priced: 0.1 s a pass, 0.01 s a draft forward
+        policy.costs.observe(1, k, 0.01 * k, 0.1)
+    policy.choose([0.9], k_max=4, rows=1)
+    plain, priced = policy._priced[1]
+    for _ in range(20):  # drafting's steps run at 60% of their price
+        policy.observe_outcome(round(0.6 * priced * 2), 2.0)
+        policy.choose([0.9], k_max=4, rows=1)
+    # Reading 100 tokens costs 0.9 of what 90 tokens to come would save as priced: repaid as priced, not as run.
+    policy.costs.catch_up_s = 0.9 * planner.saving_per_token(plain, priced) * 90 / 100
+    assert policy.realised(1) == pytest.approx(0.6, abs=0.02) and not policy.catch_up_pays(100, 90, rows=1)
+    for _ in range(STALE_STEPS - 1):  # plain steps: the draft lags, no drafting step runs (the control: not yet)
+        policy.costs.observe(1, 0, 0.0, 0.1)
+    assert policy.realised(1) == pytest.approx(0.6, abs=0.02)
+    policy.costs.observe(1, 0, 0.0, 0.1)
+    assert policy.realised(1) == 1.0 and policy.catch_up_pays(100, 90, rows=1)
+    for k in range(1, 5):  # (the wide passes' timings went stale too: drafting's steps time them again)
+        policy.costs.observe(1, k, 0.01 * k, 0.1)
+    assert policy.choose([0.9], k_max=4, rows=1) > 0
+    policy.observe_outcome(round(0.8 * policy._priced[1][1] * 2), 2.0)  # filled, it drafts: 80% of the price
+    assert policy.realised(1) == pytest.approx(0.8, abs=0.03)  # (not averaged with the stale 60%)
 
 
 def test_only_steps_that_drafted_by_choice_say_how_far_drafting_is_borne_out():

@@ -140,13 +140,13 @@ def test_filling_a_lagging_draft_pays_only_for_enough_tokens_to_come_by_hand():
     assert saving == pytest.approx(1 / 30 - 1 / 33)
     assert planner.saving_per_token(30.0, 25.0) == 0.0 and planner.saving_per_token(0.0, 10.0) == 0.0
     # A 300-token prompt read at 2.5 ms a token (0.75 s): 96 tokens to come save 0.29 s, 512 save 1.55 s.
-    assert not planner.catch_up_pays(saving, 96, 300, 0.0025)
-    assert planner.catch_up_pays(saving, 512, 300, 0.0025)
+    assert not planner.catch_up_pays(saving, 96, 300 * 0.0025)
+    assert planner.catch_up_pays(saving, 512, 300 * 0.0025)
     # 300 tokens to come would save 0.91 s, 1.2 times the reading: enough alone, not the margin a batch must clear.
-    assert planner.catch_up_pays(saving, 300, 300, 0.0025)
-    assert not planner.catch_up_pays(saving, 300, 300, 0.0025, margin=planner.CATCH_UP_MARGIN)
+    assert planner.catch_up_pays(saving, 300, 300 * 0.0025)
+    assert not planner.catch_up_pays(saving, 300, 300 * 0.0025, margin=planner.CATCH_UP_MARGIN)
     assert planner.CATCH_UP_MARGIN * 0.75 > 300 * saving > 0.75
-    assert not planner.catch_up_pays(0.0, 10_000, 1, 0.0025)  # drafting saves nothing: never worth reading
+    assert not planner.catch_up_pays(0.0, 10_000, 0.0025)  # drafting saves nothing: never worth reading
 
 
 # -- every choice asks it ----------------------------------------------------------------------------------------
