@@ -171,6 +171,46 @@ def test_attention_and_the_norm_are_the_same_bits_on_every_path(isa, dim, heads)
     assert torch.equal(*normed)
 
 
+def prefill_inputs(dim: int, heads: int, n: int = 40, past: int = 9, seed: int = 2):
+    """One sequence's causal prefill of n tokens after `past` cached keys (tiles of 16 tokens that reach different
+    keys), then the same call with a token tree's ragged rows: query [1, heads, n, d], keys [1, 2, past + n, d]."""
+    g = torch.Generator().manual_seed(seed)
+    keys = past + n
+    query, key, value = (torch.randn(1, h, m, dim, generator=g) for h, m in ((heads, n), (2, keys), (2, keys)))
+    causal = torch.ones(keys, keys, dtype=torch.uint8).tril()[past:].unsqueeze(0).contiguous()  # [1, n, keys]
+    tree = causal.clone()
+    tree[0, :, past:] &= (torch.rand(n, n, generator=g) > 0.4).to(torch.uint8) | torch.eye(n, dtype=torch.uint8)
+    tree[0, 7, :] = 0  # a row that sees nothing: zeros
+    return query, key, value, (causal, tree), dim ** -0.5
+
+
+def each_query_alone(lib, query, key, value, visible, scale) -> torch.Tensor:
+    """The call token by token: each query with its own row of the mask, over the same keys."""
+    return torch.cat([attention_on(lib, query[:, :, t:t + 1].contiguous(), key, value,
+                                   visible[:, t:t + 1].contiguous(), scale) for t in range(query.shape[2])], dim=1)
+
+
+@pytest.mark.parametrize("isa", HERE)
+@pytest.mark.parametrize("dim", [40, 64, 128])  # 40: weighed query by query; 64 and 128: a token's heads together
+@pytest.mark.parametrize("heads", [12, 14, 24])  # groups of 6 (the 1.5B's), 7 (the 0.5B's), 12 (two passes)
+def test_a_prefills_attention_is_each_query_alone_on_every_path(isa, dim, heads):
+    """A prefill's queries are tiled 16 tokens at a time, their keys past the last visible one skipped and a token's
+    heads weighed together: each query's bits are still those it has alone (and those of the fastest path)."""
+    query, key, value, masks, scale = prefill_inputs(dim, heads)
+    lib = qgemm.library_for(isa)
+    for visible in masks:
+        together = attention_on(lib, query, key, value, visible, scale)
+        assert torch.equal(together, each_query_alone(lib, query, key, value, visible, scale))
+        assert torch.equal(together, attention_on(qgemm.library_for(FASTEST), query, key, value, visible, scale))
+    assert torch.equal(together[0, 7], torch.zeros_like(together[0, 7]))
+    # The control: the same sums with the keys in the other order round to other bits, so the comparisons above
+    # would see a reordering.
+    flipped = [t.flip(2).contiguous() for t in (key, value)]
+    reordered = attention_on(lib, query, *flipped, masks[0].flip(2).contiguous(), scale)
+    want = attention_on(lib, query, key, value, masks[0], scale)
+    assert not torch.equal(reordered, want) and torch.allclose(reordered, want, rtol=1e-4, atol=1e-5)
+
+
 def mlp_on(lib: ctypes.CDLL, gate, up, down, x: torch.Tensor) -> torch.Tensor:
     """dw_mlp of one library: down(silu(gate(x)) * up(x)) [rows, down's padded out]."""
     out = torch.empty(len(x), down.padded_out)

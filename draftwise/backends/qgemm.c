@@ -780,78 +780,179 @@ static inline void weigh_values(float *o, const float *p, const uint8_t *sees, c
 }
 #endif
 
-// One key head's queries over its keys: q [n, group, d] at strides (qt per token, qh per head), keys and values at
-// kt and vt per position, seen [n, keys]; out [n, group, d] at ot per token. score: queries x keys floats.
-static void attend_group(const float *q, long qh, long qt, const float *k, long kt, const float *v, long vt,
-                         const uint8_t *seen, int n, int group, int keys, int d, float scale, float *score, float *out,
-                         long ot) {
-    const int queries = n * group;
-    for (int j0 = 0; j0 < keys; j0 += KEY_BLOCK) {  // every query's scores, a block of keys at a time
-        const int count = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
-        float s[KEY_BLOCK];
-        for (int i = 0; i < queries; i++) {
-            score_block(q + (i / group) * qt + (i % group) * qh, k + (long)j0 * kt, kt, count, d, scale, s);
-            memcpy(score + (size_t)i * keys + j0, s, sizeof(float) * count);
+// A token's query heads share what they see: weigh_group writes o [group, d] (query g's weights p + g * ps), reading
+// each value row once for all of them rather than once a head. Each element is the same chain of fused multiply-adds
+// over the visible keys in key order as weigh_values', so the bits are those of each query alone.
+#if DW_VNNI
+#define WEIGH_LANES LANES  // floats a register
+#define WEIGH_MAX 8        // queries a pass: 2 registers of o each, 16 of the 32
+typedef __m512 weigh_reg;
+#define WEIGH_ZERO() _mm512_setzero_ps()
+#define WEIGH_LOAD(p) _mm512_loadu_ps(p)
+#define WEIGH_FMA(p, v, acc) _mm512_fmadd_ps(_mm512_set1_ps(p), v, acc)
+#define WEIGH_STORE(o, r) _mm512_storeu_ps(o, r)
+#elif DW_AVX && !DW_TEST_OTHER_ORDER
+#define WEIGH_LANES 8
+#define WEIGH_MAX 6  // 12 registers of o, 2 of values, 1 weight: 15 of the 16
+typedef __m256 weigh_reg;
+#define WEIGH_ZERO() _mm256_setzero_ps()
+#define WEIGH_LOAD(p) _mm256_loadu_ps(p)
+#define WEIGH_FMA(p, v, acc) _mm256_fmadd_ps(_mm256_set1_ps(p), v, acc)
+#define WEIGH_STORE(o, r) _mm256_storeu_ps(o, r)
+#endif
+#ifdef WEIGH_LANES
+#define WEIGH_CHUNK (2 * WEIGH_LANES)  // output columns a pass holds: two registers a query
+// QN queries (a constant in each inlined copy) over keys [0, keys), d a multiple of WEIGH_CHUNK.
+static inline __attribute__((always_inline)) void weigh_pass(const int QN, float *o, const float *p, long ps,
+                                                             const uint8_t *sees, const float *v, long vt, int keys,
+                                                             int d) {
+    for (int c0 = 0; c0 < d; c0 += WEIGH_CHUNK) {
+        weigh_reg acc[2 * WEIGH_MAX];
+        for (int r = 0; r < 2 * QN; r++) acc[r] = WEIGH_ZERO();
+        for (int j = 0; j < keys; j++) {
+            if (!sees[j]) continue;
+            const float *vj = v + (long)j * vt + c0;
+            const weigh_reg v0 = WEIGH_LOAD(vj), v1 = WEIGH_LOAD(vj + WEIGH_LANES);
+            for (int g = 0; g < QN; g++) {
+                acc[2 * g] = WEIGH_FMA(p[g * ps + j], v0, acc[2 * g]);
+                acc[2 * g + 1] = WEIGH_FMA(p[g * ps + j], v1, acc[2 * g + 1]);
+            }
+        }
+        for (int g = 0; g < QN; g++) {
+            WEIGH_STORE(o + (long)g * d + c0, acc[2 * g]);
+            WEIGH_STORE(o + (long)g * d + c0 + WEIGH_LANES, acc[2 * g + 1]);
         }
     }
-    for (int i = 0; i < queries; i++) {
-        const uint8_t *sees = seen + (size_t)(i / group) * keys;
-        float *sg = score + (size_t)i * keys;
-        float top = -INFINITY, total = 0.0f;
-        int j = 0;
-#if DW_VNNI
-        __m512 tops = _mm512_set1_ps(-INFINITY);  // (a maximum is the same in any order)
-        for (; j + LANES <= keys; j += LANES)
-            tops = _mm512_mask_max_ps(tops, seen16(sees + j), tops, _mm512_loadu_ps(sg + j));
-        top = _mm512_reduce_max_ps(tops);
-#elif DW_AVX
-        __m256 tops = _mm256_set1_ps(-INFINITY);
-        for (; j + 8 <= keys; j += 8)
-            tops = _mm256_max_ps(tops, _mm256_blendv_ps(tops, _mm256_loadu_ps(sg + j), seen8(sees + j)));
-        float eight[8];
-        _mm256_storeu_ps(eight, tops);
-        for (int l = 0; l < 8; l++) top = fmaxf(top, eight[l]);
+}
 #endif
-        for (; j < keys; j++)
-            if (sees[j]) top = fmaxf(top, sg[j]);
-        j = 0;
-#if DW_VNNI
-        for (; j + LANES <= keys; j += LANES) {  // hidden keys weigh an exact zero
-            const __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(sg + j, _mm512_maskz_mov_ps(seen16(sees + j), e));
-        }
-#elif DW_AVX
-        for (; j + 8 <= keys; j += 8) {
-            const __m256 e = exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(sg + j, _mm256_and_ps(e, seen8(sees + j)));
-        }
+
+static void weigh_group(float *o, const float *p, long ps, const uint8_t *sees, const float *v, long vt, int keys,
+                        int group, int d) {
+#ifdef WEIGH_LANES
+    if (d % WEIGH_CHUNK == 0) {
+        for (int g0 = 0; g0 < group;) {
+            const int passes = (group - g0 + WEIGH_MAX - 1) / WEIGH_MAX;
+            const int qn = (group - g0 + passes - 1) / passes;  // balanced: 7 on 6 a pass is 4 and 3, not 6 and 1
+            float *og = o + (long)g0 * d;
+            const float *pg = p + g0 * ps;
+            switch (qn) {
+#define WEIGH_CASE(N) \
+    case N: weigh_pass(N, og, pg, ps, sees, v, vt, keys, d); break;
+                WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
+#if WEIGH_MAX > 6
+                WEIGH_CASE(7) WEIGH_CASE(8)
 #endif
-        for (; j < keys; j++) sg[j] = sees[j] ? exp_fixed(sg[j] - top) : 0.0f;
-        for (j = 0; j < keys; j++) total += sg[j];  // in key order: a hidden key adds an exact zero
-        float *o = out + (size_t)(i / group) * ot + (size_t)(i % group) * d;
-        weigh_values(o, sg, sees, v, vt, keys, d);
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // sees nothing: zeros
-        for (int c = 0; c < d; c++) o[c] *= inv;
+#undef WEIGH_CASE
+            }
+            g0 += qn;
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < group; g++) weigh_values(o + (long)g * d, p + g * ps, sees, v, vt, keys, d);
+}
+
+// A query's weights over keys [0, end) in place: sg's scores become exp(score - their maximum) where it sees the
+// key and an exact zero where it does not. Returns their total, added in key order.
+static float softmax_weights(float *sg, const uint8_t *sees, int end) {
+    float top = -INFINITY, total = 0.0f;
+    int j = 0;
+#if DW_VNNI
+    __m512 tops = _mm512_set1_ps(-INFINITY);  // (a maximum is the same in any order)
+    for (; j + LANES <= end; j += LANES)
+        tops = _mm512_mask_max_ps(tops, seen16(sees + j), tops, _mm512_loadu_ps(sg + j));
+    top = _mm512_reduce_max_ps(tops);
+#elif DW_AVX
+    __m256 tops = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= end; j += 8)
+        tops = _mm256_max_ps(tops, _mm256_blendv_ps(tops, _mm256_loadu_ps(sg + j), seen8(sees + j)));
+    float eight[8];
+    _mm256_storeu_ps(eight, tops);
+    for (int l = 0; l < 8; l++) top = fmaxf(top, eight[l]);
+#endif
+    for (; j < end; j++)
+        if (sees[j]) top = fmaxf(top, sg[j]);
+    j = 0;
+#if DW_VNNI
+    for (; j + LANES <= end; j += LANES) {  // hidden keys weigh an exact zero
+        const __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(sg + j, _mm512_maskz_mov_ps(seen16(sees + j), e));
+    }
+#elif DW_AVX
+    for (; j + 8 <= end; j += 8) {
+        const __m256 e = exp_fixed8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(sg + j, _mm256_and_ps(e, seen8(sees + j)));
+    }
+#endif
+    for (; j < end; j++) sg[j] = sees[j] ? exp_fixed(sg[j] - top) : 0.0f;
+    for (j = 0; j < end; j++) total += sg[j];  // in key order: a hidden key adds an exact zero
+    return total;
+}
+
+#define TOKEN_TILE 16  // query tokens scored together: their scores (16 x group x keys floats) stay in the caches
+
+// One key head's queries over its keys: q [n, group, d] at strides (qt per token, qh per head), keys and values at
+// kt and vt per position, seen [n, keys] and ends [n] (one past the last key a token sees: none at or past it is
+// visible, so nothing there is computed); out [n, group, d] at ot per token. score: TOKEN_TILE x group x keys floats.
+static void attend_group(const float *q, long qh, long qt, const float *k, long kt, const float *v, long vt,
+                         const uint8_t *seen, const int *ends, int n, int group, int keys, int d, float scale,
+                         float *score, float *out, long ot) {
+    for (int t0 = 0; t0 < n; t0 += TOKEN_TILE) {
+        const int tokens = n - t0 < TOKEN_TILE ? n - t0 : TOKEN_TILE;
+        int reach = 0;  // the tile's furthest visible key, plus one
+        for (int t = 0; t < tokens; t++) reach = ends[t0 + t] > reach ? ends[t0 + t] : reach;
+        for (int j0 = 0; j0 < reach; j0 += KEY_BLOCK) {  // the tile's scores, a block of keys at a time
+            const int count = reach - j0 < KEY_BLOCK ? reach - j0 : KEY_BLOCK;
+            float s[KEY_BLOCK];
+            for (int t = 0; t < tokens; t++) {
+                if (ends[t0 + t] <= j0) continue;  // (sees none of the block)
+                for (int g = 0; g < group; g++) {
+                    score_block(q + (t0 + t) * qt + g * qh, k + (long)j0 * kt, kt, count, d, scale, s);
+                    memcpy(score + ((size_t)t * group + g) * keys + j0, s, sizeof(float) * count);
+                }
+            }
+        }
+        for (int t = 0; t < tokens; t++) {
+            const int end = ends[t0 + t];
+            const uint8_t *sees = seen + (size_t)(t0 + t) * keys;
+            float *sg = score + (size_t)t * group * keys;  // [group, keys]
+            float total[MAX_GROUP];
+            for (int g = 0; g < group; g++) total[g] = softmax_weights(sg + (size_t)g * keys, sees, end);
+            float *o = out + (size_t)(t0 + t) * ot;  // [group, d]
+            weigh_group(o, sg, keys, sees, v, vt, end, group, d);
+            for (int g = 0; g < group; g++) {
+                const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;  // sees nothing: zeros
+                for (int c = 0; c < d; c++) o[(size_t)g * d + c] *= inv;
+            }
+        }
     }
 }
 
 // cache_rows [batch] (or NULL: b itself): which row of k and v batch row b reads, so a forward over slots that are not
 // next to each other reads the cache in place.
 //
-// Each (sequence, key head) is one work item: its queries (n tokens x the group's query heads) are scored against a
-// block of KEY_BLOCK keys at a time, so a key's row is read from memory once for all of them; scores, softmax and the
-// weighted sum of values then run query by query. The arithmetic per query is dot_lanes, exp_fixed and add_scaled's,
-// in key order, whatever the loop around it: the same bits as one query alone.
+// Each (sequence, key head) is one work item: its queries (a tile of tokens x the group's query heads) are scored
+// against a block of KEY_BLOCK keys at a time, so a key's row is read from memory once for all of them, and a
+// token's heads weigh the values together; keys past the last one a token sees are skipped (a causal prefill's
+// upper triangle). The arithmetic per query is dot_lanes, exp_fixed and add_scaled's, in key order, whatever the
+// loop around it: the same bits as one query alone.
 static int attend(const float *q, long qb, long qh, long qt, const float *k, long kb, long kh, long kt, const float *v,
                   long vb, long vh, long vt, const int64_t *cache_rows, const uint8_t *visible, int batch, int heads,
                   int kv_heads, int n, int keys, int d, float scale, float *out) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
-    const int group = heads / kv_heads, queries = n * group;
+    const int group = heads / kv_heads, tile = n < TOKEN_TILE ? n : TOKEN_TILE;
+    int *ends = malloc(sizeof(int) * (size_t)(batch * n > 0 ? batch * n : 1));  // [batch, n]
+    if (!ends) return -2;
+    for (long r = 0; r < (long)batch * n; r++) {
+        const uint8_t *row = visible + (size_t)r * keys;
+        int end = keys;
+        while (end > 0 && !row[end - 1]) end--;
+        ends[r] = end;
+    }
     int failed = 0;
 #pragma omp parallel
     {
-        // score [queries][keys]: query t * group + g's scores, then its weights
-        float *score = malloc(sizeof(float) * (size_t)queries * (size_t)(keys > 0 ? keys : 1));
+        float *score = malloc(sizeof(float) * (size_t)tile * group * (size_t)(keys > 0 ? keys : 1));
         if (!score) failed = 1;
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < batch; b++)
@@ -859,11 +960,12 @@ static int attend(const float *q, long qb, long qh, long qt, const float *k, lon
                 if (!score) continue;
                 const long row = cache_rows ? (long)cache_rows[b] : b;
                 attend_group(q + b * qb + kvh * group * qh, qh, qt, k + row * kb + kvh * kh, kt, v + row * vb + kvh * vh,
-                             vt, visible + (size_t)b * n * keys, n, group, keys, d, scale, score,
+                             vt, visible + (size_t)b * n * keys, ends + (size_t)b * n, n, group, keys, d, scale, score,
                              out + (size_t)b * n * heads * d + (size_t)kvh * group * d, heads * d);
             }
         free(score);
     }
+    free(ends);
     return failed ? -2 : 0;
 }
 
