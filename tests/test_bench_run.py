@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+import sys
 
 import pytest
 from conftest import tiny_model, tiny_tokenizer
@@ -179,6 +180,23 @@ def test_cli_bench_writes_outputs_and_prints_the_report_path(tmp_path, prompts_f
     assert fake_load[0].methods == ("none", "lookup", "hf-plain")
     # The default dtype: what this machine computes natively.
     assert [cfg.dtype for cfg in fake_load] == [resolve_dtype("auto")]
+
+
+def test_the_command_recorded_names_the_kernel_path_the_environment_forced(tmp_path, prompts_file, fake_load,
+                                                                            monkeypatch):
+    """A bench with DRAFTWISE_KERNEL_ISA set reruns only with it set: the report's command carries it."""
+    monkeypatch.setenv("DRAFTWISE_KERNEL_ISA", "avx2")
+    monkeypatch.delenv("DRAFTWISE_KERNEL_PREFETCH", raising=False)
+    out = tmp_path / "res"
+    args = ["bench", "--prompts", str(prompts_file), "--methods", "none", "--repeats", "1", "--max-new-tokens", "4",
+            "--out", str(out), "--no-roofline", "-q"]
+    monkeypatch.setattr(sys, "argv", ["draftwise", *args])  # what the command line records
+    assert cli.main(args) == 0
+    command = json.loads((out / "results.json").read_text())["meta"]["command"]
+    assert command.startswith("DRAFTWISE_KERNEL_ISA=avx2 draftwise bench --prompts ")
+    monkeypatch.delenv("DRAFTWISE_KERNEL_ISA")
+    assert cli.main(args) == 0
+    assert json.loads((out / "results.json").read_text())["meta"]["command"].startswith("draftwise bench --prompts ")
 
 
 def test_cli_bench_json_prints_the_summary(tmp_path, prompts_file, fake_load, capsys):

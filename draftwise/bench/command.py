@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import textwrap
@@ -136,6 +137,15 @@ def configs_from_args(args: argparse.Namespace) -> list:
     return per_dtype(cfg, split_list(args.dtype), auto=choose_auto)
 
 
+def forced_kernel() -> list[str]:
+    """The kernel's settings forced from the environment (its path, its prefetch), as they prefix the command that
+    reran this bench."""
+    from draftwise.backends.qgemm import ISA_VARIABLE, PREFETCH_VARIABLE
+
+    return [f"{name}={shlex.quote(os.environ[name])}" for name in (ISA_VARIABLE, PREFETCH_VARIABLE)
+            if os.environ.get(name, "").strip()]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from draftwise.bench.journal import read_finished
     from draftwise.bench.run import choose_prompts, journal_settings, run_per_dtype
@@ -150,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = prepare_out(cfg.out)
     if cfg.resume:
         read_finished(out, journal_settings(configs, prompts))
-    command = "draftwise " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = " ".join([*forced_kernel(), "draftwise", *(shlex.quote(a) for a in sys.argv[1:])])
     # The module's load_bench_models, looked up now: tests replace it.
     results = run_per_dtype(configs, command=command, load=load_bench_models)
     if args.json:

@@ -117,8 +117,10 @@ class Runners:
         ours = f"draftwise on PyTorch {torch.__version__}, {dtype} weights, " + (
             "batch-invariant kernels" if self.batch_invariant else "kernels timed and chosen at load")
         if self.quantized:
+            from draftwise.backends import qgemm
+
             ours = (f"draftwise on PyTorch {torch.__version__}, the GGUF files' own blocks on draftwise's integer "
-                    "kernel (qgemm.c), float32 elsewhere")
+                    f"kernel (qgemm.c, its {qgemm.kernel_isa()} path), float32 elsewhere")
         theirs = f"transformers {transformers.__version__} generate on PyTorch {torch.__version__}, {dtype} weights"
         return {m: self.lcpp.engine(m) if m in LCPP_PEERS and self.lcpp is not None else
                 theirs if m in PEERS else ours for m in methods}
