@@ -390,12 +390,16 @@ def test_each_paths_library_is_its_own_file():
     assert all(qgemm.library_for(isa).dw_isa() == qgemm.ISA_CODES[isa] for isa in HERE)
 
 
-def test_the_prefetch_goes_to_the_l2_on_intel_and_to_the_l1_elsewhere(monkeypatch):
-    for vendor, flag in (("GenuineIntel", ["-DDW_PREFETCH_L2=1"]), ("AuthenticAMD", []), ("", [])):
-        monkeypatch.setattr(qgemm, "_cpuinfo_line", lambda key, vendor=vendor: f"vendor_id : {vendor}"
-                            if key == "vendor_id" else "flags : avx avx2 fma")
-        assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, vendor
-    for forced, flag in (("l2", ["-DDW_PREFETCH_L2=1"]), ("L1", []), ("auto", [])):  # (the vendor: none, above)
+def test_the_prefetch_goes_to_the_l2_on_intel_and_zen_5_and_to_the_l1_elsewhere(monkeypatch):
+    lines = {"flags": "flags : avx avx2 fma"}
+    monkeypatch.setattr(qgemm, "_cpuinfo_line", lambda key: lines.get(key, ""))
+    l2 = ["-DDW_PREFETCH_L2=1"]
+    for vendor, family, flag in (("GenuineIntel", "6", l2), ("AuthenticAMD", "26", l2), ("AuthenticAMD", "25", []),
+                                 ("AuthenticAMD", "23", []), ("AuthenticAMD", "", []), ("", "26", [])):
+        lines.update({"vendor_id": f"vendor_id\t: {vendor}", "cpu family": f"cpu family\t: {family}"})
+        assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, (vendor, family)
+    lines.update({"vendor_id": "vendor_id\t: AuthenticAMD", "cpu family": "cpu family\t: 25"})  # (Zen 4: the L1)
+    for forced, flag in (("l2", l2), ("L1", []), ("auto", [])):
         monkeypatch.setenv(qgemm.PREFETCH_VARIABLE, forced)
         assert [f for f in qgemm.build_flags("avx2") if "PREFETCH" in f] == flag, forced
     monkeypatch.setenv(qgemm.PREFETCH_VARIABLE, "l3")

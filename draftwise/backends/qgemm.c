@@ -63,11 +63,11 @@
 #define TILE 16  // output channels per tile: one float32 lane each
 // Groups ahead whose weights are prefetched: the hardware prefetcher alone left the unpacking and the multiply-adds
 // waiting on memory, so a pass over 4 to 8 rows cost the weight read plus the arithmetic, not the larger of them.
-// DW_PREFETCH_L2 (qgemm.py sets it on Intel's CPUs): into the L2, further ahead. A pass is held back by what one
+// DW_PREFETCH_L2 (qgemm.py sets it on Intel's CPUs and AMD's from Zen 5): into the L2, further ahead. A pass is held back by what one
 // core streams, not by the memory (on a 2-core Xeon one thread read 12 GB/s and two 23), and there a one-row pass ran
 // 10% faster prefetching 12 groups ahead into the L2 than 8 ahead into the L1 (more or fewer groups, or both levels,
-// were slower; passes of 4 to 16 rows took the same). Zen 4 is reported to drop PREFETCHT1 at times, so elsewhere the
-// prefetch stays as it was measured there: into the L1.
+// were slower; passes of 4 to 16 rows took the same); on a Zen 5 one row ran 1.5-5% faster. Zen 4 is reported to drop
+// PREFETCHT1 at times, so elsewhere the prefetch stays as it was measured there: into the L1.
 #if DW_PREFETCH_L2
 #define PREFETCH_GROUPS 12
 #define PREFETCH_HINT _MM_HINT_T1
