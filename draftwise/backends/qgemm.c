@@ -63,11 +63,11 @@
 #define TILE 16  // output channels per tile: one float32 lane each
 // Groups ahead whose weights are prefetched: the hardware prefetcher alone left the unpacking and the multiply-adds
 // waiting on memory, so a pass over 4 to 8 rows cost the weight read plus the arithmetic, not the larger of them.
-// DW_PREFETCH_L2 (qgemm.py sets it on Intel's CPUs and AMD's from Zen 5): into the L2, further ahead. A pass is held back by what one
-// core streams, not by the memory (on a 2-core Xeon one thread read 12 GB/s and two 23), and there a one-row pass ran
-// 10% faster prefetching 12 groups ahead into the L2 than 8 ahead into the L1 (more or fewer groups, or both levels,
-// were slower; passes of 4 to 16 rows took the same); on a Zen 5 one row ran 1.5-5% faster. Zen 4 is reported to drop
-// PREFETCHT1 at times, so elsewhere the prefetch stays as it was measured there: into the L1.
+// DW_PREFETCH_L2 (qgemm.py sets it on Intel's CPUs and AMD's from Zen 5): into the L2, further ahead. A pass is held
+// back by what one core streams, not by the memory (on a 2-core Xeon one thread read 12 GB/s and two 23), and there a
+// one-row pass ran 10% faster prefetching 12 groups ahead into the L2 than 8 ahead into the L1 (more or fewer groups,
+// or both levels, were slower; passes of 4 to 16 rows took the same); on a Zen 5 one row ran 1.5-5% faster. Zen 4 is
+// reported to drop PREFETCHT1 at times, so elsewhere the prefetch stays as it was measured there: into the L1.
 #if DW_PREFETCH_L2
 #define PREFETCH_GROUPS 12
 #define PREFETCH_HINT _MM_HINT_T1
@@ -891,21 +891,30 @@ static float softmax_weights(float *sg, const uint8_t *sees, int end) {
 
 #define TOKEN_TILE 16  // query tokens scored together: their scores (16 x group x keys floats) stay in the caches
 
+// One past the last key a row of seen [keys] shows: none at or past it is visible, so nothing there is computed.
+static inline int visible_end(const uint8_t *sees, int keys) {
+    int end = keys;
+    while (end > 0 && !sees[end - 1]) end--;
+    return end;
+}
+
 // One key head's queries over its keys: q [n, group, d] at strides (qt per token, qh per head), keys and values at
-// kt and vt per position, seen [n, keys] and ends [n] (one past the last key a token sees: none at or past it is
-// visible, so nothing there is computed); out [n, group, d] at ot per token. score: TOKEN_TILE x group x keys floats.
+// kt and vt per position, seen [n, keys]; out [n, group, d] at ot per token. score: TOKEN_TILE x group x keys floats.
 static void attend_group(const float *q, long qh, long qt, const float *k, long kt, const float *v, long vt,
-                         const uint8_t *seen, const int *ends, int n, int group, int keys, int d, float scale,
-                         float *score, float *out, long ot) {
+                         const uint8_t *seen, int n, int group, int keys, int d, float scale, float *score, float *out,
+                         long ot) {
     for (int t0 = 0; t0 < n; t0 += TOKEN_TILE) {
         const int tokens = n - t0 < TOKEN_TILE ? n - t0 : TOKEN_TILE;
-        int reach = 0;  // the tile's furthest visible key, plus one
-        for (int t = 0; t < tokens; t++) reach = ends[t0 + t] > reach ? ends[t0 + t] : reach;
+        int ends[TOKEN_TILE], reach = 0;  // each token's visible_end; the tile's furthest
+        for (int t = 0; t < tokens; t++) {
+            ends[t] = visible_end(seen + (size_t)(t0 + t) * keys, keys);
+            reach = ends[t] > reach ? ends[t] : reach;
+        }
         for (int j0 = 0; j0 < reach; j0 += KEY_BLOCK) {  // the tile's scores, a block of keys at a time
             const int count = reach - j0 < KEY_BLOCK ? reach - j0 : KEY_BLOCK;
             float s[KEY_BLOCK];
             for (int t = 0; t < tokens; t++) {
-                if (ends[t0 + t] <= j0) continue;  // (sees none of the block)
+                if (ends[t] <= j0) continue;  // (sees none of the block)
                 for (int g = 0; g < group; g++) {
                     score_block(q + (t0 + t) * qt + g * qh, k + (long)j0 * kt, kt, count, d, scale, s);
                     memcpy(score + ((size_t)t * group + g) * keys + j0, s, sizeof(float) * count);
@@ -913,7 +922,7 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
             }
         }
         for (int t = 0; t < tokens; t++) {
-            const int end = ends[t0 + t];
+            const int end = ends[t];
             const uint8_t *sees = seen + (size_t)(t0 + t) * keys;
             float *sg = score + (size_t)t * group * keys;  // [group, keys]
             float total[MAX_GROUP];
@@ -941,14 +950,6 @@ static int attend(const float *q, long qb, long qh, long qt, const float *k, lon
                   int kv_heads, int n, int keys, int d, float scale, float *out) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
     const int group = heads / kv_heads, tile = n < TOKEN_TILE ? n : TOKEN_TILE;
-    int *ends = malloc(sizeof(int) * (size_t)(batch * n > 0 ? batch * n : 1));  // [batch, n]
-    if (!ends) return -2;
-    for (long r = 0; r < (long)batch * n; r++) {
-        const uint8_t *row = visible + (size_t)r * keys;
-        int end = keys;
-        while (end > 0 && !row[end - 1]) end--;
-        ends[r] = end;
-    }
     int failed = 0;
 #pragma omp parallel
     {
@@ -960,12 +961,11 @@ static int attend(const float *q, long qb, long qh, long qt, const float *k, lon
                 if (!score) continue;
                 const long row = cache_rows ? (long)cache_rows[b] : b;
                 attend_group(q + b * qb + kvh * group * qh, qh, qt, k + row * kb + kvh * kh, kt, v + row * vb + kvh * vh,
-                             vt, visible + (size_t)b * n * keys, ends + (size_t)b * n, n, group, keys, d, scale, score,
+                             vt, visible + (size_t)b * n * keys, n, group, keys, d, scale, score,
                              out + (size_t)b * n * heads * d + (size_t)kvh * group * d, heads * d);
             }
         free(score);
     }
-    free(ends);
     return failed ? -2 : 0;
 }
 
