@@ -342,7 +342,8 @@ static inline __attribute__((always_inline)) void add_group(__m256 *acc, __m256i
 
 // Up to 2 rows, both halves' values stay in registers and a row's spread values serve both. From 3 rows that spills
 // (16 registers of values and 8 of the row's), so each half is unpacked on its own and its rows run in a loop that
-// holds 8 registers of values and keeps the accumulators in the L1: at 4 to 8 rows, 10-25% less time a group.
+// holds 8 registers of values and keeps the accumulators in the L1: at 4 to 8 rows a group took 8-15% less time on
+// AVX2 and 17-35% on AVX-VNNI (a Zen 5; docs/experiments/avx2-halves-zen5).
 // Either way each accumulator takes the same steps in the same order.
 static inline __attribute__((always_inline)) void tile_rows(
     const int R, const int G, const int BITS, int k, int S, const uint8_t *q, const int8_t *sc, const int8_t *mn,
