@@ -3,8 +3,8 @@
 // MB of 4-bit blocks) streams it from memory, as a pass does. The checksum shows two builds give the same bits.
 //
 //   gcc -I. -O3 -ffp-contract=off -mavx2 -mfma -mtune=native -DDW_PREFETCH_L2=1 -DDW_ISA=1 \
-//       -DSRC='"draftwise/backends/qgemm.c"' tile_time.c -o tile_time -lm
-//   taskset -c 1 ./tile_time BITS T        # BITS 4, 6 or 8; -DDW_ISA=2 -mavxvnni for the AVX-VNNI path
+//       -DSRC='"draftwise/backends/qgemm.c"' docs/experiments/avx2-halves-zen5/tile_time.c -o tile_time -lm
+//   taskset -c 1 ./tile_time BITS T    # from the repository's root; BITS 4, 6 or 8; -DDW_ISA=2 -mavxvnni: AVX-VNNI
 #include SRC
 #include <stdio.h>
 #include <time.h>
