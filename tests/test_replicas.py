@@ -223,9 +223,10 @@ def test_a_replica_killed_under_load_loses_no_request_silently_and_comes_back(cl
             return prompt, None, err
 
     # Found before the load starts: on a loaded machine the lookup took long enough for the victim to finish what
-    # it ran between the check below and the kill. Enough requests that it still has some queued by then.
+    # it ran between the check below and the kill. Enough requests that it still has some queued by then: with 4 of
+    # each, under the whole suite on 2 cores the victim once finished them all before the kill.
     handle = ray.get_actor(victim["name"], namespace=victim["namespace"])
-    jobs = [(p, stream) for p in PROMPTS for stream in (False, True)] * 4
+    jobs = [(p, stream) for p in PROMPTS for stream in (False, True)] * 8
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(one, job) for job in jobs]
         _wait_until_running_on(cluster["url"], victim_id)  # (a fixed sleep missed it when the machine was loaded)
