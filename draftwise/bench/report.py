@@ -359,7 +359,8 @@ def _table_roofline(roofline: dict | None, meta: dict) -> str | None:
             d = _roofline_ms(draft, n)
             cells += [fmt_num(d, 2), fmt_ratio(ratio(d, _roofline_ms(draft, 1)))]
         body.append(cells)
-    intro = ("Median time of one forward of n new tokens after a 200-token prefill. The target and draft as our "
+    intro = ("Median time of one forward of n new tokens after a 200-token prefill, over 7 rounds that each run every "
+             "width once. The target and draft as our "
              "methods run them (kernels chosen at load, compact draft)" + ("; the target as loaded is what "
              "transformers' methods run." if loaded else "."))
     return "## Roofline\n\n" + intro + "\n\n" + md_table(header, body) + "\n\n" + _roofline_reading(target, draft, meta)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -395,21 +396,22 @@ def _timed_calls(model):
         post.remove()
 
 
-def measure_roofline(model, sizes=(1, 2, 4, 8, 16), context: int = 200, repeats: int = 3) -> dict[str, float]:
-    """Median ms of one forward of n new tokens after a context-token prefill: what a verification pass costs."""
+def measure_roofline(model, sizes=(1, 2, 4, 8, 16), context: int = 200, rounds: int = 7) -> dict[str, float]:
+    """Median ms of one forward of n new tokens after a context-token prefill: what a verification pass costs.
+    Each round runs every width once (a first round warms each shape up), so a busy spell of the machine falls on
+    the widths alike: three passes of one width back to back once read a 4-token pass dearer than an 8-token one."""
     from draftwise.backends.hf import HFBackend
 
     backend = HFBackend(model)
     vocab = min(backend.vocab_size, 1000)
     prompt = [(7 * i + 3) % vocab for i in range(context)]
     backend.prefill(prompt)
-    table = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats + 1):  # the first one warms up this shape
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(rounds + 1):
+        for n in sizes:
             started = time.perf_counter()
             backend.forward(prompt[:n])
-            times.append(time.perf_counter() - started)
+            if round_:
+                times[n].append(time.perf_counter() - started)
             backend.trim(context)
-        table[str(n)] = 1000 * sorted(times[1:])[len(times[1:]) // 2]
-    return table
+    return {str(n): 1000 * statistics.median(times[n]) for n in sizes}
