@@ -154,6 +154,15 @@ void dw_quantize_rows(const float *x, int rows, int k, int g, int8_t *xq, float 
         }
 }
 
+// The bench's read rate (bench/bandwidth.py): threads sum their shares of words [n] with nothing else to do, so the
+// loop runs as fast as the memory feeds loads; the sum is returned so that no read can be left out.
+long long dw_stream_sum(const long long *words, long n, int threads) {
+    long long total = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
+    for (long i = 0; i < n; i++) total += words[i];
+    return total;
+}
+
 int dw_vectorized(void) { return DW_ISA != DW_SCALAR; }
 int dw_isa(void) { return DW_ISA; }  // which path this library was built as (qgemm.py checks it at load)
 

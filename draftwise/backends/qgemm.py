@@ -196,6 +196,8 @@ def open_library(path: Path, isa: str, prefetch: str | None = None) -> ctypes.CD
     lib.dw_linear.argtypes = [pointer, *[number] * 6, *[pointer] * 6]
     lib.dw_linear.restype = number
     lib.dw_vectorized.restype = number
+    lib.dw_stream_sum.argtypes = [pointer, ctypes.c_long, number]
+    lib.dw_stream_sum.restype = ctypes.c_longlong
     stride = ctypes.c_long
     lib.dw_attention.argtypes = [pointer, *[stride] * 3, pointer, *[stride] * 3, pointer, *[stride] * 3, pointer,
                                  *[number] * 6, ctypes.c_float, pointer]

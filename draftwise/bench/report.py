@@ -242,8 +242,11 @@ def _table_bandwidth(bounds: dict | None, read: dict | None) -> str | None:
         body.append([method, b.get("of", "?"), "-" if size is None else fmt_num(size / 1e6),
                      fmt_num(b.get("bound_ms"), 2), fmt_num(b.get("step_ms"), 2), fmt_ratio(b.get("step_over_bound")),
                      fmt_num(b.get("pass_ms"), 2), fmt_ratio(b.get("pass_over_bound"))])
-    intro = (f"The machine reads memory at {read['bytes_per_s'] / 1e9:.1f} GB/s ({read.get('how', '')}); a plain "
-             "step reads every weight once, so it takes at least bytes / rate.")
+    readings = read.get("readings") or []
+    when = (", the better of " + " and ".join(f"{r / 1e9:.1f}" for r in readings) + " GB/s, read before the runs and "
+            "after them" if len(readings) > 1 else "")
+    intro = (f"The machine reads memory at {read['bytes_per_s'] / 1e9:.1f} GB/s ({read.get('how', '')}){when}; a "
+             "plain step reads every weight once, so it takes at least bytes / rate.")
     legend = ("MB a token: the tensor bytes a decoding step reads (every weight but the token embedding's other "
               "rows; the KV cache left out); bound: those bytes at the read rate; step: the method's plain decoding "
               "step over all categories (1 / tokens/s), with all its work; pass: the roofline's one-token forward "

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftwise.bench.bandwidth import measure_read_rate
+from draftwise.bench.bandwidth import best_read, bound_ms, measure_read_rate
 from draftwise.bench.interleave import order_for_repeat
 from draftwise.bench.journal import Journal, code_version, settings_of
 from draftwise.bench.plots import write_plots
@@ -170,12 +170,15 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     journal = Journal.open(out, journal_settings(configs, prompts), configs[0].resume)
     load = load or load_models
     started, started_clock = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
-    # The machine's read rate, before any model takes memory: on the threads ours and llama.cpp's run.
+    # The machine's read rate, before any model takes memory and again once they are freed: on the threads ours and
+    # llama.cpp's run; the better reading bounds the steps.
     read = measure_read_rate(torch.get_num_threads()) if configs[0].roofline else None
     passes = []
     for cfg in configs:
-        passes.append(_bench_pass(cfg, prompts, load(cfg), journal, read))
+        passes.append(_bench_pass(cfg, prompts, load(cfg), journal))
         gc.collect()  # the pass's models may sit in reference cycles: free them before the next dtype loads
+    if read is not None:
+        read = best_read(read, measure_read_rate(torch.get_num_threads()))
     results = {
         "meta": {**_meta(configs, command, prompts), "started": started,
                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -183,7 +186,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
                  "resumed_prompts": {p["dtype"]: p["resumed"] for p in passes}},
         "roofline": {p["dtype"]: p["roofline"] for p in passes},
         "engines": {p["dtype"]: p["engines"] for p in passes},
-        "bandwidth": {"read": read, "bounds": {p["dtype"]: p["bounds"] for p in passes}},
+        "bandwidth": {"read": read, "bounds": {p["dtype"]: with_bounds(p["plain_steps"], read) for p in passes}},
         "runs": [run for p in passes for run in p["runs"]],
         "summary": [row for p in passes for row in p["summary"]],
     }
@@ -194,7 +197,7 @@ def run_per_dtype(configs: Sequence[BenchConfig], command: str = "",
     return results
 
 
-def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal, read: dict | None = None) -> dict:
+def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal) -> dict:
     """Every method on models loaded in cfg.dtype: its runs, roofline and summary rows, each run and row tagged;
     resumed: how many prompts' runs came from the journal instead of running here."""
     target_model, tokenizer, draft_model, *draft_tokenizer = models  # (the draft's own tokenizer, where given)
@@ -216,9 +219,9 @@ def _bench_pass(cfg: BenchConfig, prompts, models, journal: Journal, read: dict 
     _mark_identical(runs, cfg.methods, cfg.sampled)
     roofline = _roofline(runners) if cfg.roofline else None
     summary = [{"dtype": cfg.dtype, **row} for row in summarize(runs, roofline)]
-    bounds = _bounds(cfg, runners, summary, roofline, read) if read is not None else None
+    steps = _plain_steps(cfg, runners, summary, roofline) if cfg.roofline else None
     return {"dtype": cfg.dtype, "roofline": roofline, "runs": runs, "summary": summary, "resumed": resumed,
-            "engines": engines, "bounds": bounds}
+            "engines": engines, "plain_steps": steps}
 
 
 def load_models(cfg: BenchConfig):
@@ -302,16 +305,14 @@ def _mark_identical(runs: list[dict], methods, sampled: bool = False) -> None:
         run["identical"] = run["token_ids"] == expected[key] if compared else None
 
 
-def _bounds(cfg: BenchConfig, runners: Runners, summary: list[dict], roofline: dict | None,
-            read: dict) -> dict[str, dict]:
-    """{plain method that ran: its plain step beside the machine's bandwidth bound}: the bytes a step reads
-    (bandwidth.py; ours and transformers' on the weights as loaded in this dtype, or on the GGUF's blocks in the
-    quant pass; llama.cpp's on its GGUF file), the bound those bytes take at the read rate, the step (all
-    categories' tokens/s inverted) and, for ours, the roofline's one-token pass alone."""
-    from draftwise.bench.bandwidth import bound_ms, model_bytes_per_token
+def _plain_steps(cfg: BenchConfig, runners: Runners, summary: list[dict], roofline: dict | None) -> dict[str, dict]:
+    """{plain method that ran: its step and the bytes it reads}: the bytes a step reads (bandwidth.py; ours and
+    transformers' on the weights as loaded in this dtype, or on the GGUF's blocks in the quant pass; llama.cpp's on
+    its GGUF file), the step (all categories' tokens/s inverted) and, for ours, the roofline's one-token pass alone."""
+    from draftwise.bench.bandwidth import model_bytes_per_token
 
     rate = {row["method"]: row["tokens_per_s"] for row in summary if row["category"] == ALL}
-    bounds = {}
+    steps = {}
     for method in (m for m in PLAIN_METHODS if m in cfg.methods):
         if method == "lcpp-plain":
             files = gguf_files(cfg)
@@ -321,12 +322,20 @@ def _bounds(cfg: BenchConfig, runners: Runners, summary: list[dict], roofline: d
             of, size = (path.name if path else "the target's GGUF file"), _gguf_bytes(path)
         else:
             of, size = f"{cfg.dtype} weights as loaded", model_bytes_per_token(runners.target_model)
-        bound = bound_ms(size, read)
-        step = 1000 / rate[method] if rate.get(method) else None
-        one_pass = (roofline or {}).get("target", {}).get("1") if method == BASELINE else None
-        bounds[method] = {"bytes_per_token": size, "of": of, "bound_ms": bound, "step_ms": step,
-                          "step_over_bound": step / bound if step and bound else None, "pass_ms": one_pass,
-                          "pass_over_bound": one_pass / bound if one_pass and bound else None}
+        steps[method] = {"bytes_per_token": size, "of": of, "step_ms": 1000 / rate[method] if rate.get(method) else None,
+                         "pass_ms": (roofline or {}).get("target", {}).get("1") if method == BASELINE else None}
+    return steps
+
+
+def with_bounds(steps: dict[str, dict] | None, read: dict | None) -> dict[str, dict] | None:
+    """Each plain step beside the bound its bytes take at the read rate, and their ratios."""
+    if steps is None or read is None:
+        return None
+    bounds = {}
+    for method, step in steps.items():
+        bound = bound_ms(step["bytes_per_token"], read)
+        ratio = {name: step[f"{name}_ms"] / bound if step[f"{name}_ms"] and bound else None for name in ("step", "pass")}
+        bounds[method] = {**step, "bound_ms": bound, "step_over_bound": ratio["step"], "pass_over_bound": ratio["pass"]}
     return bounds
 
 
