@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from draftwise.bench.ab import Worker, format_rows, run_ab, summarize
-from draftwise.bench.prompts import default_prompts, select_prompts
+from draftwise.bench.prompts import default_prompts, load_prompts, select_prompts
 from draftwise.config import DEFAULT_DRAFT, DEFAULT_DRAFT_TOKENS, DEFAULT_TARGET
 
 
@@ -28,6 +28,8 @@ def main() -> None:
                    help="load B's worker before A's: the arm loaded second has run slower whatever its code, so an "
                         "A/B of code is run in both load orders")
     p.add_argument("--methods", default="none,draft,lookup,hybrid")
+    p.add_argument("--prompts", type=Path, help="a JSONL prompt file, as the bench's --prompts (default: the bench's "
+                   "own set)")
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("-k", type=int, default=DEFAULT_DRAFT_TOKENS)
@@ -35,7 +37,8 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args()
 
-    prompts = [q.text for q in select_prompts(default_prompts(), per_category=args.per_category)]
+    pool = load_prompts(args.prompts) if args.prompts else default_prompts()
+    prompts = [q.text for q in select_prompts(pool, per_category=args.per_category)]
     methods = args.methods.split(",")
     spec = {"target": args.target, "draft": args.draft, "method": "draft", "dtype": args.dtype,
             "backend": args.backend}
