@@ -169,3 +169,21 @@ def test_a_4bit_draft_on_a_gguf_pair_gives_the_tokens_of_none_alone_and_batched(
     cfg = GenerationConfig.from_options(max_new_tokens=20, num_draft_tokens=4, ignore_eos=True, method=method)
     seqs = decode_together(eng, [list(p) for p in prompts], cfg)
     assert [tuple(seq.context[len(p):]) for seq, p in zip(seqs, prompts)] == [baseline[p] for p in prompts]
+
+
+def test_the_quant_backends_draft_reads_out_over_its_own_row_count(home, tmp_path):
+    """QUANT_ASSEMBLY's readout reaches the draft: its output layer keeps the lowest QUANT_DRAFT_VOCAB ids (the
+    tiny tokenizer's special ones among them) where the file has more, and its guesses leave `none`'s tokens."""
+    from draftwise.loading import QUANT_ASSEMBLY, QUANT_DRAFT_VOCAB
+    from draftwise.proposers.compact import KEEP_VOCAB
+
+    path = write_gguf(tmp_path / "wide.gguf", vocab=QUANT_DRAFT_VOCAB + 512, centred=True)
+    draft = load_gguf_model(path, progress=False, draft=True)  # (a file of 66,048 tokens reads slowly: one load)
+    target = draft  # its own draft through a second backend: the readout is cut on the draft's copy alone
+    none = Engine.from_models(target, tiny_tokenizer(), method="none", **QUANT_ASSEMBLY)
+    eng = Engine.from_models(target, tiny_tokenizer(), draft_model=draft, method="draft", **QUANT_ASSEMBLY)
+    assert QUANT_DRAFT_VOCAB > KEEP_VOCAB  # (4-bit rows: a wider readout than the float drafts')
+    assert eng.proposer.token_ids.tolist() == list(range(QUANT_DRAFT_VOCAB))
+    assert eng.speed_paths["draft_vocab"] == QUANT_DRAFT_VOCAB
+    want = none.generate(IDS, max_new_tokens=16, ignore_eos=True).token_ids
+    assert eng.generate(IDS, max_new_tokens=16, ignore_eos=True, num_draft_tokens=4, adaptive=False).token_ids == want
