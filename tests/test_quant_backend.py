@@ -430,13 +430,16 @@ def test_a_draft_refuses_a_width_it_has_no_blocks_for():
 
 
 @pytest.mark.real_model
-def test_a_draft_beside_a_quant_target_runs_on_4bit_blocks_with_a_cut_output_layer():
+def test_a_draft_beside_a_quant_target_runs_on_4bit_blocks_with_its_readout_at_most_the_quant_rows():
+    from draftwise.loading import QUANT_DRAFT_VOCAB
+
     eng = engine("draft")
     draft, target = eng.proposer.backend.model, eng.target.model
     # SmolLM2's Q4_1 layers as they are; the output layer, on the Q8_0 embedding's rows, re-quantized to 4 bits
     assert {m.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {4}
     assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
-    assert draft.get_output_embeddings().out_features < eng.target.vocab_size  # the common tokens and the special
+    # over the lowest QUANT_DRAFT_VOCAB ids: all of SmolLM2's 49,152 (a wider vocabulary is cut: test_gguf_draft.py)
+    assert draft.get_output_embeddings().out_features == min(eng.target.vocab_size, QUANT_DRAFT_VOCAB)
     assert eng.speed_paths["backend"] == "quant" and eng.speed_paths["draft_kernels"] == {"q4": 211}
     # the target's own file as its draft: its 4-bit linears shared, the target's output layer still its file's
     owned = dict(target.named_modules())
