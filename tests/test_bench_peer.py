@@ -87,6 +87,28 @@ def test_a_loaded_model_counts_its_weights_once_and_one_embedding_row():
     assert bandwidth.model_bytes_per_token(model) == tied
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_on_gguf_blocks_counts_its_blocks_and_one_embedding_row(tmp_path, monkeypatch, tied):
+    from gguf_files import write_gguf
+
+    from draftwise.backends.gguf_model import load_gguf_model
+    from draftwise.backends.qgemm import QuantLinear
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    path = write_gguf(tmp_path / "m.gguf", tied=tied)
+    model = load_gguf_model(path, progress=False, cache=False)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    # each linear's blocks, Q6_K's scales once (they double as its minima), and the biases
+    blocks = sum(m.packed().nbytes - (m.mn.nbytes if m.mn is m.sc else 0) for m in linears)
+    blocks += sum(m.bias.nbytes for m in linears if m.bias is not None)
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())  # the norms
+    row = model.get_input_embeddings().raw.shape[1]
+    assert bandwidth.model_bytes_per_token(model) == blocks + floats + row
+    # the blocks as the kernel keeps them: the file's bytes, their scales unpacked a little wider
+    file_bytes = bandwidth.gguf_bytes_per_token(path)
+    assert file_bytes < bandwidth.model_bytes_per_token(model) < 1.1 * file_bytes
+
+
 def test_the_read_rate_is_measured_on_the_threads_asked_and_bounds_a_step():
     read = bandwidth.measure_read_rate(threads=1, size=8 * bandwidth.MIB, repeats=2)
     assert read["bytes_per_s"] > 0 and read["threads"] == 1 and read["buffer_bytes"] == 8 * bandwidth.MIB

@@ -121,18 +121,25 @@ def gguf_bytes_per_token(path: str | os.PathLike) -> int:
 
 def model_bytes_per_token(model) -> int:
     """The same count for a loaded torch model: its parameters' bytes (each tensor once; buffers such as rotary
-    tables are not weights), the input embedding's other rows left out unless the output layer shares it."""
+    tables are not weights), and on a model on GGUF blocks its QuantLinears' blocks (buffers, but what a pass reads);
+    the input embedding counts one row unless the output layer shares its weight."""
+    from draftwise.backends.qgemm import QuantLinear
+
     seen, total = set(), 0
-    for tensor in model.parameters():
-        if tensor.data_ptr() in seen:
-            continue  # tied weights once
+    blocks = (b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False))
+    for tensor in (*model.parameters(), *blocks):
+        if tensor is None or tensor.data_ptr() in seen:
+            continue  # tied weights, and Q6_K's scale doubling as its minimum, once
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
-    if not tied:
-        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    embedding = model.get_input_embeddings()
+    raw = getattr(embedding, "raw", None)  # a QuantEmbedding's rows [vocab, bytes a row] (its weight would make all)
+    if raw is not None:
+        return total + int(raw.shape[1])
+    weight = embedding.weight
+    output = getattr(model.get_output_embeddings(), "weight", None)  # (a QuantLinear has blocks, no weight)
+    if output is None or output.data_ptr() != weight.data_ptr():
+        total -= (weight.shape[0] - 1) * weight.shape[1] * weight.element_size()
     return total
 
 
