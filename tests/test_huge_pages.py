@@ -81,3 +81,19 @@ def test_a_quant_models_blocks_are_on_huge_pages_packed_or_read_back(tmp_path, m
         model = load_gguf_model(path, progress=False)
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert linears and all(advised_huge(m.q.numpy()) for m in linears), load
+
+
+@linux
+def test_a_drafts_compact_readout_is_on_huge_pages_too(tmp_path, monkeypatch):
+    from gguf_files import VOCAB, write_gguf
+
+    from draftwise.backends.gguf_model import load_gguf_model
+    from draftwise.backends.quant_model import compact_on_blocks
+
+    monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)
+    model = load_gguf_model(write_gguf(tmp_path / "tiny.gguf", tied=False), progress=False)
+    twin, token_ids = compact_on_blocks(model, keep_vocab=VOCAB // 2)
+    head = twin.get_output_embeddings()
+    assert head.out_features == len(token_ids) < VOCAB  # (the rows kept, a copy of the file's head)
+    assert advised_huge(head.q.numpy()) and advised_huge(model.get_output_embeddings().q.numpy())

@@ -17,7 +17,6 @@ The result runs the same kernels, in the same order, on the same values as a flo
 from __future__ import annotations
 
 import copy
-import dataclasses
 import mmap
 import re
 from pathlib import Path
@@ -28,8 +27,7 @@ from torch import nn
 
 from draftwise.backends.gguf_cache import PackCache
 from draftwise.models.gguf_file import ROPE_FACTORS, GGUFFile, rope_factors
-from draftwise.backends.gguf_weights import DECODERS, Packed, check_draft_bits, pack_raw, requantize_draft
-from draftwise.backends.huge_pages import on_huge_pages
+from draftwise.backends.gguf_weights import DECODERS, check_draft_bits, pack_raw, requantize_draft
 from draftwise.models.packed import FILE_BLOCKS
 from draftwise.backends.qgemm import QuantLinear
 from draftwise.errors import DraftwiseError
@@ -211,7 +209,7 @@ class _Linears:
             packed = (pack_raw(type_name, tensor.data, n, k, order) if bits is None
                       else requantize_draft(type_name, tensor.data, n, k, order, bits))
             self.fresh = True
-            packed = _on_huge_pages(packed)
+            packed = packed.on_huge_pages()
             _let_go(self.file, tensor)
         self.packed[tensor.name] = (packed, order_key)
         return QuantLinear(packed, bias)
@@ -239,13 +237,6 @@ def _channel_order(tensor: str, rows: int, architecture: str, config) -> tuple[n
         return None, "file"
     heads = config.num_attention_heads if ".attn_q." in tensor else config.num_key_value_heads
     return llama_order(rows, heads), f"llama-{heads}"
-
-
-def _on_huge_pages(packed: Packed) -> Packed:
-    """packed with its large arrays copied onto huge pages, as a load from the pack cache reads them (the same bytes)."""
-    q, sc, d, dmin = (on_huge_pages(a) for a in (packed.q, packed.sc, packed.d, packed.dmin))
-    mn = sc if packed.mn is packed.sc else on_huge_pages(packed.mn)
-    return dataclasses.replace(packed, q=q, sc=sc, mn=mn, d=d, dmin=dmin)
 
 
 def _let_go(file: GGUFFile, tensor) -> None:

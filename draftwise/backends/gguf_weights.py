@@ -6,10 +6,11 @@ super-group). The integers and scales are the file's own; nothing is re-quantize
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from draftwise.backends.huge_pages import on_huge_pages
 from draftwise.errors import DraftwiseError
 
 TILE = 16  # output channels per tile (qgemm.c)
@@ -147,6 +148,13 @@ class Packed:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.sc, self.mn, self.d, self.dmin))
+
+    def on_huge_pages(self) -> "Packed":
+        """These blocks with their large arrays copied onto huge pages (huge_pages.py), as a load from the pack cache
+        reads them: the same bytes, streamed faster by a step."""
+        q, sc, d, dmin = (on_huge_pages(a) for a in (self.q, self.sc, self.d, self.dmin))
+        mn = sc if self.mn is self.sc else on_huge_pages(self.mn)
+        return replace(self, q=q, sc=sc, mn=mn, d=d, dmin=dmin)
 
 
 def pack(blocks: Blocks) -> Packed:

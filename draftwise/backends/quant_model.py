@@ -144,7 +144,9 @@ def compact_on_blocks(model: nn.Module, special_ids=(), keep_vocab: int = 32768)
     kept = sorted(set(range(keep_vocab)) | {i for i in special_ids if 0 <= i < vocab})
     token_ids = torch.tensor(kept, dtype=torch.long)  # [kept]
     blocks = unpack(head.packed())
-    small = QuantLinear(pack(blocks.rows(np.array(kept))), None if head.bias is None else head.bias[token_ids])
+    # (on huge pages, as the head it is cut from: a draft's readout is a seventh of the bytes its forward streams)
+    small = QuantLinear(pack(blocks.rows(np.array(kept))).on_huge_pages(),
+                        None if head.bias is None else head.bias[token_ids])
     twin = copy.copy(model)  # (a model on blocks holds C structs: shared, never deep-copied)
     twin._modules = dict(model._modules)  # its own children: the output layer set below is the copy's alone
     twin.set_output_embeddings(small)
