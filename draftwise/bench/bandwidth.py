@@ -128,7 +128,7 @@ def model_bytes_per_token(model) -> int:
     seen, total = set(), 0
     blocks = (b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers(recurse=False))
     for tensor in (*model.parameters(), *blocks):
-        if tensor is None or tensor.data_ptr() in seen:
+        if tensor.data_ptr() in seen:
             continue  # tied weights, and Q6_K's scale doubling as its minimum, once
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
