@@ -632,24 +632,9 @@ static inline float exp_fixed(float x) {
 #define KEY_BLOCK 16  // keys scored together: one register of 16 partial sums each
 
 #if DW_VNNI
-// s[j] = dot_lanes(q, k + j * kt, d) * scale for the 16 keys j of a block (rows past count repeat the last one; their
-// scores are not used): the same fused multiply-adds into 16 lanes per key, then dot_lanes' pairwise tree with each
-// level one add over two keys' registers, so the sixteen keys' reductions cost what one key's did.
-static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
-    const float *row[KEY_BLOCK];
-    for (int j = 0; j < KEY_BLOCK; j++) row[j] = k + (long)(j < count ? j : count - 1) * kt;
-    __m512 acc[KEY_BLOCK];
-    for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + LANES <= d; i += LANES) {
-        const __m512 qv = _mm512_loadu_ps(q + i);
-        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(row[j] + i), acc[j]);
-    }
-    if (i < d) {
-        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
-        const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
-        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, row[j] + i), acc[j]);
-    }
+// dot_lanes' pairwise tree over 16 keys' registers of lane sums (acc[j]: key j's 16 lanes), each level one add over
+// two keys' registers, so the sixteen keys' reductions cost what one key's did: the sums, key j in element j, scaled.
+static inline __attribute__((always_inline)) __m512 score_tree(const __m512 *acc, float scale) {
     // lane l + lane l + 8, two keys a register: [a 0-7 | b 0-7]
     __m512 r1[8];
     for (int p = 0; p < 8; p++)
@@ -669,8 +654,42 @@ static inline void score_block(const float *q, const float *k, long kt, int coun
     const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                       _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i place = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_permutexvar_ps(place, sums), _mm512_set1_ps(scale)));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(place, sums), _mm512_set1_ps(scale));
 }
+
+// s[j] = dot_lanes(q, k + j * kt, d) * scale for the 16 keys j of a block (rows past count repeat the last one; their
+// scores are not used): the same fused multiply-adds into 16 lanes per key, then score_tree.
+static inline void score_block(const float *q, const float *k, long kt, int count, int d, float scale, float *s) {
+    const float *row[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) row[j] = k + (long)(j < count ? j : count - 1) * kt;
+    __m512 acc[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + LANES <= d; i += LANES) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(row[j] + i), acc[j]);
+    }
+    if (i < d) {
+        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, row[j] + i), acc[j]);
+    }
+    _mm512_storeu_ps(s, score_tree(acc, scale));
+}
+
+// score_block over a whole block whose rows lie D floats apart (the cache's own layout, D a head size known here):
+// each row's offset a constant, so no row pointer is held in a register or read back; the same operations.
+static inline __attribute__((always_inline)) void score_packed(const int D, const float *q, const float *k,
+                                                               float scale, float *s) {
+    __m512 acc[KEY_BLOCK];
+    for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += LANES) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < KEY_BLOCK; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * D + i), acc[j]);
+    }
+    _mm512_storeu_ps(s, score_tree(acc, scale));
+}
+#define SCORE_PACKED 1
 
 // exp_fixed on 16 lanes: each of its operations, in its order.
 static inline __m512 exp_fixed16(__m512 x) {
@@ -722,7 +741,8 @@ static inline void weigh_values(float *o, const float *p, const uint8_t *sees, c
 #elif DW_AVX && !DW_TEST_OTHER_ORDER
 // The AVX-512 path's score_block on 256-bit registers, four keys at a time: each key's lanes 0-7 and 8-15 in two
 // registers (dot_lanes' lo and hi), added (8 + 8), then the tree's last three levels across the four keys' registers.
-static inline void score_four(const float *q, const float *const *row, int d, float scale, float *s) {
+static inline __attribute__((always_inline)) void score_four(const float *q, const float *const *row, int d,
+                                                             float scale, float *s) {
     __m256 lo[4], hi[4];
     for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
     int i = 0;
@@ -766,6 +786,17 @@ static inline void score_block(const float *q, const float *k, long kt, int coun
         for (int j = 0; j < 4 && j0 + j < count; j++) s[j0 + j] = four[j];
     }
 }
+
+// score_block over a whole block whose rows lie D floats apart (the cache's own layout, D a head size known here):
+// the rows' addresses computed from one, the same operations.
+static inline __attribute__((always_inline)) void score_packed(const int D, const float *q, const float *k,
+                                                               float scale, float *s) {
+    for (int j0 = 0; j0 < KEY_BLOCK; j0 += 4) {
+        const float *row[4] = {k + j0 * D, k + (j0 + 1) * D, k + (j0 + 2) * D, k + (j0 + 3) * D};
+        score_four(q, row, D, scale, s + j0);
+    }
+}
+#define SCORE_PACKED 1
 
 #define VALUE_REGS 8  // registers of o held while the keys go by (64 floats)
 // as the AVX-512 path's: add_scaled key by key (8-lane fused multiply-adds, then fmaf for the elements past the last
@@ -846,14 +877,19 @@ typedef __m256 weigh_reg;
 #endif
 #ifdef WEIGH_LANES
 #define WEIGH_CHUNK (2 * WEIGH_LANES)  // output columns a pass holds: two registers a query
-// QN queries (a constant in each inlined copy) over keys [0, keys), d a multiple of WEIGH_CHUNK.
+#define WEIGH_SPAN_BYTES 16384  // value rows weighed for every token of a tile while they are in the L1 (d * 4 a row)
+// QN queries (a constant in each inlined copy) over keys [j0, j1), d a multiple of WEIGH_CHUNK: each element's chain
+// of fused multiply-adds goes on from what o holds when j0 > 0 (a float stored and read back is the same float).
 static inline __attribute__((always_inline)) void weigh_pass(const int QN, float *o, const float *p, long ps,
-                                                             const uint8_t *sees, const float *v, long vt, int keys,
-                                                             int d) {
+                                                             const uint8_t *sees, const float *v, long vt, int j0,
+                                                             int j1, int d) {
     for (int c0 = 0; c0 < d; c0 += WEIGH_CHUNK) {
         weigh_reg acc[2 * WEIGH_MAX];
-        for (int r = 0; r < 2 * QN; r++) acc[r] = WEIGH_ZERO();
-        for (int j = 0; j < keys; j++) {
+        for (int g = 0; g < QN; g++) {
+            acc[2 * g] = j0 ? WEIGH_LOAD(o + (long)g * d + c0) : WEIGH_ZERO();
+            acc[2 * g + 1] = j0 ? WEIGH_LOAD(o + (long)g * d + c0 + WEIGH_LANES) : WEIGH_ZERO();
+        }
+        for (int j = j0; j < j1; j++) {
             if (!sees[j]) continue;
             const float *vj = v + (long)j * vt + c0;
             const weigh_reg v0 = WEIGH_LOAD(vj), v1 = WEIGH_LOAD(vj + WEIGH_LANES);
@@ -868,38 +904,59 @@ static inline __attribute__((always_inline)) void weigh_pass(const int QN, float
         }
     }
 }
-#endif
 
-static void weigh_group(float *o, const float *p, long ps, const uint8_t *sees, const float *v, long vt, int keys,
-                        int group, int d) {
-#ifdef WEIGH_LANES
-    if (d % WEIGH_CHUNK == 0) {
-        for (int g0 = 0; g0 < group;) {
-            const int passes = (group - g0 + WEIGH_MAX - 1) / WEIGH_MAX;
-            const int qn = (group - g0 + passes - 1) / passes;  // balanced: 7 on 6 a pass is 4 and 3, not 6 and 1
-            float *og = o + (long)g0 * d;
-            const float *pg = p + g0 * ps;
-            switch (qn) {
+// weigh_pass for all group queries of a token over keys [j0, j1), as many at a time as the registers hold.
+static void weigh_span(float *o, const float *p, long ps, const uint8_t *sees, const float *v, long vt, int j0, int j1,
+                       int group, int d) {
+    for (int g0 = 0; g0 < group;) {
+        const int passes = (group - g0 + WEIGH_MAX - 1) / WEIGH_MAX;
+        const int qn = (group - g0 + passes - 1) / passes;  // balanced: 7 on 6 a pass is 4 and 3, not 6 and 1
+        float *og = o + (long)g0 * d;
+        const float *pg = p + g0 * ps;
+        switch (qn) {
 #define WEIGH_CASE(N) \
-    case N: weigh_pass(N, og, pg, ps, sees, v, vt, keys, d); break;
-                WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
+    case N: weigh_pass(N, og, pg, ps, sees, v, vt, j0, j1, d); break;
+            WEIGH_CASE(1) WEIGH_CASE(2) WEIGH_CASE(3) WEIGH_CASE(4) WEIGH_CASE(5) WEIGH_CASE(6)
 #if WEIGH_MAX > 6
-                WEIGH_CASE(7) WEIGH_CASE(8)
+            WEIGH_CASE(7) WEIGH_CASE(8)
 #endif
 #undef WEIGH_CASE
-            }
-            g0 += qn;
         }
+        g0 += qn;
+    }
+}
+#endif
+
+// The values weighed for a tile of tokens: token t's o [group, d] at out + t * ot, its weights p + t * group * ps
+// (query g's at g * ps), its keys [0, ends[t]) as seen + t * keys shows them. Where the registers' path runs, the keys
+// go by a span at a time, each span's rows read once from memory for every token and query of the tile (a
+// verification pass's tokens would otherwise each stream the values again); elsewhere token by token, key by key.
+// Either way each element is the same chain of fused multiply-adds over its visible keys in key order as
+// weigh_values', so the bits are those of each query alone.
+static void weigh_tile(float *out, long ot, const float *p, long ps, const uint8_t *seen, int keys, const int *ends,
+                       int tokens, int reach, const float *v, long vt, int group, int d) {
+#ifdef WEIGH_LANES
+    if (d % WEIGH_CHUNK == 0) {
+        const int span = d * 4 >= WEIGH_SPAN_BYTES ? 1 : WEIGH_SPAN_BYTES / (d * 4);
+        for (int j0 = 0; j0 == 0 || j0 < reach; j0 += span)  // (j0 = 0 always: a token that sees nothing gets zeros)
+            for (int t = 0; t < tokens; t++)
+                if (j0 == 0 || j0 < ends[t])
+                    weigh_span(out + (size_t)t * ot, p + (size_t)t * group * ps, ps, seen + (size_t)t * keys, v, vt,
+                               j0, j0 + span < ends[t] ? j0 + span : ends[t], group, d);
         return;
     }
 #endif
-    for (int g = 0; g < group; g++) weigh_values(o + (long)g * d, p + g * ps, sees, v, vt, keys, d);
+    (void)reach;
+    for (int t = 0; t < tokens; t++)
+        for (int g = 0; g < group; g++)
+            weigh_values(out + (size_t)t * ot + (long)g * d, p + ((size_t)t * group + g) * ps, seen + (size_t)t * keys,
+                         v, vt, ends[t], d);
 }
 
 // A query's weights over keys [0, end) in place: sg's scores become exp(score - their maximum) where it sees the
-// key and an exact zero where it does not. Returns their total, added in key order.
-static float softmax_weights(float *sg, const uint8_t *sees, int end) {
-    float top = -INFINITY, total = 0.0f;
+// key and an exact zero where it does not (their total: key_order_totals).
+static void softmax_weights(float *sg, const uint8_t *sees, int end) {
+    float top = -INFINITY;
     int j = 0;
 #if DW_VNNI
     __m512 tops = _mm512_set1_ps(-INFINITY);  // (a maximum is the same in any order)
@@ -929,8 +986,29 @@ static float softmax_weights(float *sg, const uint8_t *sees, int end) {
     }
 #endif
     for (; j < end; j++) sg[j] = sees[j] ? exp_fixed(sg[j] - top) : 0.0f;
-    for (j = 0; j < end; j++) total += sg[j];  // in key order: a hidden key adds an exact zero
-    return total;
+}
+
+// total[g] = the sum of row g of w [QN, end] (rows ws apart), added in key order from zero (a hidden key adds its
+// exact zero). The rows' sums are independent chains, run side by side: one alone waits on every add.
+static inline __attribute__((always_inline)) void totals_pass(const int QN, const float *w, long ws, int end,
+                                                              float *total) {
+    float t[8];
+    for (int g = 0; g < QN; g++) t[g] = 0.0f;
+    for (int j = 0; j < end; j++)
+        for (int g = 0; g < QN; g++) t[g] += w[g * ws + j];
+    for (int g = 0; g < QN; g++) total[g] = t[g];
+}
+
+static void key_order_totals(const float *w, long ws, int group, int end, float *total) {
+    for (int g0 = 0; g0 < group; g0 += 8) {
+        switch (group - g0 < 8 ? group - g0 : 8) {
+#define TOTALS_CASE(N) \
+    case N: totals_pass(N, w + g0 * ws, ws, end, total + g0); break;
+            TOTALS_CASE(1) TOTALS_CASE(2) TOTALS_CASE(3) TOTALS_CASE(4) TOTALS_CASE(5) TOTALS_CASE(6) TOTALS_CASE(7)
+            TOTALS_CASE(8)
+#undef TOTALS_CASE
+        }
+    }
 }
 
 #define TOKEN_TILE 16  // query tokens scored together: their scores (16 x group x keys floats) stay in the caches
@@ -956,25 +1034,41 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
         }
         for (int j0 = 0; j0 < reach; j0 += KEY_BLOCK) {  // the tile's scores, a block of keys at a time
             const int count = reach - j0 < KEY_BLOCK ? reach - j0 : KEY_BLOCK;
+            const float *kb = k + (long)j0 * kt;
             float s[KEY_BLOCK];
             for (int t = 0; t < tokens; t++) {
                 if (ends[t] <= j0) continue;  // (sees none of the block)
                 for (int g = 0; g < group; g++) {
-                    score_block(q + (t0 + t) * qt + g * qh, k + (long)j0 * kt, kt, count, d, scale, s);
-                    memcpy(score + ((size_t)t * group + g) * keys + j0, s, sizeof(float) * count);
+                    const float *qg = q + (t0 + t) * qt + g * qh;
+                    float *to = score + ((size_t)t * group + g) * keys + j0;
+#ifdef SCORE_PACKED
+                    if (count == KEY_BLOCK && kt == d && d == 64) {
+                        score_packed(64, qg, kb, scale, to);
+                        continue;
+                    }
+                    if (count == KEY_BLOCK && kt == d && d == 128) {
+                        score_packed(128, qg, kb, scale, to);
+                        continue;
+                    }
+#endif
+                    score_block(qg, kb, kt, count, d, scale, s);
+                    memcpy(to, s, sizeof(float) * count);
                 }
             }
         }
+        float total[TOKEN_TILE][MAX_GROUP];
         for (int t = 0; t < tokens; t++) {
-            const int end = ends[t];
             const uint8_t *sees = seen + (size_t)(t0 + t) * keys;
             float *sg = score + (size_t)t * group * keys;  // [group, keys]
-            float total[MAX_GROUP];
-            for (int g = 0; g < group; g++) total[g] = softmax_weights(sg + (size_t)g * keys, sees, end);
+            for (int g = 0; g < group; g++) softmax_weights(sg + (size_t)g * keys, sees, ends[t]);
+            key_order_totals(sg, keys, group, ends[t], total[t]);
+        }
+        weigh_tile(out + (size_t)t0 * ot, ot, score, keys, seen + (size_t)t0 * keys, keys, ends, tokens, reach, v, vt,
+                   group, d);
+        for (int t = 0; t < tokens; t++) {
             float *o = out + (size_t)(t0 + t) * ot;  // [group, d]
-            weigh_group(o, sg, keys, sees, v, vt, end, group, d);
             for (int g = 0; g < group; g++) {
-                const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;  // sees nothing: zeros
+                const float inv = total[t][g] > 0.0f ? 1.0f / total[t][g] : 0.0f;  // sees nothing: zeros
                 for (int c = 0; c < d; c++) o[(size_t)g * d + c] *= inv;
             }
         }
