@@ -1,6 +1,6 @@
 """Passes of the 1.5B and the 0.5B on the quant backend, two kernel builds alternating every round in one process:
-the committed qgemm.c (HEAD) against the working tree's. Median ms of a forward of n tokens after ctx tokens."""
-import statistics, subprocess, sys, time
+qgemm.c at OLD_REV (default HEAD) against the working tree's. Median ms of a forward of n tokens after ctx tokens."""
+import os, statistics, subprocess, sys, time
 from pathlib import Path
 import draftwise.backends.qgemm as qg
 import draftwise.backends.quant_stack as qs
@@ -9,7 +9,6 @@ from draftwise import Engine
 from draftwise.backends.hf import HFBackend
 
 old_src = Path("/tmp/prof/qgemm_head.c")
-import os
 old_src.write_bytes(subprocess.run(["git", "show", os.environ.get("OLD_REV", "HEAD") + ":draftwise/backends/qgemm.c"], capture_output=True, check=True).stdout)
 new_lib = qg.library()
 isa = new_lib.isa
