@@ -1,6 +1,6 @@
 """Passes of the 1.5B and the 0.5B on the quant backend, two kernel builds alternating every round in one process:
 qgemm.c at OLD_REV (default HEAD) against the working tree's. Median ms of a forward of n tokens after ctx tokens."""
-import os, statistics, subprocess, sys, time
+import os, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 import draftwise.backends.qgemm as qg
 import draftwise.backends.quant_stack as qs
@@ -8,7 +8,7 @@ import draftwise.backends.quant_layers as ql
 from draftwise import Engine
 from draftwise.backends.hf import HFBackend
 
-old_src = Path("/tmp/prof/qgemm_head.c")
+old_src = Path(tempfile.gettempdir()) / "qgemm_old.c"
 old_src.write_bytes(subprocess.run(["git", "show", os.environ.get("OLD_REV", "HEAD") + ":draftwise/backends/qgemm.c"], capture_output=True, check=True).stdout)
 new_lib = qg.library()
 isa = new_lib.isa
