@@ -1035,6 +1035,10 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
         for (int j0 = 0; j0 < reach; j0 += KEY_BLOCK) {  // the tile's scores, a block of keys at a time
             const int count = reach - j0 < KEY_BLOCK ? reach - j0 : KEY_BLOCK;
             const float *kb = k + (long)j0 * kt;
+#ifdef SCORE_PACKED
+            // a whole block in the cache's own layout, at a head size score_packed is built for: its size, else 0
+            const int packed = count == KEY_BLOCK && kt == d && (d == 64 || d == 128) ? d : 0;
+#endif
             float s[KEY_BLOCK];
             for (int t = 0; t < tokens; t++) {
                 if (ends[t] <= j0) continue;  // (sees none of the block)
@@ -1042,12 +1046,9 @@ static void attend_group(const float *q, long qh, long qt, const float *k, long 
                     const float *qg = q + (t0 + t) * qt + g * qh;
                     float *to = score + ((size_t)t * group + g) * keys + j0;
 #ifdef SCORE_PACKED
-                    if (count == KEY_BLOCK && kt == d && d == 64) {
-                        score_packed(64, qg, kb, scale, to);
-                        continue;
-                    }
-                    if (count == KEY_BLOCK && kt == d && d == 128) {
-                        score_packed(128, qg, kb, scale, to);
+                    if (packed) {  // (a constant head size in each copy: the rows' offsets known)
+                        if (packed == 64) score_packed(64, qg, kb, scale, to);
+                        else score_packed(128, qg, kb, scale, to);
                         continue;
                     }
 #endif
