@@ -259,9 +259,10 @@ def assemble(engine_cls, target_model, tokenizer, method: str | None = None, dra
     (until the hybrid's pick is measured, and always for a fixed k).
 
     compact_draft: propose with a cheaper copy of the draft (int8 kernels where faster, an output layer over the
-    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it. For skip and
-    hybrid-skip, the same cut applies to the layers the draft runs (layer_skip.cheaper_stack); False shares the
-    target's own.
+    draft_vocab most common tokens; see proposers/compact.py). Exactness does not depend on it. False: the draft
+    computes its own values (in a batch-invariant engine on the invariant kernel, never int8's), so a draft that is
+    the target's twin guesses every token right. For skip and hybrid-skip, the same cut applies to the layers the
+    draft runs (layer_skip.cheaper_stack); False shares the target's own.
 
     batch_invariant: every computation of the target (and of a draft model) gives a row the same bits whatever else
     its call holds (kernels.py's invariant kernel, attention.py's row_invariant_attention), so every method and
@@ -366,8 +367,8 @@ def draft_backend(draft_model, keep: list[int], compact_draft: bool, draft_kerne
         draft_model, token_ids = compact_on_blocks(draft_model, keep, draft_vocab)
     elif compact_draft or draft_kernels == (FOUR_BIT,):
         draft_model, token_ids, *_ = compact(draft_model, keep, draft_vocab, draft_kernels)
-    elif {*draft_kernels} <= {*INVARIANT_KERNELS}:
-        draft_model = on_timed_kernels(draft_model, draft_kernels, DRAFT_WIDTHS)
+    elif {*draft_kernels} <= {*INVARIANT_KERNELS}:  # not compact: the draft's own values, a row's the same in any call
+        draft_model = on_timed_kernels(draft_model, (INVARIANT,), DRAFT_WIDTHS)
     draft = HFBackend(draft_model)
     paths["draft_kernels"] = kernel_counts(draft_model)
     paths["draft_vocab"] = draft.vocab_size

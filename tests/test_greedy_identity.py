@@ -7,6 +7,7 @@ import pytest
 
 from conftest import near_model, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
+from draftwise.backends import kernels
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 NEW_TOKENS = 40
@@ -64,6 +65,27 @@ def test_greedy_output_is_the_targets_own(arch, method, draft, k):
         assert stats.accepted > 0
     if method == "none":
         assert stats.target_forwards == NEW_TOKENS and stats.proposed == 0
+
+
+def test_a_draft_not_made_compact_keeps_its_own_values_whatever_the_timings_say(monkeypatch):
+    # Timings on a loaded machine may favour int8 for a tiny shape: a draft not made compact must not take it (its
+    # choice would also be cached for every later load), or a twin draft stops guessing every token right.
+    timed = kernels.plan_kernels
+
+    def int8_always_fastest(model, chosen=kernels.EXACT_KERNELS, widths=kernels.TARGET_WIDTHS, cache=True):
+        plan = timed(model, chosen, widths, cache=False)
+        if kernels.INVARIANT_INT8 not in chosen:
+            return plan
+        return kernels.KernelPlan(dict.fromkeys(plan.choices, kernels.INVARIANT_INT8), {}, plan.widths)
+
+    monkeypatch.setattr(kernels, "plan_kernels", int8_always_fastest)
+    eng = engine("llama", "draft", "same")
+    assert set(eng.speed_paths["draft_kernels"]) == {kernels.INVARIANT}
+    result = eng.generate(PROMPT, max_new_tokens=NEW_TOKENS, num_draft_tokens=4, ignore_eos=True, adaptive=False)
+    assert result.token_ids == reference("llama") and result.stats.acceptance_rate == 1.0
+    # the control: timed among both invariant kernels, as the draft once was, the same timings put it on int8
+    timed_both = kernels.on_timed_kernels(model("llama", 0), kernels.INVARIANT_KERNELS, kernels.DRAFT_WIDTHS)
+    assert kernels.INVARIANT_INT8 in kernels.kernel_counts(timed_both)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sliding"])
