@@ -14,7 +14,7 @@ import torch
 
 from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
-from draftwise.config import SamplingConfig
+from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, methods_needing
 from draftwise.sampling import logits_to_probs, make_generator
 from stats_helpers import fit_pvalue
@@ -80,32 +80,93 @@ def outside_support(pairs: list, cfg: SamplingConfig, prompt_name: str) -> list:
 SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)}
 
 
+# Runs that must go one at a time: lookup-corpus's corpus grows by each run's text before the next, and an adaptive
+# ("-free") run's guesses are priced for the rows of its step. Every other case runs BATCH requests a step, from the
+# prompt cache (the head's guesses read the prompt's features, which a cache hit does not recompute), and gives the
+# pairs and counts of its runs alone, token for token: test_batched_runs_give_the_pairs_of_runs_alone.
+ALONE = ("lookup-corpus", "hybrid-free", "hybrid-tree-free", "lookup-tree-free")
+BATCH = 50
+
+
+def unseeded(method: str) -> bool:
+    """The proposal cache serves unseeded requests only; "-rejection" runs a method by rejection sampling."""
+    return method.endswith(("-free", "-rejection")) or method == "lookup-corpus"
+
+
 @functools.lru_cache(maxsize=None)
 def sampled_pairs(method: str, setting: str, k: int, prompt_name: str = "loop") -> tuple[list, tuple[int, int], Counter]:
     """The first two tokens of RUNS seeded generations, the draft tokens kept and not kept over them, and (for
     the hybrid) how many rounds each of its proposers drafted.
 
     A seeded request draws from shared noise (shared_noise.py); an unseeded one by rejection sampling, with the
-    draft's own distribution: "-rejection" runs a method unseeded (as do lookup-corpus and the "-free" methods, since
-    the proposal cache serves unseeded requests only), each run's generator seeded here so that the test repeats.
-    Every run but the "-free" ones drafts a fixed k, so that every round drafts."""
+    draft's own distribution, each run's generator seeded here so that the test repeats. Every run but the "-free"
+    ones drafts a fixed k, so that every round drafts."""
+    runs = run_alone if method in ALONE else run_batched
+    return runs(method, setting, k, prompt_name, range(RUNS))
+
+
+def options(method: str, setting: str, k: int, seed: int) -> dict:
     cfg = SETTINGS[setting]
+    return dict(max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                seed=None if unseeded(method) else seed, ignore_eos=True, adaptive=method.endswith("-free"))
+
+
+def seeded_generator(method: str, seed: int):
+    return mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)) if unseeded(method) \
+        else nullcontext()
+
+
+def run_alone(method: str, setting: str, k: int, prompt_name: str, seeds) -> tuple[list, tuple[int, int], Counter]:
+    """Each run a generate() of its own."""
     eng = engine(method.removesuffix("-rejection"))
-    pairs, proposed, accepted, rounds = [], 0, 0, Counter()
-    for seed in range(RUNS):
-        unseeded = method.endswith(("-free", "-rejection")) or method == "lookup-corpus"
-        with mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)) if unseeded else nullcontext():
-            result = eng.generate(
-                prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
-                top_k=cfg.top_k, top_p=cfg.top_p, seed=None if unseeded else seed, ignore_eos=True,
-                adaptive=method.endswith("-free"),
-            )
+    pairs, tally = [], Tally()
+    for seed in seeds:
+        with seeded_generator(method, seed):
+            result = eng.generate(prompt(prompt_name), **options(method, setting, k, seed))
         pairs.append(tuple(result.token_ids[:2]))
-        proposed, accepted = proposed + result.stats.proposed, accepted + result.stats.accepted
-        rounds.update(getattr(eng.proposer, "rounds", {}))
-        rounds["corpus"] += getattr(eng.proposer, "corpus_rounds", 0)
-        rounds["tree nodes"] += result.stats.nodes - result.stats.proposed  # nodes beside a chain's
-    return pairs, (accepted, proposed - accepted), rounds
+        tally.add(result.stats, eng.proposer)
+    return pairs, tally.kept_and_not(), tally.rounds
+
+
+def run_batched(method: str, setting: str, k: int, prompt_name: str, seeds, cached: bool = True):
+    """BATCH runs a step, through the engine's batch API (what a server's scheduler calls)."""
+    eng = engine(method.removesuffix("-rejection"))
+    if cached and method not in methods_needing(TRAINED_HEAD):
+        eng.enable_prompt_cache(1 << 26)
+    seeds, pairs, tally = list(seeds), [], Tally()
+    for first in range(0, len(seeds), BATCH):
+        seqs = []
+        for seed in seeds[first:first + BATCH]:
+            cfg = GenerationConfig.from_options(**options(method, setting, k, seed))
+            with seeded_generator(method, seed):
+                seqs.append(eng.open_sequence(prompt(prompt_name), cfg))
+            while not seqs[-1].prefill_done:
+                eng.prefill(seqs[-1])
+        tokens = {seq: [] for seq in seqs}
+        while live := [seq for seq in seqs if seq.finish is None]:
+            for seq, events in eng.step(live).items():
+                tokens[seq] += [e.token_id for e in events if e.token_id is not None]
+        for seq in seqs:
+            pairs.append(tuple(tokens[seq][:2]))
+            tally.add(seq.stats, seq.proposer)
+            eng.close_sequence(seq)
+    return pairs, tally.kept_and_not(), tally.rounds
+
+
+class Tally:
+    """Draft tokens kept and offered over the runs, and their rounds by kind."""
+
+    def __init__(self):
+        self.proposed, self.accepted, self.rounds = 0, 0, Counter()
+
+    def add(self, stats, proposer) -> None:
+        self.proposed, self.accepted = self.proposed + stats.proposed, self.accepted + stats.accepted
+        self.rounds.update(getattr(proposer, "rounds", {}))
+        self.rounds["corpus"] += getattr(proposer, "corpus_rounds", 0)
+        self.rounds["tree nodes"] += stats.nodes - stats.proposed  # nodes beside a chain's
+
+    def kept_and_not(self) -> tuple[int, int]:
+        return self.accepted, self.proposed - self.accepted
 
 
 def engine(method):
@@ -204,6 +265,20 @@ def test_first_two_tokens_follow_the_target(method, setting, k, prompt_name):
         assert rounds["tree nodes"] > RUNS // 10  # trees with branches, many times
 
 
+@pytest.mark.parametrize("method,setting,k,prompt_name", [
+    ("draft", "t0.7-topk-topp", 2, "loop"), ("draft-rejection", "t1", 2, "loop"), ("hybrid", "t1", 2, "mid-loop"),
+    ("skip", "t0.7-topk-topp", 1, "mid-loop"), ("lookup-tree-rejection", "t0.7-topk-topp", 3, "tree"),
+    ("draft-tree", "t1", 2, "mid-loop"), ("head", "t1", 2, "loop")])
+def test_batched_runs_give_the_pairs_of_runs_alone(method, setting, k, prompt_name):
+    """What lets the cases above run batched: a sampled row's tokens, seeded (shared noise) or not (its own
+    generator's draws), and its proposer's rounds are the same in a step of BATCH rows from the prompt cache as in a
+    generate() alone. (The distributions themselves are checked on the batched runs.)"""
+    seeds = range(BATCH + 10)  # a full batch and a ragged one
+    alone = run_alone(method, setting, k, prompt_name, seeds)
+    assert run_batched(method, setting, k, prompt_name, seeds) == alone
+    assert alone[1][0] > 0 and alone[1][1] > 0  # guesses kept and guesses not: every path of a round
+
+
 def test_the_same_check_rejects_the_wrong_distribution():
     """Power: the same samples are far from a neighbouring setting's distribution."""
     pairs, _, _ = sampled_pairs("draft", "t0.7-topk-topp", 2, "loop")  # (as CASES spells it: the cached run)
@@ -247,7 +322,7 @@ def test_an_engine_with_a_wrong_recovery_rule_fails_the_same_check():
         for method, setting, k, prompt_name in [("draft", "t1", 2, "loop"), ("lookup", "t1", 2, "loop"),
                                                 ("draft-tree", "t1", 2, "mid-loop"), ("hybrid", "t1", 2, "mid-loop")]:
             # (unseeded: a seeded run's verification compares tokens, and has no recovery rule to get wrong)
-            pairs, _, _ = sampled_pairs.__wrapped__(method + "-rejection", setting, k, prompt_name)
+            pairs, _, _ = run_batched(method + "-rejection", setting, k, prompt_name, range(RUNS))
             assert fit_pvalue(pairs, exact_pairs(SETTINGS[setting], prompt_name)) < 1e-3, method
 
 
@@ -256,5 +331,5 @@ def test_an_engine_whose_shared_noise_ignores_the_sampling_settings_fails_the_sa
     top-p) is a plausible slip, and the check the methods pass must catch it, drafted or not."""
     with mock.patch("draftwise.shared_noise.tempered_logits", lambda logits, sampling: logits.float()):
         for method in ("draft", "none"):
-            pairs, _, _ = sampled_pairs.__wrapped__(method, "t0.7-topk-topp", 2, "loop")
+            pairs, _, _ = run_batched(method, "t0.7-topk-topp", 2, "loop", range(RUNS))
             assert fit_pvalue(pairs, exact_pairs(SETTINGS["t0.7-topk-topp"])) < 1e-3, method
