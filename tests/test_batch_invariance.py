@@ -246,16 +246,15 @@ def test_on_a_real_model_in_bfloat16_every_method_gives_nones_tokens():
     """SmolLM2-135M in bfloat16 (its own twin as the draft): every method gives none's tokens, and a position's
     logits are the same bits in a step and in a pass; the control, without invariance, sees them change."""
     name = "smollm2-135m-instruct"
-    texts = ["Write a Python function that merges two sorted lists.",
-             "Summarize the plot of Hamlet in three sentences.",
-             "Explain how a hash map handles collisions, with an example."]
+    texts = ["Write a Python function that merges two sorted lists.",  # (code and prose: what lookup finds differs)
+             "Summarize the plot of Hamlet in three sentences."]
 
     def load(method: str, invariant: bool = True) -> Engine:
         return Engine.from_pretrained(name, draft=name if method == "hybrid-tree" else None, method=method,
                                       dtype="bfloat16", backend="hf", batch_invariant=invariant, progress=False)
 
     def tokens(eng: Engine, method: str) -> list[tuple[int, ...]]:
-        return [tuple(eng.generate([{"role": "user", "content": t}], chat=True, max_new_tokens=40, ignore_eos=True,
+        return [tuple(eng.generate([{"role": "user", "content": t}], chat=True, max_new_tokens=32, ignore_eos=True,
                                    num_draft_tokens=4, adaptive=False, method=method).token_ids) for t in texts]
 
     engine = load("hybrid-tree")  # (its sequences may ask for none and lookup too: one load, one calibration)

@@ -9,7 +9,6 @@ Qwen's), whose guesses are mostly wrong.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from unittest import mock
 
 import pytest
@@ -23,7 +22,6 @@ from draftwise.cli import stats_line
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.proposers.cross_vocab import CrossTokenizerProposer, VocabBridge
-from draftwise.sampling import make_generator
 from draftwise.token_text import TokenTexts, whole_characters
 from draftwise.tokenizers import CROSS_TOKENIZER, SHARED_TOKENIZER, draft_path
 from stats_helpers import fit_pvalue
@@ -339,20 +337,31 @@ def sampled_pairs(method: str, setting: str, k: int, prompt_name: str, seeded: b
     """The first two tokens of RUNS generations of test_sampling_e2e's target, drafted by a shuffled twin of the
     target at another temperature (right often, not always); and the guesses kept and not kept over them. Seeded:
     drawn from shared noise; else by rejection sampling, each run's generator seeded here so that the test repeats."""
-    from test_sampling_e2e import RUNS, SETTINGS, prompt, sharpened, target as sampled_target
+    from test_sampling_e2e import RUNS, run_batched
+
+    pairs, (kept, not_kept), _ = run_batched(method if seeded else f"{method}-rejection", setting, k, prompt_name,
+                                             range(RUNS), cross_engine(method))
+    return pairs, kept, not_kept
+
+
+def cross_engine(method: str) -> Engine:
+    from test_sampling_e2e import sharpened, target as sampled_target
 
     tokenizer, order = shuffled()
-    eng = Engine.from_models(sampled_target(), tiny_tokenizer(), draft_model=shuffled_twin(sharpened(1.5), order),
-                             method=method, draft_tokenizer=tokenizer)
-    cfg, pairs, kept, offered = SETTINGS[setting], [], 0, 0
-    for seed in range(RUNS):
-        with nullcontext() if seeded else mock.patch("draftwise.lifecycle.make_generator", lambda _: make_generator(seed)):
-            result = eng.generate(prompt(prompt_name), max_new_tokens=3, num_draft_tokens=k, temperature=cfg.temperature,
-                                  top_k=cfg.top_k, top_p=cfg.top_p, seed=seed if seeded else None, ignore_eos=True,
-                                  adaptive=False)
-        pairs.append(tuple(result.token_ids[:2]))
-        kept, offered = kept + result.stats.accepted, offered + result.stats.proposed
-    return pairs, kept, offered - kept
+    return Engine.from_models(sampled_target(), tiny_tokenizer(), draft_model=shuffled_twin(sharpened(1.5), order),
+                              method=method, draft_tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["shared-noise", "rejection"])
+def test_batched_runs_give_the_pairs_of_runs_alone(seeded):
+    """What lets the runs below go batched: each row's tokens and counts are those of its generate() alone."""
+    from test_sampling_e2e import BATCH, run_alone, run_batched
+
+    method = "draft" if seeded else "draft-rejection"
+    seeds = range(BATCH + 10)
+    alone = run_alone(method, "t1", 2, "loop", seeds, cross_engine("draft"))
+    assert run_batched(method, "t1", 2, "loop", seeds, cross_engine("draft")) == alone
+    assert alone[1][0] > 0 and alone[1][1] > 0
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["shared-noise", "rejection"])

@@ -116,9 +116,9 @@ def seeded_generator(method: str, seed: int):
         else nullcontext()
 
 
-def run_alone(method: str, setting: str, k: int, prompt_name: str, seeds) -> tuple[list, tuple[int, int], Counter]:
-    """Each run a generate() of its own."""
-    eng = engine(method.removesuffix("-rejection"))
+def run_alone(method: str, setting: str, k: int, prompt_name: str, seeds, eng: Engine | None = None):
+    """Each run a generate() of its own; eng: another engine than this file's for the method."""
+    eng = eng or engine(method.removesuffix("-rejection"))
     pairs, tally = [], Tally()
     for seed in seeds:
         with seeded_generator(method, seed):
@@ -128,11 +128,13 @@ def run_alone(method: str, setting: str, k: int, prompt_name: str, seeds) -> tup
     return pairs, tally.kept_and_not(), tally.rounds
 
 
-def run_batched(method: str, setting: str, k: int, prompt_name: str, seeds, cached: bool = True):
-    """BATCH runs a step, through the engine's batch API (what a server's scheduler calls)."""
-    eng = engine(method.removesuffix("-rejection"))
-    if cached and method not in methods_needing(TRAINED_HEAD):
-        eng.enable_prompt_cache(1 << 26)
+def run_batched(method: str, setting: str, k: int, prompt_name: str, seeds, eng: Engine | None = None):
+    """BATCH runs a step, through the engine's batch API (what a server's scheduler calls); eng: another engine
+    than this file's for the method, run without the prompt cache."""
+    if eng is None:
+        eng = engine(method.removesuffix("-rejection"))
+        if method not in methods_needing(TRAINED_HEAD):
+            eng.enable_prompt_cache(1 << 26)
     seeds, pairs, tally = list(seeds), [], Tally()
     for first in range(0, len(seeds), BATCH):
         seqs = []
