@@ -46,9 +46,10 @@ llama-server:
 	ISA=$(or $(ISA),native) PYTHON=$(if $(wildcard $(PY)),$(PY),python3) scripts/build_llama_server.sh $(SDIST)
 
 # The tests run torch on one thread each: a worker per core (two here) halves the suite. A test file stays on one
-# worker (its cached models and runs are shared); at most 4, since each may load the real models.
+# worker (its cached models and runs are shared), the heaviest first (tests/conftest.py); at most 4, since each may
+# load the real models.
 test: install
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) .pytest_cache
