@@ -197,7 +197,11 @@ def near_model(arch: str = "llama", noise: float = 0.08):
 
 def decode_together(eng, prompts: list[list[int]], cfg) -> list:
     """One sequence per prompt (token ids) under cfg, decoded in one batch to their ends, then closed."""
-    seqs = [eng.open_sequence(p, cfg) for p in prompts]
+    return decode_opened(eng, [eng.open_sequence(p, cfg) for p in prompts])
+
+
+def decode_opened(eng, seqs: list) -> list:
+    """Sequences already opened on eng, decoded in one batch to their ends (the scheduler's calls), then closed."""
     try:
         for seq in seqs:
             while not seq.prefill_done:

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import CORPUS, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
+from conftest import CORPUS, decode_opened, input_batch, tiny_model, tiny_tokenizer, transformers_greedy
 from draftwise import Engine
 from draftwise.config import GenerationConfig, SamplingConfig
 from draftwise.methods import DRAFT_MODEL, TRAINED_HEAD, methods_needing
@@ -142,16 +142,9 @@ def run_batched(method: str, setting: str, k: int, prompt_name: str, seeds, eng:
             cfg = GenerationConfig.from_options(**options(method, setting, k, seed))
             with seeded_generator(method, seed):
                 seqs.append(eng.open_sequence(prompt(prompt_name), cfg))
-            while not seqs[-1].prefill_done:
-                eng.prefill(seqs[-1])
-        tokens = {seq: [] for seq in seqs}
-        while live := [seq for seq in seqs if seq.finish is None]:
-            for seq, events in eng.step(live).items():
-                tokens[seq] += [e.token_id for e in events if e.token_id is not None]
-        for seq in seqs:
-            pairs.append(tuple(tokens[seq][:2]))
+        for seq in decode_opened(eng, seqs):  # (counted once closed, as run_alone counts after generate())
+            pairs.append(tuple(seq.context[len(seq.prompt_ids):len(seq.prompt_ids) + 2]))
             tally.add(seq.stats, seq.proposer)
-            eng.close_sequence(seq)
     return pairs, tally.kept_and_not(), tally.rounds
 
 
