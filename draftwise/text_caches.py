@@ -1,6 +1,6 @@
-"""What an engine keeps of earlier texts: the prompt cache (their keys and values, in the target and in the draft
-model, for prompts that start the same way) and the proposal cache (their tokens, for prompt lookup to propose
-from). Both are off until a caller turns them on."""
+"""What an engine keeps of earlier texts: the prompt cache (for prompts that start the same way: their keys and
+values, in the target and in the draft model, and the target's features that a head drafts from) and the proposal
+cache (their tokens, for prompt lookup to propose from). Both are off until a caller turns them on."""
 from __future__ import annotations
 
 from draftwise.backends.prefix_cache import PrefixCache
@@ -19,7 +19,7 @@ class TextCaches:
         self.prompt = PrefixCache(max_bytes)
         if target.capabilities.prompt_cache:
             target.attach_prompt_cache(self.prompt, "target")
-        if proposer is not None:  # (a draft model's cache, a hybrid's too)
+        if proposer is not None:  # (a draft model's cache, a head's features, a hybrid's part's)
             proposer.attach_prompt_cache(self.prompt)
         return self.prompt
 
@@ -37,12 +37,13 @@ class TextCaches:
             backend.attach_prompt_cache(self.prompt, f"draft@{name}")
 
     def restore(self, target, proposer: Proposer | None, prompt_ids: list[int]) -> int:
-        """How much of the prompt (of all but its last token) the target got from the prompt cache; the draft gets
-        what the cache holds of that prefix for it. Chunked prefill (and the draft's catch-up) does the rest."""
+        """How much of the prompt (of all but its last token) the target got from the prompt cache; the proposer
+        gets what the cache holds of that prefix for it (a draft model's cache, a head's features). Chunked prefill
+        (and the draft's catch-up) does the rest."""
         if self.prompt is None:
             return 0
         reused = target.restore(prompt_ids[:-1])
-        if reused and keeps_cache(proposer):
+        if reused and proposer is not None:
             proposer.restore(prompt_ids[:reused])
         return reused
 
@@ -51,12 +52,8 @@ class TextCaches:
         finished text to the proposal cache."""
         if self.prompt is not None and seq.finish != "error":
             seq.target.remember(seq.context[:-1])
-            if keeps_cache(seq.proposer):
-                seq.proposer.remember()
+            if seq.proposer is not None:
+                seq.proposer.remember(seq.context[:-1])
         if self.proposals is not None and seq.finish not in (None, "error"):
             self.proposals.add(seq.context)
 
-
-def keeps_cache(proposer: Proposer | None) -> bool:
-    """Whether a proposer keeps its own cache of the text (a draft model's), which the prompt cache also serves."""
-    return proposer is not None and proposer.capabilities.keeps_cache

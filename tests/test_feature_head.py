@@ -515,6 +515,43 @@ def test_head_sequences_in_one_batch_each_get_the_targets_output(heads, method):
         assert sum(seq.proposer.drafting_acceptance.rate > 0.5 for seq in seqs) > 0  # (0.5: before any head round)
 
 
+def drafts_of(proposer) -> list[tuple[int, ...]]:
+    """A spy on a head proposer's (or a hybrid's head's) drafts: each round's guessed tokens, in order."""
+    head = proposer.draft if isinstance(proposer, HybridProposer) else proposer
+    drafts, propose = [], head.propose
+
+    def spied(context, k, stop_confidence=0.0):
+        draft = propose(context, k, stop_confidence)
+        drafts.append(draft.token_ids)
+        return draft
+
+    head.propose = spied
+    return drafts
+
+
+@pytest.mark.parametrize("method", ["head", "hybrid-head"])
+@pytest.mark.parametrize("restores", [True, False])
+def test_a_prompt_from_the_prompt_cache_gives_the_head_the_guesses_of_a_cold_one(heads, method, restores,
+                                                                                monkeypatch):
+    """A restored prefix is not run through the target, so its features come from the prompt cache; without them
+    (restores=False: the control, the head restoring nothing) the head drafts from the new turn's positions alone."""
+    folder, _ = heads()
+    if not restores:
+        monkeypatch.setattr(HeadProposer, "restore", lambda self, token_ids: 0)
+    warm, cold = head_engine("qwen2", folder, method), head_engine("qwen2", folder, method)
+    warm.enable_prompt_cache(64 << 20)
+    options = dict(max_new_tokens=24, num_draft_tokens=3, ignore_eos=True, adaptive=False)
+    first = warm.generate(prompt_ids(), **options)
+    second_prompt = prompt_ids() + first.token_ids + tiny_tokenizer()(" and then the list is sorted")["input_ids"]
+    warm_drafts, cold_drafts = drafts_of(warm.proposer), drafts_of(cold.proposer)
+    again, fresh = warm.generate(second_prompt, **options), cold.generate(second_prompt, **options)
+    assert again.stats.prompt_cached == len(prompt_ids()) + 24 - 1
+    assert again.token_ids == fresh.token_ids  # the text is the target's either way
+    assert cold_drafts and (warm_drafts == cold_drafts) == restores
+    if restores:
+        assert again.stats.accepted == fresh.stats.accepted
+
+
 # -- hybrid-head: the head's trees, and prompt lookup's where the text copies ------------------------------
 def head_rounds(hybrid: HybridProposer) -> list[list[int]]:
     """A spy on the hybrid's head: [lookup rounds before it, the depth it offered, tokens kept] for each round it

@@ -82,8 +82,8 @@ SETTINGS = {"t1": SamplingConfig(temperature=1.0), "t0.7-topk-topp": SamplingCon
 
 # Runs that must go one at a time: lookup-corpus's corpus grows by each run's text before the next, and an adaptive
 # ("-free") run's guesses are priced for the rows of its step. Every other case runs BATCH requests a step, from the
-# prompt cache (the head's guesses read the prompt's features, which a cache hit does not recompute), and gives the
-# pairs and counts of its runs alone, token for token: test_batched_runs_give_the_pairs_of_runs_alone.
+# prompt cache (a head's too: the cache keeps the prompt's features for it), and gives the pairs and counts of its
+# runs alone, token for token: test_batched_runs_give_the_pairs_of_runs_alone.
 ALONE = ("lookup-corpus", "hybrid-free", "hybrid-tree-free", "lookup-tree-free")
 BATCH = 50
 
@@ -133,8 +133,7 @@ def run_batched(method: str, setting: str, k: int, prompt_name: str, seeds, eng:
     than this file's for the method, run without the prompt cache."""
     if eng is None:
         eng = engine(method.removesuffix("-rejection"))
-        if method not in methods_needing(TRAINED_HEAD):
-            eng.enable_prompt_cache(1 << 26)
+        eng.enable_prompt_cache(1 << 26)
     seeds, pairs, tally = list(seeds), [], Tally()
     for first in range(0, len(seeds), BATCH):
         seqs = []

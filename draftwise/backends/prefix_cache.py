@@ -6,7 +6,9 @@ common prefix are exactly what a fresh prefill would compute there (up to float 
 shaped pass, as with batching), and the new prompt prefills only what follows.
 
 An entry is what one finished sequence held: its text (all but the last token) and a copy of its slot's
-keys and values, per model ("target", "draft"), so the draft's cache is reused beside the target's. One
+keys and values, per model ("target", "draft"), so the draft's cache is reused beside the target's; a feature
+head's entry ("target features") holds the target's features of the text instead, which a restored prompt's
+prefill would otherwise never compute. One
 byte budget covers every model; the least recently used entries go first. A lookup takes the entry with the
 longest common prefix, however the two texts go on after it.
 """
@@ -25,8 +27,8 @@ MIN_TOKENS = 16  # a shorter common prefix is not worth a lookup's copy
 @dataclass
 class PrefixEntry:
     token_ids: tuple[int, ...]
-    keys: list[torch.Tensor]  # per layer [kv_heads, len(token_ids), head_dim]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor]  # per layer [kv_heads, len(token_ids), head_dim]; a head's: [[len(token_ids), F]]
+    values: list[torch.Tensor]  # per layer, as keys; a head's: []
     nbytes: int
 
 

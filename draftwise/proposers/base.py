@@ -11,15 +11,15 @@ those declarations, never on which attributes an object happens to have.
 A sequence's life, as the engine drives it (engine.py):
 
     open     bind(target slot), begin(prompt, sampling, generator), follow_grammar(guide or None), restore(prompt
-             prefix) where the prompt cache had it (keeps_cache), price_with(costs, follow), start_acceptances(rates)
+             prefix) where the prompt cache had it, price_with(costs, follow), start_acceptances(rates)
              (keeps_estimates)
     prefill  add_features(...) of the prompt (reads_target_features); extend(...) while behind(text) (keeps_cache)
     a round  free_round(...) where it guesses free and the engine's k leaves it the round, prepare_round(d, rows);
              then propose(...) or, sharing draft forwards with other sequences, start / pending / pending_layout /
              take / time_forward / settle / finish; after the target pass: add_features(kept rows),
              keep_path(kept path), observe(kept count); drafted_free says whether it ran a draft forward
-    close    acceptances() carried to the next sequence of the method (start_acceptances), remember() offered to
-             the prompt cache, release()
+    close    acceptances() carried to the next sequence of the method (start_acceptances), remember(text) offered
+             to the prompt cache, release()
 """
 from __future__ import annotations
 
@@ -154,13 +154,16 @@ class Proposer(ABC):
         """Tokens of the text (but its last, which every round feeds) that its cache lacks; 0 without a cache."""
         return 0
 
+    # -- what it keeps of a text in the prompt cache: a draft model's cache (keeps_cache), a head's features ----
     def restore(self, token_ids: list[int]) -> int:
-        """At open, where the prompt cache gave the target this prefix of the prompt: fill its own cache from the
-        prompt cache too; returns how many of token_ids it now holds (the engine prefills the rest)."""
+        """At open, where the prompt cache gave the target this prefix of the prompt: take what the prompt cache
+        holds of that prefix for this proposer too; returns how many of token_ids it now has (the engine prefills
+        the rest)."""
         return 0
 
-    def remember(self) -> None:
-        """At close: offer what its cache holds to the prompt cache."""
+    def remember(self, text: list[int]) -> None:
+        """At close: offer what it holds of the text (all but its last token, as the target offers) to the prompt
+        cache."""
 
     # -- the target's features (reads_target_features) ---------------------------------------------------------
     def add_features(self, start: int, features: torch.Tensor) -> None:

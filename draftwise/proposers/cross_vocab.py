@@ -126,7 +126,7 @@ class CrossTokenizerProposer(DraftModelProposer):
     def restore(self, token_ids: list[int]) -> int:
         return 0
 
-    def remember(self) -> None:
+    def remember(self, text: list[int]) -> None:
         pass
 
     # -- the text ---------------------------------------------------------------------------------------------------

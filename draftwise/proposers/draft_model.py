@@ -67,8 +67,9 @@ class DraftModelProposer(Proposer):
         self._cached = list(token_ids[:cached])
         return cached
 
-    def remember(self) -> None:
-        """Offer what the cache holds to the prompt cache (when the sequence ends)."""
+    def remember(self, text: list[int]) -> None:
+        """Offer what the cache holds to the prompt cache (when the sequence ends): its own record of its tokens,
+        which may run past the text (drafts kept beyond a stop string)."""
         self.backend.remember(self._cached)
 
     def propose(self, context: list[int], k: int, stop_confidence: float = 0.0) -> Draft:

@@ -320,7 +320,8 @@ class HybridProposer(Proposer):
     def finish(self) -> Draft:
         return self._guess if self._guess is not None else self._drafted(self.draft.finish())
 
-    # The draft model's cache of the text (keeps_cache is the draft's: a head or the skip draft keeps none).
+    # The draft model's cache of the text (keeps_cache is the draft's: a head or the skip draft keeps none), and
+    # what the draft keeps of a text in the prompt cache (a draft model's cache, a head's features).
     def extend(self, token_ids: list[int]) -> None:
         self.draft.extend(token_ids)
 
@@ -330,8 +331,8 @@ class HybridProposer(Proposer):
     def restore(self, token_ids: list[int]) -> int:
         return self.draft.restore(token_ids)
 
-    def remember(self) -> None:
-        self.draft.remember()
+    def remember(self, text: list[int]) -> None:
+        self.draft.remember(text)
 
     def fork(self) -> "HybridProposer":
         return HybridProposer(self.draft.fork(), self.lookup.fork(), self.min_ngram)

@@ -125,7 +125,7 @@ class LayerSkipProposer(DraftModelProposer):
         """Nothing to restore: the prompt cache restored the target slot, which is the draft's cache."""
         return len(token_ids)
 
-    def remember(self) -> None:
+    def remember(self, text: list[int]) -> None:
         """The target slot is offered to the prompt cache by the engine."""
 
     def start(self, context: list[int], k: int, stop_confidence: float = 0.0) -> None:
