@@ -59,8 +59,8 @@ class Capabilities:
     # Decides every round itself, after its free guess (free_round), instead of drafting the engine's shared k,
     # which is priced by draft forwards and learnt on drafted rounds (the methods lookup and lookup-tree).
     judges_rounds: bool = False
-    # Keeps its own cache of the text, which the engine fills (extend, while behind), restores from the prompt
-    # cache (restore) and offers to it (remember). A draft that drafts in the sequence's target slot keeps none.
+    # Keeps its own cache of the text, which the engine fills (extend, while behind); the prompt cache's part
+    # (restore, remember) is every proposer's. A draft that drafts in the sequence's target slot keeps none.
     keeps_cache: bool = False
     reads_target_features: bool = False  # drafts from the target's hidden states, handed over by add_features
     # Keeps its own acceptance estimates by name (acceptances, start_acceptances), which the engine carries from
