@@ -40,7 +40,7 @@ import torch
 from draftwise.backends.prefix_cache import PrefixCache
 from draftwise.config import SamplingConfig
 from draftwise.proposers.base import Capabilities, Proposer
-from draftwise.proposers.head_model import FeatureHead, HeadCache
+from draftwise.proposers.head_model import FeatureHead, HeadCache, with_room
 from draftwise.proposers.tree_growth import BRANCH, GrownTree, SizedTree, TreeSizing, as_draft, grow
 from draftwise.types import Draft
 
@@ -255,11 +255,7 @@ class TextFeatures:
             self._broken = True
             return
         end = start + len(features)
-        if self._rows is None or end > len(self._rows):
-            grown = features.new_empty(max(256, 2 * end), features.shape[1])
-            if self._rows is not None:
-                grown[: self._length] = self._rows[: self._length]
-            self._rows = grown
+        self._rows = with_room(self._rows, start, end, features, dim=0)
         self._rows[start:end] = features
         self._length = end
 

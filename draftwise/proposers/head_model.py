@@ -77,6 +77,19 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
 
 
+def with_room(buffer: torch.Tensor | None, held: int, needed: int, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """buffer, or where it has no room for `needed` entries along dim, a new one with room for twice that (256 at
+    least) holding its first `held`; like: what is to be stored, whose dtype, device and other sizes it takes."""
+    if buffer is not None and needed <= buffer.shape[dim]:
+        return buffer
+    shape = list(like.shape)
+    shape[dim] = max(256, 2 * needed)
+    grown = like.new_zeros(shape)
+    if buffer is not None:
+        grown.narrow(dim, 0, held).copy_(buffer.narrow(dim, 0, held))
+    return grown
+
+
 class HeadCache:
     """One sequence's head keys and values, [1, kv_heads, capacity, head_dim], grown by doubling."""
 
@@ -98,12 +111,8 @@ class HeadCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values: [1, kv_heads, n, head_dim], stored after what is held."""
         have, n = self.length, keys.shape[2]
-        if self.keys is None or have + n > self.keys.shape[2]:
-            capacity = max(256, 2 * (have + n))
-            grown = [keys.new_zeros(1, keys.shape[1], capacity, keys.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                grown[0][:, :, :have], grown[1][:, :, :have] = self.keys[:, :, :have], self.values[:, :, :have]
-            self.keys, self.values = grown
+        self.keys = with_room(self.keys, have, have + n, keys, dim=2)
+        self.values = with_room(self.values, have, have + n, values, dim=2)
         self.keys[:, :, have : have + n] = keys
         self.values[:, :, have : have + n] = values
         self.length = have + n
