@@ -162,9 +162,12 @@ class Constraint:
         """The draft the target scores: a chain up to its first forbidden guess (without it where the guess is
         one-hot or greedy, q None; with it where the draft has its own q, which the verifier's residual needs),
         then, where the grammar forces what follows the kept guesses, those tokens (jump_forward; the whole draft
-        at most `room` long). A tree as it is: its forbidden nodes are masked, never kept."""
+        at most `room` long). A tree as it is (its forbidden nodes are masked, never kept) where it holds the whole
+        run the grammar forces from here as a path; where it misses a forced token, every node from there on is
+        masked, so the forced run alone, as a chain, keeps more."""
         if draft.parents is not None:
-            return draft
+            forced = self.forced()
+            return draft if _holds_path(draft, forced) else Draft(()).extended(forced[: max(0, room)])
         allowed = self.allowed_prefix(draft.token_ids)
         if allowed < len(draft) and draft.q is not None:
             return draft.prefix(allowed + 1)
@@ -326,3 +329,14 @@ def _allows(row: torch.Tensor, token: int) -> bool:
 def _without_bit(bit: int) -> int:
     """An int32 word of every bit but `bit` (as a signed value, which torch's int32 takes)."""
     return (~(1 << bit) + 2**31) % 2**32 - 2**31
+
+
+def _holds_path(tree: Draft, token_ids: list[int]) -> bool:
+    """Whether the tree has token_ids as a path down from its root, one node a token."""
+    at = -1  # the root: the text's last token
+    for token in token_ids:
+        at = next((node for node, parent in enumerate(tree.parents) if parent == at and tree.token_ids[node] == token),
+                  None)
+        if at is None:
+            return False
+    return True

@@ -238,6 +238,29 @@ def test_a_draft_is_cut_at_its_first_forbidden_guess_and_the_forced_text_follows
     assert off.shape(Draft(guess), room=16).token_ids == guess[:2]
 
 
+def test_a_tree_that_misses_the_forced_text_gives_way_to_it_and_one_that_holds_it_stays():
+    """A tree's nodes past a missed forced token are all masked: the forced run, as a chain, keeps more. A tree
+    that holds the whole run as a path stays as it is (its branches past the run may be kept too)."""
+    eng = engine("none")
+    constraint = eng.grammars.constraint(Grammar.lark(COMPACT))
+    frame = constraint.forced()  # '{"color": "' in tokens
+    tok = tiny_tokenizer()
+    red, wrong = tok("red")["input_ids"][0], tok("}")["input_ids"][0]
+    # The frame but its last token, which two children of the node before it miss.
+    missing = Draft((*frame[:-1], wrong, red), parents=(*range(-1, len(frame) - 2), len(frame) - 2, len(frame) - 2))
+    shaped = constraint.shape(missing, room=16)
+    assert shaped.parents is None and shaped.token_ids == tuple(frame) and shaped.own == 0
+    assert constraint.shape(missing, room=3).token_ids == tuple(frame[:3])
+    # The whole frame as a path, beside a wrong root child, then two guesses after it: as it is.
+    holding = Draft((wrong, *frame, red, wrong), parents=(-1, -1, *range(1, len(frame)), len(frame), len(frame)))
+    assert constraint.shape(holding, room=16) is holding
+    # Controls: without jump_forward, or where the grammar leaves a choice, the tree stays as it is.
+    off = eng.grammars.constraint(Grammar.lark(COMPACT).with_jump_forward(False))
+    assert off.shape(missing, room=16) is missing
+    constraint.advance(frame)
+    assert constraint.forced() == [] and constraint.shape(missing, room=16) is missing
+
+
 def test_a_grammar_that_cannot_compile_is_refused_before_work():
     eng = engine("draft", "near")
     bad = Grammar.json_schema({"type": "object", "properties": {"a": {"type": "frobnicate"}}})
