@@ -16,6 +16,7 @@ from conftest import tiny_model, tiny_tokenizer
 from safetensors import safe_open
 
 from draftwise import Engine
+from draftwise.backends.prefix_cache import PrefixCache, features_entry
 from draftwise.config import GenerationConfig
 from draftwise.errors import DraftwiseError
 from draftwise.serve.feature_capture import FeatureCapture, captured_files
@@ -107,12 +108,52 @@ def test_a_finished_request_is_written_whole_private_and_within_budget(tmp_path)
     assert len(captured_files(tmp_path / "small")) == 1 and small.written == 3
 
 
-def test_a_request_missing_its_first_positions_is_not_captured(tmp_path):
-    """A prompt restored from the prompt cache computes no features for its restored part: a head cannot learn
-    from a text whose first positions it never sees."""
+def served_one_after_another(capture: FeatureCapture, eng: Engine, prompts) -> list:
+    """Each prompt through a Scheduler, the next submitted once the last has ended; each request's finished seq."""
+    scheduler = Scheduler(eng, max_batch=4, prefill_chunk=8, feature_capture=capture)
+    ended = []
+    original = capture.finish
+    capture.finish = lambda seq, request_id, reason: (original(seq, request_id, reason), ended.append(seq))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    for prompt in prompts:
+        done = queue.Queue()
+        scheduler.submit(eng.tokenizer.encode(prompt), CFG, lambda ev: ev.finish_reason and done.put(ev.finish_reason))
+        assert done.get(timeout=60) == "length"
+    scheduler.drain(5)
+    capture.close()
+    return ended
+
+
+def test_a_prompt_from_the_prompt_cache_is_captured_whole_with_the_features_kept_there(tmp_path):
+    """A restored prompt computes no features for its restored part: the server keeps each captured request's
+    features in the prompt cache, and the restored request takes its prefix's from there."""
+    capture = FeatureCapture(tmp_path / "c", max_bytes=1 << 30)
+    eng = engine("draft")
+    eng.enable_prompt_cache(16 << 20)
+    first, again = served_one_after_another(capture, eng, [PROMPTS[0], PROMPTS[0]])
+    assert again.stats.prompt_cached > 0
+    assert capture.written == 2 and capture.incomplete == 0
+    records = load_shards(captured_files(tmp_path / "c"))
+    reference = tiny_model("llama", 0)
+    for seq, record in zip([first, again], records):
+        assert record["ids"].tolist() == seq.context[: len(record["ids"])] and len(record["ids"]) == len(seq.context) - 1
+        own, _ = target_features(reference, seq.context[:-1])  # one pass over the text
+        assert torch.allclose(record["features"].float(), own.float(), atol=1e-4, rtol=1e-3)
+        assert not torch.allclose(record["features"][1:].float(), own[:-1].float(), atol=1e-2)  # the control
+    restored = again.stats.prompt_cached
+    assert torch.equal(records[1]["features"][:restored], records[0]["features"][:restored])  # the cache's copy
+
+
+@pytest.mark.parametrize("cache", ["none attached", "no room for the features"])
+def test_a_request_missing_its_first_positions_is_not_captured(tmp_path, cache):
+    """Controls: a capture given no prompt cache, or one that does not hold the restored prefix's features, has no
+    features for the restored part, and a head cannot learn from a text whose first positions it never sees."""
     capture = FeatureCapture(tmp_path / "c", max_bytes=1 << 30)
     eng = engine("draft", sink=capture.observe)
     eng.enable_prompt_cache(16 << 20)
+    if cache == "no room for the features":  # (as where the cache let them go before the request came back)
+        capture.attach_prompt_cache(PrefixCache(max_bytes=0), features_entry())
     first, again = batched(eng, PROMPTS[:1]), batched(eng, PROMPTS[:1])
     capture.finish(first[0], "req-a", "length"), capture.finish(again[0], "req-b", "length")
     capture.close()

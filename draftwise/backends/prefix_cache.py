@@ -7,8 +7,8 @@ shaped pass, as with batching), and the new prompt prefills only what follows.
 
 An entry is what one finished sequence held: its text (all but the last token) and a copy of its slot's
 keys and values, per model ("target", "draft"), so the draft's cache is reused beside the target's; a feature
-head's entry ("target features") holds the target's features of the text instead, which a restored prompt's
-prefill would otherwise never compute. One byte budget covers every model; the least recently used entries go
+head's entry ("target features", features_entry) holds the target's features of the text instead, which a restored
+prompt's prefill would otherwise never compute (a server capturing features keeps them there too). One byte budget covers every model; the least recently used entries go
 first. A lookup takes the entry with the longest common prefix, however the two texts go on after it.
 """
 from __future__ import annotations
@@ -21,6 +21,12 @@ import torch
 from draftwise.types import common_prefix
 
 MIN_TOKENS = 16  # a shorter common prefix is not worth a lookup's copy
+
+
+def features_entry(layers: tuple[int, ...] = ()) -> str:
+    """The name of the target's features of a text in the prompt cache: the last layer's, and those of the decoder
+    layers a fused head reads too (the target's hidden states hold both: every reader of them takes one name)."""
+    return "target features" + (f" of layers {', '.join(map(str, layers))} and the last" if layers else "")
 
 
 @dataclass
@@ -47,10 +53,11 @@ class PrefixCache:
         self.nbytes = 0
         self.stats: dict[str, PrefixCacheStats] = {}
 
-    def longest(self, model: str, token_ids: list[int]) -> tuple[PrefixEntry | None, int]:
+    def longest(self, model: str, token_ids: list[int], count: bool = True) -> tuple[PrefixEntry | None, int]:
         """The entry of `model` sharing the longest prefix with token_ids, and that prefix's length (None, 0
-        when none shares min_tokens). Counts the lookup; the caller counts what it restores (saved)."""
-        stats = self.stats.setdefault(model, PrefixCacheStats())
+        when none shares min_tokens). Counts the lookup (unless count is False: a second reader of an entry
+        already restored); the caller counts what it restores (saved)."""
+        stats = self.stats.setdefault(model, PrefixCacheStats()) if count else PrefixCacheStats()
         stats.lookups += 1
         best, best_len = None, 0
         for (owner, _), entry in self._entries.items():

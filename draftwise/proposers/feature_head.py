@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from draftwise.backends.prefix_cache import PrefixCache
+from draftwise.backends.prefix_cache import PrefixCache, features_entry
 from draftwise.config import SamplingConfig
 from draftwise.proposers.base import Capabilities, Proposer
 from draftwise.proposers.head_model import FeatureHead, HeadCache, with_room
@@ -124,8 +124,7 @@ class HeadProposer(SizedTree, Proposer):
     def _entry_name(self) -> str:
         """The prompt cache's name for these features: the target's, of the layers this head reads (every head of
         the engine reads the same)."""
-        layers = self.feature_layers
-        return "target features" + (f" of layers {', '.join(map(str, layers))} and the last" if layers else "")
+        return features_entry(self.feature_layers)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

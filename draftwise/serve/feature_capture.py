@@ -17,9 +17,12 @@ ended, so the earliest are the first to go when the folder is past its size budg
 name. Like the proposal log, the files hold what users wrote (token ids decode to the text): folder 0700, files
 0600.
 
-A request counts only from its first position: one whose prompt was restored from the prompt cache has no
-features for the restored part and is not captured (`incomplete`); a request whose proposer or grammar forced
-tokens the target did not score the same way keeps only the positions before them.
+A request counts only from its first position. A prompt restored from the prompt cache computes no features for
+the restored part, so where the server has a prompt cache (attach_prompt_cache) each captured request's features go
+there too, beside the target's keys and values under the name a head's take (prefix_cache.features_entry), and a
+later request restored from it takes its prefix's features from there; one whose prefix's features the cache has
+let go is not captured (`incomplete`). A request whose proposer or grammar forced tokens the target did not score
+the same way keeps only the positions before them.
 """
 from __future__ import annotations
 
@@ -56,11 +59,17 @@ class FeatureCapture:
         self.max_bytes = max_bytes
         self.written = self.dropped = self.incomplete = 0
         self._parts: dict[object, list[tuple[int, torch.Tensor]]] = {}  # model thread only
+        self._prompt_cache, self._entry = None, ""  # (attach_prompt_cache)
         self._queue: queue.Queue = queue.Queue(queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="feature-capture", daemon=True)
         self._writer.start()
 
     # -- the model thread --------------------------------------------------------------------------------
+    def attach_prompt_cache(self, cache, entry: str) -> None:
+        """Keep each captured request's features in the engine's prompt cache (a PrefixCache) as `entry`
+        (features_entry of the target's feature layers), and take a restored prefix's from there."""
+        self._prompt_cache, self._entry = cache, entry
+
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """features [n, H]: the target's last hidden state at positions start .. start + n - 1 of seq's text."""
         self._parts.setdefault(seq, []).append((start, features.detach().to("cpu", copy=True)))
@@ -71,13 +80,16 @@ class FeatureCapture:
         parts = self._parts.pop(seq, None)
         if not parts or finish_reason not in ANSWERED:
             return
-        features = _contiguous(parts)
+        features = _contiguous(parts + self._restored(seq, parts))
         if features is None:
             self.incomplete += 1
             return
         length = min(len(features), len(seq.context) - 1)  # (each position's next token is the label)
+        features = features[:length].clone()  # [length, H]: the file's, and the prompt cache's entry
+        if self._prompt_cache is not None:
+            self._prompt_cache.put(self._entry, seq.context[:length], [features], [])
         record = {"ids": torch.tensor(seq.context[:length], dtype=torch.int32),
-                  "features": features[:length].contiguous(),
+                  "features": features,
                   "next": torch.tensor(seq.context[1:length + 1], dtype=torch.int32),
                   "answer_start": torch.tensor([len(seq.prompt_ids)], dtype=torch.int32)}
         meta = {"request_id": request_id, "ended": f"{time.time():.3f}",
@@ -86,6 +98,15 @@ class FeatureCapture:
             self._queue.put_nowait((record, meta))
         except queue.Full:
             self.dropped += 1
+
+    def _restored(self, seq, parts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """The features of the prefix the target did not compute (restored from the prompt cache), as the cache
+        keeps them from the request that computed it; none where it no longer does."""
+        first = min(start for start, _ in parts)
+        if first == 0 or self._prompt_cache is None:
+            return []
+        entry, length = self._prompt_cache.longest(self._entry, seq.context[:first], count=False)
+        return [(0, entry.keys[0][:first])] if length >= first else []
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to timeout_s), then stop the writer."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from draftwise.backends.prefix_cache import features_entry
 from draftwise.config import GenerationConfig
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
@@ -103,6 +104,8 @@ class Scheduler:
         self.feature_capture = feature_capture
         if feature_capture is not None:
             engine.feature_sink = feature_capture.observe
+            if engine.caches.prompt is not None:  # (a restored prompt's features come from there)
+                feature_capture.attach_prompt_cache(engine.caches.prompt, features_entry(engine.target.feature_layers))
         self.fault_injector: Callable[[Sequence], None] | None = None  # tests: raise inside one sequence's round
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
