@@ -110,8 +110,8 @@ class HeadProposer(SizedTree, Proposer):
         if self._prompt_cache is None:
             return 0
         entry, length = self._prompt_cache.longest(self._entry_name, token_ids)
-        if entry is not None:
-            self.add_features(0, entry.keys[0][:length])
+        if entry is not None:  # (a server's feature capture keeps its entry on the CPU: see serve/feature_capture.py)
+            self.add_features(0, entry.keys[0][:length].to(self.head.input_norm.weight.device))
         return length
 
     def remember(self, text: list[int]) -> None:

@@ -72,7 +72,10 @@ class FeatureCapture:
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """features [n, H]: the target's last hidden state at positions start .. start + n - 1 of seq's text."""
-        self._parts.setdefault(seq, []).append((start, features.detach().to("cpu", copy=True)))
+        parts = self._parts.get(seq)
+        if parts is None:  # the request's first features: those of a prefix restored before them, if any
+            parts = self._parts[seq] = self._restored(seq, start)
+        parts.append((start, features.detach().to("cpu", copy=True)))
 
     def finish(self, seq, request_id: str, finish_reason: str | None) -> None:
         """The request has ended: if with its answer (ANSWERED), its contiguous positions from the first, queued for
@@ -80,7 +83,7 @@ class FeatureCapture:
         parts = self._parts.pop(seq, None)
         if not parts or finish_reason not in ANSWERED:
             return
-        features = _contiguous(parts + self._restored(seq, parts))
+        features = _contiguous(parts)
         if features is None:
             self.incomplete += 1
             return
@@ -99,14 +102,15 @@ class FeatureCapture:
         except queue.Full:
             self.dropped += 1
 
-    def _restored(self, seq, parts: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-        """The features of the prefix the target did not compute (restored from the prompt cache), as the cache
-        keeps them from the request that computed it; none where it no longer does."""
-        first = min(start for start, _ in parts)
+    def _restored(self, seq, first: int) -> list[tuple[int, torch.Tensor]]:
+        """The features of the prefix before `first` that the target did not compute (restored from the prompt
+        cache), as the cache keeps them from the request that computed it (taken now: the cache may let them go
+        before this request ends); none where it does not hold them (a head's entry may be on the target's
+        device)."""
         if first == 0 or self._prompt_cache is None:
             return []
         entry, length = self._prompt_cache.longest(self._entry, seq.context[:first], count=False)
-        return [(0, entry.keys[0][:first])] if length >= first else []
+        return [(0, entry.keys[0][:first].to("cpu"))] if length >= first else []
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to timeout_s), then stop the writer."""
