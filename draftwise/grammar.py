@@ -164,7 +164,8 @@ class Constraint:
         then, where the grammar forces what follows the kept guesses, those tokens (jump_forward; the whole draft
         at most `room` long). A tree as it is (its forbidden nodes are masked, never kept) where it holds the whole
         run the grammar forces from here as a path; where it misses a forced token, every node from there on is
-        masked, so the forced run alone, as a chain, keeps more."""
+        masked, so the forced run alone, as a chain, is the better guess (the proposer then hears that it kept none
+        of its own: a tree the target never scored counts as one that failed)."""
         if draft.parents is not None:
             forced = self.forced()
             return draft if _holds_path(draft, forced) else Draft(()).extended(forced[: max(0, room)])
