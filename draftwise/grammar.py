@@ -32,6 +32,7 @@ import torch
 
 from draftwise.errors import DraftwiseError
 from draftwise.types import Draft
+from draftwise.verify.tree import follow
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object mode: any JSON object
 # JSON on one line, as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}) and Qwen's template writes tool calls:
@@ -334,10 +335,5 @@ def _without_bit(bit: int) -> int:
 
 def _holds_path(tree: Draft, token_ids: list[int]) -> bool:
     """Whether the tree has token_ids as a path down from its root, one node a token."""
-    at = -1  # the root: the text's last token
-    for token in token_ids:
-        at = next((node for node, parent in enumerate(tree.parents) if parent == at and tree.token_ids[node] == token),
-                  None)
-        if at is None:
-            return False
-    return True
+    path, _ = follow(tree.token_ids, tree.layout, lambda at, depth: token_ids[depth] if depth < len(token_ids) else None)
+    return len(path) == len(token_ids)

@@ -8,8 +8,9 @@ shaped pass, as with batching), and the new prompt prefills only what follows.
 An entry is what one finished sequence held: its text (all but the last token) and a copy of its slot's
 keys and values, per model ("target", "draft"), so the draft's cache is reused beside the target's; a feature
 head's entry ("target features", features_entry) holds the target's features of the text instead, which a restored
-prompt's prefill would otherwise never compute (a server capturing features keeps them there too). One byte budget covers every model; the least recently used entries go
-first. A lookup takes the entry with the longest common prefix, however the two texts go on after it.
+prompt's prefill would otherwise never compute (a server capturing features keeps them there too). One byte budget
+covers every model; the least recently used entries go first. A lookup takes the entry with the longest common
+prefix, however the two texts go on after it.
 """
 from __future__ import annotations
 
