@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.errors import DraftwiseError
-from draftwise.types import Draft
-from draftwise.verify.tree import follow
+from draftwise.types import Draft, follow
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's json_object mode: any JSON object
 # JSON on one line, as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}) and Qwen's template writes tool calls:

@@ -106,6 +106,19 @@ class TreeLayout:
         return max(self.depth)
 
 
+def follow(token_ids: tuple[int, ...], layout: TreeLayout, wanted) -> tuple[list[int], int]:
+    """Walk from the root down the child whose token is wanted(pass position, depth) (None: stop there). Returns
+    (the nodes walked, the pass position where the walk stopped)."""
+    at, path = 0, []
+    while True:
+        want = wanted(at, len(path))
+        child = next((c for c in layout.children[at] if token_ids[c - 1] == want), None)
+        if child is None:
+            return path, at
+        path.append(child - 1)
+        at = child
+
+
 def chain_parents(n: int) -> tuple[int, ...]:
     """A chain of n tokens as a tree: each node's parent is the one before it."""
     return tuple(range(-1, n - 1))

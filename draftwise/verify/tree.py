@@ -20,20 +20,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.sampling import sample
-from draftwise.types import TreeLayout, Verdict
-
-
-def follow(token_ids: tuple[int, ...], layout: TreeLayout, wanted) -> tuple[list[int], int]:
-    """Walk from the root down the child whose token is wanted(pass position, depth) (None: stop there). Returns
-    (the nodes walked, the pass position where the walk stopped)."""
-    at, path = 0, []
-    while True:
-        want = wanted(at, len(path))
-        child = next((c for c in layout.children[at] if token_ids[c - 1] == want), None)
-        if child is None:
-            return path, at
-        path.append(child - 1)
-        at = child
+from draftwise.types import TreeLayout, Verdict, follow
 
 
 def verify_tree_greedy(token_ids: tuple[int, ...], layout: TreeLayout, target_ids: list[int]) -> Verdict:
